@@ -1,0 +1,178 @@
+//! Why the ledger rejected a request. Every variant carries what a client needs to decide
+//! without another round trip (the device's current generation and owner).
+
+use crate::ledger::model::{DomainRef, Outcome, Owner, Relation};
+use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
+
+/// A rejected ledger operation. A rejection never changes the ledger.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LedgerError {
+    #[error("unknown device {address}: no such PCI device is known on this host")]
+    UnknownDevice { address: PciAddress },
+
+    #[error(
+        "stale generation for {address}: presented {presented}, current generation is {current}{}",
+        owner_suffix(.owner)
+    )]
+    StaleGeneration {
+        address: PciAddress,
+        presented: Generation,
+        current: Generation,
+        owner: Option<Owner>,
+    },
+
+    #[error("{address} is already claimed by {owner}; current generation {generation}")]
+    AlreadyClaimed {
+        address: PciAddress,
+        owner: Owner,
+        generation: Generation,
+    },
+
+    #[error("{address} is not claimed; current generation {generation}")]
+    NotClaimed {
+        address: PciAddress,
+        generation: Generation,
+    },
+
+    #[error(
+        "{address} is claimed by {owner}, not by {presented}; current generation {generation}"
+    )]
+    WrongOwner {
+        address: PciAddress,
+        presented: ConsumerId,
+        owner: Owner,
+        generation: Generation,
+    },
+
+    #[error(
+        "{address} is attached to domain {} ({}, uuid {}); current generation {generation}",
+        .domain.name, if .domain.running { "running" } else { "defined" }, .domain.uuid
+    )]
+    Attached {
+        address: PciAddress,
+        domain: DomainRef,
+        generation: Generation,
+    },
+
+    #[error(
+        "{address} is blocked by the claim on {by}: {relation}; current generation {generation}"
+    )]
+    Blocked {
+        address: PciAddress,
+        by: PciAddress,
+        relation: Relation,
+        owner: Option<Owner>,
+        generation: Generation,
+    },
+
+    #[error(
+        "{address} is used by domain {} (uuid {}), which holds no claim on it; current generation {generation}",
+        .domain.name, .domain.uuid
+    )]
+    InUseByDomain {
+        address: PciAddress,
+        domain: DomainRef,
+        generation: Generation,
+    },
+
+    #[error("{address} is not in the managed device selection; current generation {generation}")]
+    Unmanaged {
+        address: PciAddress,
+        generation: Generation,
+    },
+
+    #[error("{address} is lost (gone from sysfs); only its owner may release the claim")]
+    Lost {
+        address: PciAddress,
+        owner: Owner,
+        generation: Generation,
+    },
+
+    #[error("no free managed device matches {selector}")]
+    NoMatch { selector: String },
+
+    #[error(
+        "request id {request_id} was already used by {consumer} for another operation ({previous:?})"
+    )]
+    RequestIdReused {
+        consumer: ConsumerId,
+        request_id: RequestId,
+        previous: Outcome,
+    },
+}
+
+fn owner_suffix(owner: &Option<Owner>) -> String {
+    match owner {
+        Some(o) => format!("; claimed by {o}"),
+        None => "; not claimed".to_string(),
+    }
+}
+
+impl LedgerError {
+    /// The device the rejection is about, when there is one.
+    pub fn address(&self) -> Option<PciAddress> {
+        use LedgerError::*;
+        match self {
+            UnknownDevice { address }
+            | StaleGeneration { address, .. }
+            | AlreadyClaimed { address, .. }
+            | NotClaimed { address, .. }
+            | WrongOwner { address, .. }
+            | Attached { address, .. }
+            | Blocked { address, .. }
+            | InUseByDomain { address, .. }
+            | Unmanaged { address, .. }
+            | Lost { address, .. } => Some(*address),
+            NoMatch { .. } => None,
+            RequestIdReused { previous, .. } => Some(previous.address()),
+        }
+    }
+
+    /// The device's current generation, when the rejection is about one device.
+    pub fn current_generation(&self) -> Option<Generation> {
+        use LedgerError::*;
+        match self {
+            StaleGeneration { current, .. } => Some(*current),
+            AlreadyClaimed { generation, .. }
+            | NotClaimed { generation, .. }
+            | WrongOwner { generation, .. }
+            | Attached { generation, .. }
+            | Blocked { generation, .. }
+            | InUseByDomain { generation, .. }
+            | Unmanaged { generation, .. }
+            | Lost { generation, .. } => Some(*generation),
+            UnknownDevice { .. } | NoMatch { .. } | RequestIdReused { .. } => None,
+        }
+    }
+
+    /// The device's current owner, when it has one.
+    pub fn current_owner(&self) -> Option<&Owner> {
+        use LedgerError::*;
+        match self {
+            StaleGeneration { owner, .. } | Blocked { owner, .. } => owner.as_ref(),
+            AlreadyClaimed { owner, .. } | WrongOwner { owner, .. } | Lost { owner, .. } => {
+                Some(owner)
+            }
+            _ => None,
+        }
+    }
+
+    /// A short machine-readable reason (used in gRPC ErrorInfo and metrics labels).
+    pub fn reason(&self) -> &'static str {
+        use LedgerError::*;
+        match self {
+            UnknownDevice { .. } => "UNKNOWN_DEVICE",
+            StaleGeneration { .. } => "STALE_GENERATION",
+            AlreadyClaimed { .. } => "ALREADY_CLAIMED",
+            NotClaimed { .. } => "NOT_CLAIMED",
+            WrongOwner { .. } => "WRONG_OWNER",
+            Attached { .. } => "ATTACHED",
+            Blocked { .. } => "BLOCKED_BY_RELATED_CLAIM",
+            InUseByDomain { .. } => "IN_USE_BY_DOMAIN",
+            Unmanaged { .. } => "UNMANAGED",
+            Lost { .. } => "LOST",
+            NoMatch { .. } => "NO_MATCH",
+            RequestIdReused { .. } => "REQUEST_ID_REUSED",
+        }
+    }
+}

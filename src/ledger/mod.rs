@@ -1,0 +1,850 @@
+//! The ownership state machine: pure, synchronous, no I/O.
+//!
+//! Every operation either returns an error and leaves the ledger exactly as it was, or
+//! applies its effect and returns the [`ChangeSet`] that the store must make durable
+//! before the caller is answered. If that commit fails, [`Ledger::undo`] reverts the
+//! change set, so memory never runs ahead of disk.
+//!
+//! Rules (see the architecture's invariants):
+//! - every change to a record stamps it with the next host generation (I5);
+//! - claim, release and transfer must present the record's current generation (I2);
+//! - a device referenced by a domain (attached) is never released (I3);
+//! - a claimed device that vanishes is kept as lost; the address coming back is a new
+//!   record (I6);
+//! - a retried request (same consumer and request id) returns the first outcome (I7);
+//! - blocking between PF, VFs and IOMMU group members is derived on every decision from
+//!   the claims and the inventory, never stored (I1).
+
+mod error;
+pub mod model;
+#[cfg(test)]
+mod proptests;
+mod selector;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+pub use error::LedgerError;
+pub use model::*;
+pub use selector::Selector;
+
+use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
+
+/// How many request-log entries are kept before the oldest are pruned.
+pub const DEFAULT_REQUEST_LOG_LIMIT: usize = 100_000;
+
+/// A claim request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRequest {
+    pub target: ClaimTarget,
+    pub owner: Owner,
+    pub request_id: RequestId,
+}
+
+/// What to claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimTarget {
+    /// This device, if its generation is still the expected one.
+    Address {
+        address: PciAddress,
+        expected_generation: Generation,
+    },
+    /// Any free managed device matching the selector; the ledger picks.
+    Selector(Selector),
+}
+
+/// A release request. `generation` must be the record's current generation; for a lost
+/// claim it names which lost record (the present device at that address may be another).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseRequest {
+    pub address: PciAddress,
+    pub consumer: ConsumerId,
+    pub request_id: RequestId,
+    pub generation: Generation,
+}
+
+/// An atomic move of a claim from one consumer to another (a migration's claim becoming
+/// the instance's, or back on revert). Never a release followed by a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferRequest {
+    pub address: PciAddress,
+    pub from: ConsumerId,
+    pub to: Owner,
+    pub request_id: RequestId,
+    pub generation: Generation,
+}
+
+/// A domain that references a device without holding its claim.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Stray {
+    pub address: PciAddress,
+    pub domain: DomainRef,
+    /// The claim's owner, if another consumer holds it.
+    pub claimed_by: Option<Owner>,
+    /// False when the address is not in the inventory at all.
+    pub known_device: bool,
+}
+
+/// A device as clients see it: the record plus its derived state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceView {
+    pub record: DeviceRecord,
+    pub state: DeviceState,
+}
+
+/// The ownership ledger.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ledger {
+    host_generation: Generation,
+    records: BTreeMap<RecordId, DeviceRecord>,
+    /// The present instance at each address.
+    present: BTreeMap<PciAddress, RecordId>,
+    requests: BTreeMap<RequestKey, RequestEntry>,
+    /// Domains on the host and what they reference.
+    domains: Vec<DomainDevices>,
+    /// Derived from `domains`: which domains reference each address.
+    refs: BTreeMap<PciAddress, Vec<DomainRef>>,
+    request_log_limit: usize,
+}
+
+/// Collects one operation's changes and before-images while it mutates the ledger.
+struct Tx {
+    cs: ChangeSet,
+    touched: BTreeSet<RecordId>,
+}
+
+impl Tx {
+    fn new(host_generation: Generation) -> Self {
+        Tx {
+            cs: ChangeSet {
+                prev_host_generation: host_generation,
+                host_generation,
+                ..ChangeSet::default()
+            },
+            touched: BTreeSet::new(),
+        }
+    }
+}
+
+impl Ledger {
+    /// An empty ledger.
+    pub fn new() -> Self {
+        Ledger {
+            request_log_limit: DEFAULT_REQUEST_LOG_LIMIT,
+            ..Ledger::default()
+        }
+    }
+
+    /// Rebuilds the ledger from what the store loaded. Blocking state is derived, so
+    /// nothing else is needed; the caller then applies a fresh inventory scan.
+    pub fn from_snapshot(snapshot: Snapshot) -> Self {
+        let mut ledger = Ledger::new();
+        ledger.host_generation = snapshot.host_generation;
+        for (id, rec) in snapshot.records {
+            // A record newer than the stored host generation would break I5; trust the
+            // larger of the two so the counter never goes backwards.
+            ledger.host_generation = ledger.host_generation.max(rec.generation);
+            if rec.present {
+                ledger.present.insert(rec.address(), id);
+            }
+            ledger.records.insert(id, rec);
+        }
+        for entry in snapshot.requests {
+            ledger
+                .requests
+                .insert((entry.consumer, entry.request_id.clone()), entry);
+        }
+        ledger
+    }
+
+    /// Sets how many request-log entries are kept (at least 1).
+    pub fn set_request_log_limit(&mut self, limit: usize) {
+        self.request_log_limit = limit.max(1);
+    }
+
+    pub fn host_generation(&self) -> Generation {
+        self.host_generation
+    }
+
+    /// The present instance at an address.
+    pub fn record_at(&self, address: PciAddress) -> Option<&DeviceRecord> {
+        self.present.get(&address).and_then(|id| self.records.get(id))
+    }
+
+    /// Every record, present and lost, in record-id order.
+    pub fn records(&self) -> impl Iterator<Item = &DeviceRecord> {
+        self.records.values()
+    }
+
+    /// Lost records (claimed, gone from sysfs).
+    pub fn lost(&self) -> impl Iterator<Item = &DeviceRecord> {
+        self.records.values().filter(|r| !r.present)
+    }
+
+    pub fn request(&self, consumer: ConsumerId, request_id: &RequestId) -> Option<&RequestEntry> {
+        self.requests.get(&(consumer, request_id.clone()))
+    }
+
+    pub fn domains(&self) -> &[DomainDevices] {
+        &self.domains
+    }
+
+    /// Every device with its derived state, ordered by address (present before lost).
+    pub fn views(&self) -> Vec<DeviceView> {
+        let index = BlockIndex::build(self);
+        let mut out: Vec<DeviceView> = self
+            .records
+            .values()
+            .map(|r| DeviceView {
+                state: self.state_with(r, &index),
+                record: r.clone(),
+            })
+            .collect();
+        out.sort_by_key(|v| (v.record.address(), !v.record.present, v.record.id));
+        out
+    }
+
+    /// The derived state of one record.
+    pub fn state_of(&self, record: &DeviceRecord) -> DeviceState {
+        self.state_with(record, &BlockIndex::build(self))
+    }
+
+    fn state_with(&self, r: &DeviceRecord, index: &BlockIndex) -> DeviceState {
+        if !r.present {
+            return DeviceState::Lost;
+        }
+        if r.claim.is_some() {
+            return if r.attached.is_some() {
+                DeviceState::Attached
+            } else {
+                DeviceState::Claimed
+            };
+        }
+        if let Some(blocker) = self.blocker(r, index) {
+            return DeviceState::Unavailable { blocker };
+        }
+        if !r.facts.managed {
+            return DeviceState::Unmanaged;
+        }
+        DeviceState::Free
+    }
+
+    /// Why an unclaimed present record cannot be claimed by anyone, if it cannot.
+    fn blocker(&self, r: &DeviceRecord, index: &BlockIndex) -> Option<Blocker> {
+        let addr = r.address();
+        if let Some(pf) = r.facts.physfn {
+            if index.claimed.contains(&pf) {
+                return Some(Blocker::Related {
+                    address: pf,
+                    relation: Relation::PhysicalFunction,
+                });
+            }
+        }
+        if let Some(vf) = index.claimed_vf_of.get(&addr) {
+            return Some(Blocker::Related {
+                address: *vf,
+                relation: Relation::VirtualFunction,
+            });
+        }
+        if let Some(group) = r.facts.iommu_group {
+            if let Some(other) = index.claimed_in_group.get(&group) {
+                if *other != addr {
+                    return Some(Blocker::Related {
+                        address: *other,
+                        relation: Relation::IommuGroup,
+                    });
+                }
+            }
+        }
+        if let Some(d) = self.refs.get(&addr).and_then(|v| v.first()) {
+            return Some(Blocker::Domain(d.clone()));
+        }
+        None
+    }
+
+    /// Domains that reference devices without holding their claim.
+    pub fn strays(&self) -> Vec<Stray> {
+        let mut out = Vec::new();
+        for (addr, domains) in &self.refs {
+            let rec = self.record_at(*addr);
+            for d in domains {
+                let owner = rec.and_then(|r| r.claim.as_ref()).map(|c| &c.owner);
+                if owner.map(|o| o.consumer.0) != Some(d.uuid) {
+                    out.push(Stray {
+                        address: *addr,
+                        domain: d.clone(),
+                        claimed_by: owner.cloned(),
+                        known_device: rec.is_some(),
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    // ---- mutations -------------------------------------------------------------------
+
+    /// Claims a device, by address (with the expected generation) or by selector.
+    pub fn claim(
+        &mut self,
+        req: &ClaimRequest,
+        now: u64,
+    ) -> Result<(Outcome, ChangeSet), LedgerError> {
+        let consumer = req.owner.consumer;
+        if let Some(entry) = self.requests.get(&(consumer, req.request_id.clone())) {
+            let same = match (&entry.outcome, &req.target) {
+                (Outcome::Claimed { address, .. }, ClaimTarget::Address { address: a, .. }) => {
+                    address == a
+                }
+                (Outcome::Claimed { .. }, ClaimTarget::Selector(_)) => true,
+                _ => false,
+            };
+            return if same {
+                Ok((entry.outcome.clone(), self.empty_change()))
+            } else {
+                Err(LedgerError::RequestIdReused {
+                    consumer,
+                    request_id: req.request_id.clone(),
+                    previous: entry.outcome.clone(),
+                })
+            };
+        }
+        let index = BlockIndex::build(self);
+        let id = match &req.target {
+            ClaimTarget::Address {
+                address,
+                expected_generation,
+            } => {
+                let rec = self
+                    .record_at(*address)
+                    .ok_or(LedgerError::UnknownDevice { address: *address })?;
+                if rec.generation != *expected_generation {
+                    return Err(LedgerError::StaleGeneration {
+                        address: *address,
+                        presented: *expected_generation,
+                        current: rec.generation,
+                        owner: rec.claim.as_ref().map(|c| c.owner.clone()),
+                    });
+                }
+                self.check_claimable(rec, consumer, &index)?;
+                rec.id
+            }
+            ClaimTarget::Selector(sel) => self
+                .pick(sel, consumer, &index)
+                .ok_or_else(|| LedgerError::NoMatch {
+                    selector: sel.to_string(),
+                })?,
+        };
+        let mut tx = Tx::new(self.host_generation);
+        let generation = self.modify(&mut tx, id, |r| {
+            r.claim = Some(Claim {
+                owner: req.owner.clone(),
+                request_id: req.request_id.clone(),
+                claimed_at: now,
+            });
+        });
+        let address = self.records[&id].address();
+        let outcome = Outcome::Claimed {
+            address,
+            record: id,
+            generation,
+        };
+        self.log_request(&mut tx, consumer, &req.request_id, &outcome, now);
+        Ok((outcome, tx.cs))
+    }
+
+    fn check_claimable(
+        &self,
+        rec: &DeviceRecord,
+        consumer: ConsumerId,
+        index: &BlockIndex,
+    ) -> Result<(), LedgerError> {
+        let address = rec.address();
+        let generation = rec.generation;
+        if let Some(c) = &rec.claim {
+            return Err(LedgerError::AlreadyClaimed {
+                address,
+                owner: c.owner.clone(),
+                generation,
+            });
+        }
+        match self.blocker(rec, index) {
+            Some(Blocker::Related {
+                address: by,
+                relation,
+            }) => {
+                let owner = self
+                    .record_at(by)
+                    .or_else(|| self.lost().find(|r| r.address() == by))
+                    .and_then(|r| r.claim.as_ref())
+                    .map(|c| c.owner.clone());
+                return Err(LedgerError::Blocked {
+                    address,
+                    by,
+                    relation,
+                    owner,
+                    generation,
+                });
+            }
+            // A domain that references the device and is the claimant itself is adopting
+            // its own device; any other consumer would take a device a VM uses.
+            Some(Blocker::Domain(d)) if d.uuid != consumer.0 => {
+                return Err(LedgerError::InUseByDomain {
+                    address,
+                    domain: d,
+                    generation,
+                })
+            }
+            _ => {}
+        }
+        if !rec.facts.managed {
+            return Err(LedgerError::Unmanaged {
+                address,
+                generation,
+            });
+        }
+        Ok(())
+    }
+
+    /// Picks a free device for a selector: matching, claimable, preferring the requested
+    /// NUMA node, then the lowest address (deterministic).
+    fn pick(&self, sel: &Selector, consumer: ConsumerId, index: &BlockIndex) -> Option<RecordId> {
+        let mut best: Option<(bool, PciAddress, RecordId)> = None;
+        for (addr, id) in &self.present {
+            let Some(rec) = self.records.get(id) else {
+                continue;
+            };
+            if !sel.matches(&rec.facts) || self.check_claimable(rec, consumer, index).is_err() {
+                continue;
+            }
+            let off_node = sel.numa_node.is_some() && rec.facts.numa_node != sel.numa_node;
+            let key = (off_node, *addr, *id);
+            if best.as_ref().is_none_or(|b| key < *b) {
+                best = Some(key);
+            }
+        }
+        best.map(|(_, _, id)| id)
+    }
+
+    /// Releases a claim: only by its owner, only with the current generation, never while
+    /// attached. A lost claim is dropped; a present device becomes free.
+    pub fn release(
+        &mut self,
+        req: &ReleaseRequest,
+        now: u64,
+    ) -> Result<(Outcome, ChangeSet), LedgerError> {
+        if let Some(entry) = self.requests.get(&(req.consumer, req.request_id.clone())) {
+            return match &entry.outcome {
+                Outcome::Released { address, .. } if *address == req.address => {
+                    Ok((entry.outcome.clone(), self.empty_change()))
+                }
+                other => Err(LedgerError::RequestIdReused {
+                    consumer: req.consumer,
+                    request_id: req.request_id.clone(),
+                    previous: other.clone(),
+                }),
+            };
+        }
+        let id = self.resolve_claimed(req.address, req.consumer, req.generation)?;
+        let rec = &self.records[&id];
+        if let Some(domain) = &rec.attached {
+            return Err(LedgerError::Attached {
+                address: req.address,
+                domain: domain.clone(),
+                generation: rec.generation,
+            });
+        }
+        let mut tx = Tx::new(self.host_generation);
+        let generation = if rec.present {
+            self.modify(&mut tx, id, |r| {
+                r.claim = None;
+                r.attached = None;
+            })
+        } else {
+            self.remove(&mut tx, id)
+        };
+        let outcome = Outcome::Released {
+            address: req.address,
+            record: id,
+            generation,
+        };
+        self.log_request(&mut tx, req.consumer, &req.request_id, &outcome, now);
+        Ok((outcome, tx.cs))
+    }
+
+    /// Moves a claim atomically from one consumer to another.
+    pub fn transfer(
+        &mut self,
+        req: &TransferRequest,
+        now: u64,
+    ) -> Result<(Outcome, ChangeSet), LedgerError> {
+        if let Some(entry) = self.requests.get(&(req.from, req.request_id.clone())) {
+            return match &entry.outcome {
+                Outcome::Transferred { address, to, .. }
+                    if *address == req.address && *to == req.to.consumer =>
+                {
+                    Ok((entry.outcome.clone(), self.empty_change()))
+                }
+                other => Err(LedgerError::RequestIdReused {
+                    consumer: req.from,
+                    request_id: req.request_id.clone(),
+                    previous: other.clone(),
+                }),
+            };
+        }
+        let id = self.resolve_claimed(req.address, req.from, req.generation)?;
+        let rec = &self.records[&id];
+        if !rec.present {
+            if let Some(c) = &rec.claim {
+                return Err(LedgerError::Lost {
+                    address: req.address,
+                    owner: c.owner.clone(),
+                    generation: rec.generation,
+                });
+            }
+        }
+        let mut tx = Tx::new(self.host_generation);
+        let generation = self.modify(&mut tx, id, |r| {
+            r.claim = Some(Claim {
+                owner: req.to.clone(),
+                request_id: req.request_id.clone(),
+                claimed_at: now,
+            });
+        });
+        let outcome = Outcome::Transferred {
+            address: req.address,
+            record: id,
+            generation,
+            to: req.to.consumer,
+        };
+        self.log_request(&mut tx, req.from, &req.request_id, &outcome, now);
+        Ok((outcome, tx.cs))
+    }
+
+    /// Finds the claimed record at `address` that `consumer` names by `generation`: the
+    /// present instance, or a lost one. Checks generation first, then owner.
+    fn resolve_claimed(
+        &self,
+        address: PciAddress,
+        consumer: ConsumerId,
+        generation: Generation,
+    ) -> Result<RecordId, LedgerError> {
+        let mut candidates: Vec<&DeviceRecord> = self
+            .records
+            .values()
+            .filter(|r| r.address() == address && (r.present || r.claim.is_some()))
+            .collect();
+        if candidates.is_empty() {
+            return Err(LedgerError::UnknownDevice { address });
+        }
+        let rec = match candidates.iter().position(|r| r.generation == generation) {
+            Some(i) => candidates.swap_remove(i),
+            None => {
+                // Report against the record the caller most likely means: its own claim,
+                // else the present device.
+                let primary = candidates
+                    .iter()
+                    .find(|r| r.claim.as_ref().is_some_and(|c| c.owner.consumer == consumer))
+                    .or_else(|| candidates.iter().find(|r| r.present))
+                    .or(candidates.first())
+                    .copied();
+                let Some(rec) = primary else {
+                    return Err(LedgerError::UnknownDevice { address });
+                };
+                return Err(LedgerError::StaleGeneration {
+                    address,
+                    presented: generation,
+                    current: rec.generation,
+                    owner: rec.claim.as_ref().map(|c| c.owner.clone()),
+                });
+            }
+        };
+        match &rec.claim {
+            None => Err(LedgerError::NotClaimed {
+                address,
+                generation: rec.generation,
+            }),
+            Some(c) if c.owner.consumer != consumer => Err(LedgerError::WrongOwner {
+                address,
+                presented: consumer,
+                owner: c.owner.clone(),
+                generation: rec.generation,
+            }),
+            Some(_) => Ok(rec.id),
+        }
+    }
+
+    /// Applies a full inventory: the complete set of devices now present.
+    pub fn apply_inventory(&mut self, facts: Vec<DeviceFacts>) -> ChangeSet {
+        let seen: BTreeSet<PciAddress> = facts.iter().map(|f| f.address).collect();
+        let gone: Vec<PciAddress> = self
+            .present
+            .keys()
+            .filter(|a| !seen.contains(a))
+            .copied()
+            .collect();
+        let mut changes: Vec<(PciAddress, Option<DeviceFacts>)> =
+            gone.into_iter().map(|a| (a, None)).collect();
+        changes.extend(facts.into_iter().map(|f| (f.address, Some(f))));
+        self.apply_devices(changes)
+    }
+
+    /// Applies changes for some devices only (a hotplug rescan): `Some(facts)` for a device
+    /// now present, `None` for one that is gone.
+    pub fn apply_devices(&mut self, changes: Vec<(PciAddress, Option<DeviceFacts>)>) -> ChangeSet {
+        let mut tx = Tx::new(self.host_generation);
+        for (address, facts) in changes {
+            let current = self.present.get(&address).copied();
+            match (current, facts) {
+                (Some(id), Some(facts)) => {
+                    if self.records[&id].facts != facts {
+                        self.modify(&mut tx, id, |r| r.facts = facts);
+                    }
+                }
+                (None, Some(facts)) => {
+                    let generation = self.bump(&mut tx);
+                    let id = RecordId(generation.0);
+                    let mut rec = DeviceRecord {
+                        id,
+                        facts,
+                        generation,
+                        present: true,
+                        claim: None,
+                        attached: None,
+                    };
+                    rec.attached = self.attachment_for(&rec);
+                    self.present.insert(address, id);
+                    self.put(&mut tx, rec);
+                }
+                (Some(id), None) => {
+                    self.present.remove(&address);
+                    if self.records[&id].claim.is_some() {
+                        // I6: a claimed device that vanishes is kept, marked lost.
+                        self.modify(&mut tx, id, |r| r.present = false);
+                    } else {
+                        self.remove(&mut tx, id);
+                    }
+                }
+                (None, None) => {}
+            }
+        }
+        tx.cs
+    }
+
+    /// Replaces the set of domains on the host and recomputes attachments. A device whose
+    /// domain goes away returns to claimed, never to free.
+    pub fn apply_domains(&mut self, domains: Vec<DomainDevices>) -> ChangeSet {
+        let refs = Self::index_domains(&domains);
+        let mut tx = Tx::new(self.host_generation);
+        tx.cs.before_domains = Some(std::mem::replace(&mut self.domains, domains));
+        self.refs = refs;
+        let ids: Vec<RecordId> = self.records.keys().copied().collect();
+        for id in ids {
+            let want = self.attachment_for(&self.records[&id]);
+            if self.records[&id].attached != want {
+                self.modify(&mut tx, id, |r| r.attached = want);
+            }
+        }
+        tx.cs
+    }
+
+    fn index_domains(domains: &[DomainDevices]) -> BTreeMap<PciAddress, Vec<DomainRef>> {
+        let mut refs: BTreeMap<PciAddress, Vec<DomainRef>> = BTreeMap::new();
+        for d in domains {
+            for a in &d.addresses {
+                let list = refs.entry(*a).or_default();
+                if !list.contains(&d.domain) {
+                    list.push(d.domain.clone());
+                }
+            }
+        }
+        for list in refs.values_mut() {
+            list.sort();
+        }
+        refs
+    }
+
+    /// The domain that makes a claimed record attached: one that references its address,
+    /// else one whose UUID is the claim's owner.
+    fn attachment_for(&self, rec: &DeviceRecord) -> Option<DomainRef> {
+        let claim = rec.claim.as_ref()?;
+        if let Some(d) = self.refs.get(&rec.address()).and_then(|v| v.first()) {
+            return Some(d.clone());
+        }
+        self.domains
+            .iter()
+            .map(|d| &d.domain)
+            .filter(|d| d.uuid == claim.owner.consumer.0)
+            .min()
+            .cloned()
+    }
+
+    /// Reverts a change set that this ledger applied last (its commit failed). Change sets
+    /// of one batch must be undone in reverse order.
+    pub fn undo(&mut self, cs: &ChangeSet) {
+        for (id, before) in cs.before.iter().rev() {
+            if let Some(now) = self.records.remove(id) {
+                if now.present && self.present.get(&now.address()) == Some(id) {
+                    self.present.remove(&now.address());
+                }
+            }
+            if let Some(rec) = before {
+                if rec.present {
+                    self.present.insert(rec.address(), *id);
+                }
+                self.records.insert(*id, rec.clone());
+            }
+        }
+        for e in &cs.requests {
+            self.requests.remove(&(e.consumer, e.request_id.clone()));
+        }
+        for e in &cs.before_requests {
+            self.requests
+                .insert((e.consumer, e.request_id.clone()), e.clone());
+        }
+        if let Some(domains) = &cs.before_domains {
+            self.refs = Self::index_domains(domains);
+            self.domains = domains.clone();
+        }
+        self.host_generation = cs.prev_host_generation;
+    }
+
+    // ---- helpers that record before-images --------------------------------------------
+
+    fn empty_change(&self) -> ChangeSet {
+        Tx::new(self.host_generation).cs
+    }
+
+    fn bump(&mut self, tx: &mut Tx) -> Generation {
+        self.host_generation = self.host_generation.next();
+        tx.cs.host_generation = self.host_generation;
+        self.host_generation
+    }
+
+    fn remember(&self, tx: &mut Tx, id: RecordId) {
+        if tx.touched.insert(id) {
+            tx.cs.before.push((id, self.records.get(&id).cloned()));
+        }
+    }
+
+    /// Changes a record, gives it the next generation, recomputes its attachment.
+    fn modify(
+        &mut self,
+        tx: &mut Tx,
+        id: RecordId,
+        f: impl FnOnce(&mut DeviceRecord),
+    ) -> Generation {
+        self.remember(tx, id);
+        let generation = self.bump(tx);
+        let attached = {
+            let Some(rec) = self.records.get_mut(&id) else {
+                return generation;
+            };
+            f(rec);
+            rec.generation = generation;
+            rec.clone()
+        };
+        let want = self.attachment_for(&attached);
+        let mut updated = attached;
+        updated.attached = want;
+        self.records.insert(id, updated.clone());
+        tx.cs.upserts.retain(|r| r.id != id);
+        tx.cs.upserts.push(updated);
+        generation
+    }
+
+    fn put(&mut self, tx: &mut Tx, rec: DeviceRecord) {
+        self.remember(tx, rec.id);
+        tx.cs.upserts.retain(|r| r.id != rec.id);
+        tx.cs.upserts.push(rec.clone());
+        self.records.insert(rec.id, rec);
+    }
+
+    /// Deletes a record; the removal itself is a change with its own generation.
+    fn remove(&mut self, tx: &mut Tx, id: RecordId) -> Generation {
+        self.remember(tx, id);
+        let generation = self.bump(tx);
+        if let Some(rec) = self.records.remove(&id) {
+            if self.present.get(&rec.address()) == Some(&id) {
+                self.present.remove(&rec.address());
+            }
+            tx.cs.removed.push((rec.address(), generation));
+        }
+        tx.cs.upserts.retain(|r| r.id != id);
+        tx.cs.removals.push(id);
+        generation
+    }
+
+    fn log_request(
+        &mut self,
+        tx: &mut Tx,
+        consumer: ConsumerId,
+        request_id: &RequestId,
+        outcome: &Outcome,
+        now: u64,
+    ) {
+        let entry = RequestEntry {
+            consumer,
+            request_id: request_id.clone(),
+            outcome: outcome.clone(),
+            at: now,
+        };
+        self.requests
+            .insert((consumer, request_id.clone()), entry.clone());
+        tx.cs.requests.push(entry);
+        if self.requests.len() > self.request_log_limit {
+            // Prune the oldest tenth in one go, so pruning is rare.
+            let excess = self.requests.len() - self.request_log_limit + self.request_log_limit / 10;
+            let mut by_age: Vec<(u64, RequestKey)> = self
+                .requests
+                .iter()
+                .filter(|(k, _)| **k != (consumer, request_id.clone()))
+                .map(|(k, e)| (e.at, k.clone()))
+                .collect();
+            by_age.sort();
+            for (_, key) in by_age.into_iter().take(excess) {
+                if let Some(old) = self.requests.remove(&key) {
+                    tx.cs.before_requests.push(old);
+                    tx.cs.pruned_requests.push(key);
+                }
+            }
+        }
+    }
+}
+
+/// Which addresses hold claims, built once per decision or listing (O(records)).
+struct BlockIndex {
+    /// Addresses of claimed records, present or lost (a lost PF claim still blocks VFs
+    /// that reappear at its VF addresses: its owner may still believe it holds them).
+    claimed: BTreeSet<PciAddress>,
+    /// PF address -> one claimed VF of it (present or lost).
+    claimed_vf_of: BTreeMap<PciAddress, PciAddress>,
+    /// IOMMU group -> one present claimed member.
+    claimed_in_group: BTreeMap<u32, PciAddress>,
+}
+
+impl BlockIndex {
+    fn build(ledger: &Ledger) -> Self {
+        let mut idx = BlockIndex {
+            claimed: BTreeSet::new(),
+            claimed_vf_of: BTreeMap::new(),
+            claimed_in_group: BTreeMap::new(),
+        };
+        for r in ledger.records.values().filter(|r| r.claim.is_some()) {
+            if let Some(pf) = r.facts.physfn {
+                idx.claimed_vf_of.entry(pf).or_insert(r.address());
+            }
+            idx.claimed.insert(r.address());
+            if r.present {
+                // Group numbers of lost devices are stale (they change across reboots),
+                // so only present members block their group.
+                if let Some(g) = r.facts.iommu_group {
+                    idx.claimed_in_group.entry(g).or_insert(r.address());
+                }
+            }
+        }
+        idx
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,261 @@
+//! The ledger's data model: device records, claims, owners, domains and the change sets
+//! that the store persists. Plain data with serde, no behaviour beyond derived views.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::pci::{
+    ConsumerId, DeviceId, Generation, OwnerLabel, PciAddress, PhysNet, RequestId, VendorId,
+};
+
+/// Identifies one device *instance*: the same address seen again after it vanished is a
+/// new instance with a new id. The id is the host generation at which the instance first
+/// appeared, so it is unique and never reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct RecordId(pub u64);
+
+/// Who holds a claim: a consumer (instance or migration UUID) and a free-text label.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Owner {
+    pub consumer: ConsumerId,
+    pub label: OwnerLabel,
+}
+
+/// A claim on a device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Claim {
+    pub owner: Owner,
+    /// The client request id that made (or last transferred) the claim.
+    pub request_id: RequestId,
+    /// Seconds since the Unix epoch when the claim was made.
+    pub claimed_at: u64,
+}
+
+/// A libvirt domain as the ledger sees it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct DomainRef {
+    pub uuid: uuid::Uuid,
+    pub name: String,
+    pub running: bool,
+}
+
+/// A domain and the PCI addresses it references (`<hostdev>` and
+/// `<interface type='hostdev'>` sources).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DomainDevices {
+    pub domain: DomainRef,
+    pub addresses: Vec<PciAddress>,
+}
+
+/// What the inventory says about a device, as far as ownership rules need it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceFacts {
+    pub address: PciAddress,
+    pub vendor_id: VendorId,
+    pub device_id: DeviceId,
+    pub driver: Option<String>,
+    pub iommu_group: Option<u32>,
+    pub numa_node: Option<u32>,
+    /// The PF of a VF.
+    pub physfn: Option<PciAddress>,
+    /// True for a PF with SR-IOV capability.
+    pub is_pf: bool,
+    /// Physical network tags given to this device by the managed-device selection.
+    pub physnets: Vec<PhysNet>,
+    /// Whether the managed-device selection includes this device. Unmanaged devices are
+    /// listed but cannot be claimed; a claimed device that leaves the selection keeps its
+    /// claim.
+    pub managed: bool,
+}
+
+/// One device instance in the ledger.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceRecord {
+    pub id: RecordId,
+    pub facts: DeviceFacts,
+    /// The host generation of this record's last change.
+    pub generation: Generation,
+    /// False once the device has vanished from sysfs (a lost claim).
+    pub present: bool,
+    pub claim: Option<Claim>,
+    /// The domain that makes this claim attached (references the device, or is the owner).
+    pub attached: Option<DomainRef>,
+}
+
+impl DeviceRecord {
+    pub fn address(&self) -> PciAddress {
+        self.facts.address
+    }
+}
+
+/// The externally visible state of a device, derived from its record and its relatives.
+/// Blocking (`Unavailable`) is always derived, never stored, so it cannot drift.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum DeviceState {
+    Free,
+    Claimed,
+    Attached,
+    /// Claimed but gone from sysfs.
+    Lost,
+    /// Free itself, but blocked: by a related claim (its PF, one of its VFs, another
+    /// member of its IOMMU group) or by a domain that references it without a claim.
+    Unavailable { blocker: Blocker },
+    /// Not in the managed-device selection and unclaimed.
+    Unmanaged,
+}
+
+impl DeviceState {
+    pub fn name(&self) -> &'static str {
+        match self {
+            DeviceState::Free => "free",
+            DeviceState::Claimed => "claimed",
+            DeviceState::Attached => "attached",
+            DeviceState::Lost => "lost",
+            DeviceState::Unavailable { .. } => "unavailable",
+            DeviceState::Unmanaged => "unmanaged",
+        }
+    }
+}
+
+/// Why a free device cannot be claimed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum Blocker {
+    /// A related device's claim.
+    Related {
+        address: PciAddress,
+        relation: Relation,
+    },
+    /// A libvirt domain references the device but holds no claim for it (a stray).
+    Domain(DomainRef),
+}
+
+/// How a blocking device is related to the blocked one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Relation {
+    /// The blocked device is a VF of the claimed PF.
+    PhysicalFunction,
+    /// The blocked device is the PF of a claimed VF.
+    VirtualFunction,
+    /// Both are members of the same IOMMU group.
+    IommuGroup,
+}
+
+impl std::fmt::Display for Relation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Relation::PhysicalFunction => "its physical function is claimed",
+            Relation::VirtualFunction => "one of its virtual functions is claimed",
+            Relation::IommuGroup => "another member of its IOMMU group is claimed",
+        })
+    }
+}
+
+impl std::fmt::Display for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.label.as_str().is_empty() {
+            write!(f, "{}", self.consumer)
+        } else {
+            write!(f, "{} ({})", self.consumer, self.label)
+        }
+    }
+}
+
+/// What a mutating request did; kept in the request log so a retry with the same owner
+/// and request id returns exactly the first answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    Claimed {
+        address: PciAddress,
+        record: RecordId,
+        generation: Generation,
+    },
+    Released {
+        address: PciAddress,
+        record: RecordId,
+        generation: Generation,
+    },
+    Transferred {
+        address: PciAddress,
+        record: RecordId,
+        generation: Generation,
+        to: ConsumerId,
+    },
+}
+
+impl Outcome {
+    pub fn address(&self) -> PciAddress {
+        match self {
+            Outcome::Claimed { address, .. }
+            | Outcome::Released { address, .. }
+            | Outcome::Transferred { address, .. } => *address,
+        }
+    }
+    pub fn generation(&self) -> Generation {
+        match self {
+            Outcome::Claimed { generation, .. }
+            | Outcome::Released { generation, .. }
+            | Outcome::Transferred { generation, .. } => *generation,
+        }
+    }
+}
+
+/// Key of the request log.
+pub type RequestKey = (ConsumerId, RequestId);
+
+/// A logged request: its outcome and when it was made (for pruning).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestEntry {
+    pub consumer: ConsumerId,
+    pub request_id: RequestId,
+    pub outcome: Outcome,
+    /// Seconds since the Unix epoch.
+    pub at: u64,
+}
+
+/// Everything one ledger operation changed: what the store must persist in one
+/// transaction, and what the ledger needs to undo the operation if that commit fails.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ChangeSet {
+    /// Host generation before the operation.
+    pub prev_host_generation: Generation,
+    /// Host generation after the operation (equal to prev when nothing changed).
+    pub host_generation: Generation,
+    /// Records as they are now, written (inserted or replaced) by id.
+    pub upserts: Vec<DeviceRecord>,
+    /// Records deleted by id.
+    pub removals: Vec<RecordId>,
+    /// For each removal: the address and the generation the removal was given (what
+    /// watchers see).
+    pub removed: Vec<(PciAddress, Generation)>,
+    /// Each touched record as it was before (None: it did not exist). For undo only.
+    pub before: Vec<(RecordId, Option<DeviceRecord>)>,
+    /// Request-log entries added.
+    pub requests: Vec<RequestEntry>,
+    /// Request-log entries pruned.
+    pub pruned_requests: Vec<RequestKey>,
+    /// The pruned entries as they were. For undo only.
+    pub before_requests: Vec<RequestEntry>,
+    /// The domain set before a domain update. For undo only (domains are not stored:
+    /// libvirt is asked again at start).
+    pub before_domains: Option<Vec<DomainDevices>>,
+}
+
+impl ChangeSet {
+    pub fn is_empty(&self) -> bool {
+        self.upserts.is_empty()
+            && self.removals.is_empty()
+            && self.requests.is_empty()
+            && self.pruned_requests.is_empty()
+            && self.host_generation == self.prev_host_generation
+    }
+}
+
+/// Everything the store keeps, loaded at start: the ledger is rebuilt from this plus a
+/// fresh inventory scan.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    pub host_generation: Generation,
+    pub records: BTreeMap<RecordId, DeviceRecord>,
+    pub requests: Vec<RequestEntry>,
+}

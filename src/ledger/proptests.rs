@@ -1,0 +1,357 @@
+//! Property tests: random sequences of claims, releases, stale retries, inventory and
+//! domain changes from several actors, checked against a simple model and invariants
+//! I1, I2, I5, I6 and I7 after every step.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+
+use super::tests::{addr, host, owner, rid};
+use super::*;
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Claim device `dev`; `stale` uses the actor's remembered generation.
+    Claim { actor: u8, dev: u8, stale: bool },
+    ClaimAny { actor: u8, numa: Option<u32> },
+    Release { actor: u8, dev: u8, stale: bool },
+    /// Repeat the actor's last request verbatim.
+    Retry { actor: u8 },
+    Transfer { actor: u8, to: u8, dev: u8 },
+    Vanish { dev: u8 },
+    Return { dev: u8 },
+    Domains { actor: u8, devs: Vec<u8> },
+    NoDomains,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..3, 0u8..7, any::<bool>()).prop_map(|(actor, dev, stale)| Op::Claim { actor, dev, stale }),
+        1 => (0u8..3, proptest::option::of(0u32..2)).prop_map(|(actor, numa)| Op::ClaimAny { actor, numa }),
+        4 => (0u8..3, 0u8..7, any::<bool>()).prop_map(|(actor, dev, stale)| Op::Release { actor, dev, stale }),
+        2 => (0u8..3).prop_map(|actor| Op::Retry { actor }),
+        1 => (0u8..3, 0u8..3, 0u8..7).prop_map(|(actor, to, dev)| Op::Transfer { actor, to, dev }),
+        1 => (0u8..7).prop_map(|dev| Op::Vanish { dev }),
+        1 => (0u8..7).prop_map(|dev| Op::Return { dev }),
+        1 => (0u8..3, proptest::collection::vec(0u8..7, 0..3)).prop_map(|(actor, devs)| Op::Domains { actor, devs }),
+        1 => Just(Op::NoDomains),
+    ]
+}
+
+#[derive(Debug, Clone)]
+enum LastReq {
+    Claim(ClaimRequest, Outcome),
+    Release(ReleaseRequest, Outcome),
+}
+
+struct World {
+    ledger: Ledger,
+    inventory: Vec<DeviceFacts>,
+    present: Vec<bool>,
+    /// Model: record id -> owning consumer, for every live claim.
+    claims: BTreeMap<RecordId, ConsumerId>,
+    /// Each actor's remembered generation per device (its possibly stale view).
+    seen: BTreeMap<(u8, u8), Generation>,
+    last: BTreeMap<u8, LastReq>,
+    seq: u64,
+}
+
+fn consumer(actor: u8) -> ConsumerId {
+    owner(u128::from(actor) + 1).consumer
+}
+
+impl World {
+    fn new() -> Self {
+        let inventory = host();
+        let mut ledger = Ledger::new();
+        ledger.apply_inventory(inventory.clone());
+        World {
+            present: vec![true; inventory.len()],
+            inventory,
+            ledger,
+            claims: BTreeMap::new(),
+            seen: BTreeMap::new(),
+            last: BTreeMap::new(),
+            seq: 0,
+        }
+    }
+
+    fn address(&self, dev: u8) -> PciAddress {
+        self.inventory[usize::from(dev)].address
+    }
+
+    fn current_inventory(&self) -> Vec<DeviceFacts> {
+        self.inventory
+            .iter()
+            .zip(&self.present)
+            .filter(|(_, p)| **p)
+            .map(|(f, _)| f.clone())
+            .collect()
+    }
+
+    fn next_rid(&mut self) -> RequestId {
+        self.seq += 1;
+        rid(&format!("req-{}", self.seq))
+    }
+
+    /// The generation an actor presents: its remembered one when stale, else the truth
+    /// (the present record, or the actor's own lost claim).
+    fn presented(&mut self, actor: u8, dev: u8, stale: bool) -> Generation {
+        let a = self.address(dev);
+        let fresh = self
+            .ledger
+            .records()
+            .filter(|r| r.address() == a)
+            .find(|r| {
+                r.claim
+                    .as_ref()
+                    .is_some_and(|c| c.owner.consumer == consumer(actor))
+            })
+            .or_else(|| self.ledger.record_at(a))
+            .map(|r| r.generation)
+            .unwrap_or_default();
+        let g = if stale {
+            self.seen.get(&(actor, dev)).copied().unwrap_or_default()
+        } else {
+            fresh
+        };
+        self.seen.insert((actor, dev), fresh);
+        g
+    }
+
+    fn step(&mut self, op: &Op) -> Result<(), TestCaseError> {
+        let before = self.ledger.clone();
+        let prev_gen = before.host_generation();
+        let result: Result<(Option<Outcome>, ChangeSet), LedgerError> = match op {
+            Op::Claim { actor, dev, stale } => {
+                let g = self.presented(*actor, *dev, *stale);
+                let req = ClaimRequest {
+                    target: ClaimTarget::Address {
+                        address: self.address(*dev),
+                        expected_generation: g,
+                    },
+                    owner: owner(u128::from(*actor) + 1),
+                    request_id: self.next_rid(),
+                };
+                self.ledger.claim(&req, self.seq).map(|(o, cs)| {
+                    self.last.insert(*actor, LastReq::Claim(req, o.clone()));
+                    (Some(o), cs)
+                })
+            }
+            Op::ClaimAny { actor, numa } => {
+                let req = ClaimRequest {
+                    target: ClaimTarget::Selector(Selector {
+                        numa_node: *numa,
+                        ..Selector::default()
+                    }),
+                    owner: owner(u128::from(*actor) + 1),
+                    request_id: self.next_rid(),
+                };
+                self.ledger.claim(&req, self.seq).map(|(o, cs)| {
+                    self.last.insert(*actor, LastReq::Claim(req, o.clone()));
+                    (Some(o), cs)
+                })
+            }
+            Op::Release { actor, dev, stale } => {
+                let g = self.presented(*actor, *dev, *stale);
+                let req = ReleaseRequest {
+                    address: self.address(*dev),
+                    consumer: consumer(*actor),
+                    request_id: self.next_rid(),
+                    generation: g,
+                };
+                self.ledger.release(&req, self.seq).map(|(o, cs)| {
+                    self.last.insert(*actor, LastReq::Release(req, o.clone()));
+                    (Some(o), cs)
+                })
+            }
+            Op::Retry { actor } => {
+                match self.last.get(actor).cloned() {
+                    None => Ok((None, self.ledger.empty_change())),
+                    // I7: a retry returns the first answer and changes nothing.
+                    Some(LastReq::Claim(req, first)) => {
+                        let (o, cs) = self
+                            .ledger
+                            .claim(&req, self.seq)
+                            .map_err(|e| TestCaseError::fail(format!("retry failed: {e}")))?;
+                        prop_assert_eq!(&o, &first);
+                        prop_assert!(cs.is_empty());
+                        Ok((None, cs))
+                    }
+                    Some(LastReq::Release(req, first)) => {
+                        let (o, cs) = self
+                            .ledger
+                            .release(&req, self.seq)
+                            .map_err(|e| TestCaseError::fail(format!("retry failed: {e}")))?;
+                        prop_assert_eq!(&o, &first);
+                        prop_assert!(cs.is_empty());
+                        Ok((None, cs))
+                    }
+                }
+            }
+            Op::Transfer { actor, to, dev } => {
+                let g = self.presented(*actor, *dev, false);
+                let req = TransferRequest {
+                    address: self.address(*dev),
+                    from: consumer(*actor),
+                    to: owner(u128::from(*to) + 1),
+                    request_id: self.next_rid(),
+                    generation: g,
+                };
+                self.ledger
+                    .transfer(&req, self.seq)
+                    .map(|(o, cs)| (Some(o), cs))
+            }
+            Op::Vanish { dev } => {
+                self.present[usize::from(*dev)] = false;
+                Ok((None, self.ledger.apply_inventory(self.current_inventory())))
+            }
+            Op::Return { dev } => {
+                self.present[usize::from(*dev)] = true;
+                Ok((None, self.ledger.apply_inventory(self.current_inventory())))
+            }
+            Op::Domains { actor, devs } => {
+                let d = DomainDevices {
+                    domain: DomainRef {
+                        uuid: consumer(*actor).0,
+                        name: format!("vm{actor}"),
+                        running: true,
+                    },
+                    addresses: devs.iter().map(|d| self.address(*d)).collect(),
+                };
+                Ok((None, self.ledger.apply_domains(vec![d])))
+            }
+            Op::NoDomains => Ok((None, self.ledger.apply_domains(vec![]))),
+        };
+
+        match result {
+            // I2: a rejected request changes nothing.
+            Err(_) => prop_assert_eq!(&self.ledger, &before),
+            Ok((outcome, cs)) => {
+                // Undo restores exactly the state before (what a failed commit relies on).
+                let mut undone = self.ledger.clone();
+                undone.undo(&cs);
+                prop_assert_eq!(&undone, &before);
+                // I5: generations only grow; every written record got a new one.
+                prop_assert!(cs.host_generation >= prev_gen);
+                for r in &cs.upserts {
+                    prop_assert!(r.generation > prev_gen);
+                }
+                match (op, outcome) {
+                    (_, Some(Outcome::Claimed { record, .. })) => {
+                        let actor = match op {
+                            Op::Claim { actor, .. } | Op::ClaimAny { actor, .. } => *actor,
+                            _ => unreachable!("claimed only from claim ops"),
+                        };
+                        prop_assert!(self.claims.insert(record, consumer(actor)).is_none());
+                    }
+                    (Op::Release { actor, .. }, Some(Outcome::Released { record, .. })) => {
+                        prop_assert_eq!(self.claims.remove(&record), Some(consumer(*actor)));
+                    }
+                    (Op::Transfer { to, .. }, Some(Outcome::Transferred { record, .. })) => {
+                        prop_assert!(self.claims.insert(record, consumer(*to)).is_some());
+                    }
+                    _ => {}
+                }
+            }
+        }
+        self.check_invariants(prev_gen)
+    }
+
+    fn check_invariants(&self, prev_gen: Generation) -> Result<(), TestCaseError> {
+        let l = &self.ledger;
+        prop_assert!(l.host_generation() >= prev_gen);
+        // I6 and the model: exactly the modelled claims exist, none dropped silently.
+        let actual: BTreeMap<RecordId, ConsumerId> = l
+            .records()
+            .filter_map(|r| r.claim.as_ref().map(|c| (r.id, c.owner.consumer)))
+            .collect();
+        prop_assert_eq!(&actual, &self.claims);
+        let mut present_addrs = std::collections::BTreeSet::new();
+        for r in l.records() {
+            prop_assert!(r.generation <= l.host_generation());
+            prop_assert!(r.present || r.claim.is_some(), "lost records keep a claim");
+            if r.present {
+                prop_assert!(present_addrs.insert(r.address()), "one instance per address");
+            }
+        }
+        // I1: no PF claimed together with one of its VFs; no two claims in one group.
+        let claimed: Vec<&DeviceRecord> = l.records().filter(|r| r.claim.is_some()).collect();
+        for a in &claimed {
+            for b in &claimed {
+                if a.id == b.id {
+                    continue;
+                }
+                prop_assert!(b.facts.physfn != Some(a.address()), "PF and VF both claimed");
+                if a.present && b.present {
+                    prop_assert!(
+                        a.facts.iommu_group.is_none()
+                            || a.facts.iommu_group != b.facts.iommu_group,
+                        "two claims in one IOMMU group"
+                    );
+                }
+            }
+        }
+        // I3: nothing attached was freed (attachment implies a claim).
+        for r in l.records() {
+            prop_assert!(r.attached.is_none() || r.claim.is_some());
+        }
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_histories_keep_the_invariants(ops in proptest::collection::vec(op(), 1..60)) {
+        let mut w = World::new();
+        for op in &ops {
+            w.step(op)?;
+        }
+    }
+
+    #[test]
+    fn snapshot_reload_is_identical(ops in proptest::collection::vec(op(), 1..40)) {
+        let mut w = World::new();
+        for op in &ops {
+            w.step(op)?;
+        }
+        let l = &w.ledger;
+        let snap = Snapshot {
+            host_generation: l.host_generation(),
+            records: l.records().map(|r| (r.id, r.clone())).collect(),
+            requests: l.requests.values().cloned().collect(),
+        };
+        let mut rebuilt = Ledger::from_snapshot(snap);
+        // Domains are not stored (libvirt is asked again at start).
+        rebuilt.apply_domains(l.domains().to_vec());
+        prop_assert_eq!(&rebuilt, l);
+    }
+}
+
+#[test]
+fn stale_audit_never_frees_a_claim_it_did_not_see() {
+    // The seed, compressed: the audit's generation predates the destination claim.
+    let mut w = World::new();
+    let audit_view = w.ledger.record_at(addr("0000:3b:02.1")).map(|r| r.generation);
+    w.step(&Op::Claim {
+        actor: 0,
+        dev: 2,
+        stale: false,
+    })
+    .expect("claim");
+    let err = w
+        .ledger
+        .release(
+            &ReleaseRequest {
+                address: addr("0000:3b:02.1"),
+                consumer: consumer(0),
+                request_id: rid("audit"),
+                generation: audit_view.unwrap_or_default(),
+            },
+            1,
+        )
+        .expect_err("stale");
+    assert_eq!(err.reason(), "STALE_GENERATION");
+}

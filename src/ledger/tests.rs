@@ -1,0 +1,480 @@
+//! Unit tests of the ledger's rules, one rule per test.
+
+use super::*;
+use crate::pci::{DeviceId, OwnerLabel, PhysNet, VendorId};
+
+pub(crate) fn addr(s: &str) -> PciAddress {
+    s.parse().expect("test address")
+}
+
+pub(crate) fn facts(a: &str, group: Option<u32>, physfn: Option<&str>) -> DeviceFacts {
+    DeviceFacts {
+        address: addr(a),
+        vendor_id: VendorId(0x8086),
+        device_id: DeviceId(if physfn.is_some() { 0x154c } else { 0x1572 }),
+        driver: Some("iavf".into()),
+        iommu_group: group,
+        numa_node: Some(0),
+        physfn: physfn.map(addr),
+        is_pf: false,
+        physnets: vec![],
+        managed: true,
+    }
+}
+
+pub(crate) fn owner(n: u128) -> Owner {
+    Owner {
+        consumer: ConsumerId(uuid::Uuid::from_u128(n)),
+        label: OwnerLabel::try_from(String::new()).expect("empty label"),
+    }
+}
+
+pub(crate) fn rid(s: &str) -> RequestId {
+    s.parse().expect("request id")
+}
+
+/// A PF 0000:3b:00.0 (group 10) with VFs 3b:02.0..3b:02.3 (groups 20..23), and two
+/// functions of one plain device sharing group 30.
+pub(crate) fn host() -> Vec<DeviceFacts> {
+    let mut v = vec![facts("0000:3b:00.0", Some(10), None)];
+    v[0].is_pf = true;
+    for i in 0..4u32 {
+        v.push(facts(
+            &format!("0000:3b:02.{i}"),
+            Some(20 + i),
+            Some("0000:3b:00.0"),
+        ));
+    }
+    v.push(facts("0000:5e:00.0", Some(30), None));
+    v.push(facts("0000:5e:00.1", Some(30), None));
+    v
+}
+
+pub(crate) fn ledger() -> Ledger {
+    let mut l = Ledger::new();
+    let cs = l.apply_inventory(host());
+    assert_eq!(cs.upserts.len(), 7);
+    l
+}
+
+fn gen_of(l: &Ledger, a: &str) -> Generation {
+    l.record_at(addr(a)).expect("present").generation
+}
+
+fn claim(l: &mut Ledger, a: &str, who: u128, req: &str) -> Result<Outcome, LedgerError> {
+    let g = gen_of(l, a);
+    l.claim(
+        &ClaimRequest {
+            target: ClaimTarget::Address {
+                address: addr(a),
+                expected_generation: g,
+            },
+            owner: owner(who),
+            request_id: rid(req),
+        },
+        1,
+    )
+    .map(|(o, _)| o)
+}
+
+fn release(
+    l: &mut Ledger,
+    a: &str,
+    who: u128,
+    req: &str,
+    g: Generation,
+) -> Result<Outcome, LedgerError> {
+    l.release(
+        &ReleaseRequest {
+            address: addr(a),
+            consumer: owner(who).consumer,
+            request_id: rid(req),
+            generation: g,
+        },
+        2,
+    )
+    .map(|(o, _)| o)
+}
+
+fn domain(n: u128, name: &str, addrs: &[&str]) -> DomainDevices {
+    DomainDevices {
+        domain: DomainRef {
+            uuid: uuid::Uuid::from_u128(n),
+            name: name.into(),
+            running: true,
+        },
+        addresses: addrs.iter().map(|a| addr(a)).collect(),
+    }
+}
+
+#[test]
+fn inventory_gives_each_device_its_own_generation() {
+    let l = ledger();
+    let gens: BTreeSet<Generation> = l.records().map(|r| r.generation).collect();
+    assert_eq!(gens.len(), 7);
+    assert_eq!(l.host_generation(), Generation(7));
+    assert!(l.views().iter().all(|v| v.state == DeviceState::Free));
+}
+
+#[test]
+fn claim_then_release_with_fresh_generation() {
+    let mut l = ledger();
+    let out = claim(&mut l, "0000:3b:02.1", 1, "r1").expect("claim");
+    assert_eq!(out.generation(), Generation(8));
+    assert_eq!(gen_of(&l, "0000:3b:02.1"), Generation(8));
+    let rel = release(&mut l, "0000:3b:02.1", 1, "r2", Generation(8)).expect("release");
+    assert_eq!(rel.generation(), Generation(9));
+    assert!(l.record_at(addr("0000:3b:02.1")).expect("present").claim.is_none());
+}
+
+#[test]
+fn stale_generation_is_rejected_and_changes_nothing() {
+    let mut l = ledger();
+    let stale = gen_of(&l, "0000:3b:02.1");
+    claim(&mut l, "0000:3b:02.1", 1, "r1").expect("claim");
+    let before = l.clone();
+    let err = release(&mut l, "0000:3b:02.1", 1, "r2", stale).expect_err("stale");
+    match &err {
+        LedgerError::StaleGeneration {
+            current, owner: o, ..
+        } => {
+            assert_eq!(*current, Generation(8));
+            assert_eq!(o.as_ref(), Some(&owner(1)));
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(l, before);
+    assert!(err.to_string().contains("current generation is 8"), "{err}");
+}
+
+#[test]
+fn wrong_owner_cannot_release() {
+    let mut l = ledger();
+    claim(&mut l, "0000:3b:02.1", 1, "r1").expect("claim");
+    let before = l.clone();
+    let err = release(&mut l, "0000:3b:02.1", 2, "x", Generation(8)).expect_err("wrong owner");
+    assert_eq!(err.reason(), "WRONG_OWNER");
+    assert_eq!(err.current_owner(), Some(&owner(1)));
+    assert_eq!(l, before);
+}
+
+#[test]
+fn second_claim_loses() {
+    let mut l = ledger();
+    let g = gen_of(&l, "0000:3b:02.1");
+    claim(&mut l, "0000:3b:02.1", 1, "r1").expect("first");
+    let err = l
+        .claim(
+            &ClaimRequest {
+                target: ClaimTarget::Address {
+                    address: addr("0000:3b:02.1"),
+                    expected_generation: g,
+                },
+                owner: owner(2),
+                request_id: rid("r1"),
+            },
+            1,
+        )
+        .expect_err("second");
+    assert_eq!(err.reason(), "STALE_GENERATION");
+    let err = claim(&mut l, "0000:3b:02.1", 2, "r9").expect_err("fresh gen, still claimed");
+    assert_eq!(err.reason(), "ALREADY_CLAIMED");
+}
+
+#[test]
+fn retried_claim_returns_first_answer() {
+    let mut l = ledger();
+    let g = gen_of(&l, "0000:3b:02.1");
+    let req = ClaimRequest {
+        target: ClaimTarget::Address {
+            address: addr("0000:3b:02.1"),
+            expected_generation: g,
+        },
+        owner: owner(1),
+        request_id: rid("r1"),
+    };
+    let (first, cs) = l.claim(&req, 1).expect("first");
+    assert!(!cs.is_empty());
+    let after_first = l.clone();
+    let (again, cs2) = l.claim(&req, 5).expect("retry");
+    assert_eq!(first, again);
+    assert!(cs2.is_empty());
+    assert_eq!(l, after_first);
+    // The same request id for another device is a client bug, named as such.
+    let mut other = req.clone();
+    other.target = ClaimTarget::Address {
+        address: addr("0000:3b:02.2"),
+        expected_generation: gen_of(&l, "0000:3b:02.2"),
+    };
+    assert_eq!(
+        l.claim(&other, 1).expect_err("reuse").reason(),
+        "REQUEST_ID_REUSED"
+    );
+}
+
+#[test]
+fn retried_release_is_idempotent() {
+    let mut l = ledger();
+    claim(&mut l, "0000:3b:02.1", 1, "r1").expect("claim");
+    let first = release(&mut l, "0000:3b:02.1", 1, "rel", Generation(8)).expect("release");
+    let again = release(&mut l, "0000:3b:02.1", 1, "rel", Generation(8)).expect("retry");
+    assert_eq!(first, again);
+}
+
+#[test]
+fn pf_and_vf_block_each_other() {
+    let mut l = ledger();
+    claim(&mut l, "0000:3b:02.0", 1, "r1").expect("vf");
+    let err = claim(&mut l, "0000:3b:00.0", 2, "r2").expect_err("pf blocked");
+    match err {
+        LedgerError::Blocked { by, relation, .. } => {
+            assert_eq!(by, addr("0000:3b:02.0"));
+            assert_eq!(relation, Relation::VirtualFunction);
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    let mut l = ledger();
+    claim(&mut l, "0000:3b:00.0", 1, "r1").expect("pf");
+    let err = claim(&mut l, "0000:3b:02.3", 2, "r2").expect_err("vf blocked");
+    assert_eq!(err.reason(), "BLOCKED_BY_RELATED_CLAIM");
+    let state = l.state_of(l.record_at(addr("0000:3b:02.3")).expect("present"));
+    assert!(matches!(state, DeviceState::Unavailable { .. }));
+}
+
+#[test]
+fn iommu_group_members_block_each_other() {
+    let mut l = ledger();
+    claim(&mut l, "0000:5e:00.0", 1, "r1").expect("fn 0");
+    let err = claim(&mut l, "0000:5e:00.1", 2, "r2").expect_err("group");
+    assert!(matches!(
+        err,
+        LedgerError::Blocked {
+            relation: Relation::IommuGroup,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn vanished_claim_is_lost_and_returning_address_is_new_instance() {
+    let mut l = ledger();
+    claim(&mut l, "0000:3b:02.3", 1, "r1").expect("claim");
+    let old_id = l.record_at(addr("0000:3b:02.3")).expect("present").id;
+    let without: Vec<DeviceFacts> = host()
+        .into_iter()
+        .filter(|f| f.address != addr("0000:3b:02.3"))
+        .collect();
+    l.apply_inventory(without);
+    assert!(l.record_at(addr("0000:3b:02.3")).is_none());
+    let lost: Vec<_> = l.lost().collect();
+    assert_eq!(lost.len(), 1);
+    let lost_gen = lost[0].generation;
+    assert_eq!(
+        lost[0].claim.as_ref().map(|c| c.owner.clone()),
+        Some(owner(1))
+    );
+    // It comes back: a new, free instance; the lost claim stays visible.
+    l.apply_inventory(host());
+    let back = l.record_at(addr("0000:3b:02.3")).expect("back");
+    assert_ne!(back.id, old_id);
+    assert!(back.claim.is_none());
+    assert_eq!(l.lost().count(), 1);
+    // Another consumer may claim the new instance; the lost claim is released by its owner.
+    claim(&mut l, "0000:3b:02.3", 2, "r2").expect("new instance");
+    release(&mut l, "0000:3b:02.3", 1, "r3", lost_gen).expect("release lost");
+    assert_eq!(l.lost().count(), 0);
+    assert_eq!(
+        l.record_at(addr("0000:3b:02.3"))
+            .and_then(|r| r.claim.as_ref())
+            .map(|c| c.owner.clone()),
+        Some(owner(2))
+    );
+}
+
+#[test]
+fn unclaimed_device_that_vanishes_is_dropped() {
+    let mut l = ledger();
+    let without: Vec<DeviceFacts> = host().into_iter().skip(1).collect();
+    let cs = l.apply_inventory(without);
+    assert_eq!(cs.removals.len(), 1);
+    assert_eq!(l.records().count(), 6);
+}
+
+#[test]
+fn attached_device_is_never_released() {
+    let mut l = ledger();
+    let out = claim(&mut l, "0000:3b:02.1", 1, "r1").expect("claim");
+    l.apply_domains(vec![domain(1, "instance-0000002a", &["0000:3b:02.1"])]);
+    let rec = l.record_at(addr("0000:3b:02.1")).expect("present");
+    assert!(rec.generation > out.generation(), "attach is a change");
+    let g = rec.generation;
+    let before = l.clone();
+    let err = release(&mut l, "0000:3b:02.1", 1, "r2", g).expect_err("attached");
+    assert!(err.to_string().contains("instance-0000002a"), "{err}");
+    assert_eq!(l, before);
+    // The domain goes away: back to claimed, not free.
+    l.apply_domains(vec![]);
+    let rec = l.record_at(addr("0000:3b:02.1")).expect("present");
+    assert!(rec.claim.is_some() && rec.attached.is_none());
+    let g = rec.generation;
+    release(&mut l, "0000:3b:02.1", 1, "r3", g).expect("now free");
+}
+
+#[test]
+fn owner_domain_attaches_even_without_reference() {
+    let mut l = ledger();
+    claim(&mut l, "0000:3b:02.1", 7, "r1").expect("claim");
+    l.apply_domains(vec![domain(7, "vm7", &[])]);
+    assert_eq!(
+        l.state_of(l.record_at(addr("0000:3b:02.1")).expect("present")),
+        DeviceState::Attached
+    );
+}
+
+#[test]
+fn strays_are_reported_and_block_other_claimants() {
+    let mut l = ledger();
+    claim(&mut l, "0000:3b:02.0", 1, "r1").expect("claim");
+    l.apply_domains(vec![domain(
+        9,
+        "intruder",
+        &["0000:3b:02.0", "0000:3b:02.2", "0000:aa:00.0"],
+    )]);
+    let strays = l.strays();
+    assert_eq!(strays.len(), 3);
+    assert!(strays.iter().any(|s| s.claimed_by == Some(owner(1))));
+    assert!(strays.iter().any(|s| !s.known_device));
+    let err = claim(&mut l, "0000:3b:02.2", 2, "r2").expect_err("in use");
+    assert_eq!(err.reason(), "IN_USE_BY_DOMAIN");
+    // The domain's own consumer may adopt it.
+    claim(&mut l, "0000:3b:02.2", 9, "r3").expect("adopt");
+}
+
+#[test]
+fn selector_prefers_numa_node_then_lowest_address() {
+    let mut l = Ledger::new();
+    let mut inv = host();
+    for f in inv.iter_mut().skip(1).take(4) {
+        f.physnets = vec![PhysNet::try_from("physnet1".to_string()).expect("tag")];
+    }
+    inv[3].numa_node = Some(1);
+    l.apply_inventory(inv);
+    let req = |n: u128, node| ClaimRequest {
+        target: ClaimTarget::Selector(Selector {
+            physnet: Some("physnet1".parse().expect("tag")),
+            numa_node: node,
+            ..Selector::default()
+        }),
+        owner: owner(n),
+        request_id: rid("s"),
+    };
+    let (o, _) = l.claim(&req(1, Some(1)), 1).expect("numa 1");
+    assert_eq!(o.address(), addr("0000:3b:02.2"));
+    let (o, _) = l.claim(&req(2, Some(1)), 1).expect("falls back");
+    assert_eq!(o.address(), addr("0000:3b:02.0"));
+    l.claim(&req(3, None), 1).expect("third");
+    l.claim(&req(4, None), 1).expect("fourth");
+    let err = l.claim(&req(5, None), 1).expect_err("none left");
+    assert_eq!(err.reason(), "NO_MATCH");
+}
+
+#[test]
+fn transfer_moves_claim_atomically() {
+    let mut l = ledger();
+    let out = claim(&mut l, "0000:3b:02.1", 100, "mig").expect("migration claim");
+    let (t, _) = l
+        .transfer(
+            &TransferRequest {
+                address: addr("0000:3b:02.1"),
+                from: owner(100).consumer,
+                to: owner(1),
+                request_id: rid("confirm"),
+                generation: out.generation(),
+            },
+            3,
+        )
+        .expect("transfer");
+    let rec = l.record_at(addr("0000:3b:02.1")).expect("present");
+    assert_eq!(rec.claim.as_ref().map(|c| c.owner.clone()), Some(owner(1)));
+    assert_eq!(rec.generation, t.generation());
+}
+
+#[test]
+fn unmanaged_devices_cannot_be_claimed_but_claims_survive_leaving_the_selection() {
+    let mut l = ledger();
+    claim(&mut l, "0000:3b:02.0", 1, "r1").expect("claim");
+    let mut inv = host();
+    for f in &mut inv {
+        f.managed = false;
+    }
+    l.apply_inventory(inv);
+    let err = claim(&mut l, "0000:3b:02.1", 2, "r2").expect_err("unmanaged");
+    assert_eq!(err.reason(), "UNMANAGED");
+    let rec = l.record_at(addr("0000:3b:02.0")).expect("kept");
+    assert_eq!(rec.claim.as_ref().map(|c| c.owner.clone()), Some(owner(1)));
+}
+
+#[test]
+fn undo_restores_exactly() {
+    let mut l = ledger();
+    let before = l.clone();
+    let g = gen_of(&l, "0000:3b:02.1");
+    let (_, cs) = l
+        .claim(
+            &ClaimRequest {
+                target: ClaimTarget::Address {
+                    address: addr("0000:3b:02.1"),
+                    expected_generation: g,
+                },
+                owner: owner(1),
+                request_id: rid("r1"),
+            },
+            1,
+        )
+        .expect("claim");
+    l.undo(&cs);
+    assert_eq!(l, before);
+    let cs = l.apply_inventory(vec![]);
+    l.undo(&cs);
+    assert_eq!(l, before);
+}
+
+#[test]
+fn snapshot_round_trip_rebuilds_the_same_ledger() {
+    let mut l = ledger();
+    claim(&mut l, "0000:3b:02.1", 1, "r1").expect("claim");
+    let snap = Snapshot {
+        host_generation: l.host_generation(),
+        records: l.records().map(|r| (r.id, r.clone())).collect(),
+        requests: l.requests.values().cloned().collect(),
+    };
+    let rebuilt = Ledger::from_snapshot(snap);
+    assert_eq!(rebuilt, l);
+}
+
+#[test]
+fn request_log_is_pruned_oldest_first_and_undo_restores_it() {
+    let mut l = ledger();
+    l.set_request_log_limit(10);
+    for i in 0..10u64 {
+        let r = format!("r{i}");
+        let g = gen_of(&l, "0000:3b:02.1");
+        let (o, _) = l
+            .claim(
+                &ClaimRequest {
+                    target: ClaimTarget::Address {
+                        address: addr("0000:3b:02.1"),
+                        expected_generation: g,
+                    },
+                    owner: owner(1),
+                    request_id: rid(&r),
+                },
+                i,
+            )
+            .expect("claim");
+        release(&mut l, "0000:3b:02.1", 1, &format!("x{i}"), o.generation()).expect("rel");
+    }
+    assert!(l.requests.len() <= 10);
+    assert!(l.request(owner(1).consumer, &rid("r9")).is_some());
+    assert!(l.request(owner(1).consumer, &rid("r0")).is_none());
+}
