@@ -10,12 +10,21 @@
 //! - [`pci`]: validated identifiers (PCI address, ids, generation, owner and request ids).
 //! - [`sysfs`]: the read-only inventory of a sysfs root (pure, synchronous).
 //! - [`ledger`]: the ownership state machine (pure, synchronous, no I/O).
-//! - [`store`]: the durable ledger in SQLite (WAL, fsync per commit, group commit).
+//! - [`store`]: the durable ledger in SQLite (WAL, fsync per commit).
+//! - [`writer`]: the single writer thread: decides commands in batches against the
+//!   ledger, commits each batch once (group commit), publishes views and watch events.
+//! - [`api`]: the gRPC service `hostdev.v1.HostDev`, the caller check, the error map.
+//! - [`config`]: the TOML configuration and the managed-device selection.
+//! - [`daemon`]: startup order, serving on the Unix socket, signals, readiness, demo.
 //!
 //! The core ([`ledger`]) never touches the filesystem or the network; every edge module
 //! takes its root path, socket or connection as an argument.
 
+pub mod api;
+pub mod config;
+pub mod daemon;
 pub mod ledger;
 pub mod pci;
 pub mod store;
 pub mod sysfs;
+pub mod writer;

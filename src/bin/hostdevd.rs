@@ -7,10 +7,15 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
+use hostdevd::config::{Config, DEFAULT_CONFIG_PATH};
 use hostdevd::sysfs::{self, names::DEFAULT_PCI_IDS_PATHS, PciNames};
 
 #[derive(Debug, Parser)]
-#[command(name = "hostdevd", version, about = "Per-hypervisor authority on PCI device ownership")]
+#[command(
+    name = "hostdevd",
+    version,
+    about = "Per-hypervisor authority on PCI device ownership"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -20,6 +25,92 @@ struct Cli {
 enum Command {
     /// List the host's PCI devices as sysfs reports them, and exit.
     Scan(ScanArgs),
+    /// Run the agent: load the ledger, scan, serve the gRPC API on the Unix socket.
+    Serve(ServeArgs),
+}
+
+/// Flags override the config file's keys of the same name.
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// The TOML config file. When absent and not given, built-in defaults apply.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    #[arg(long, value_name = "DIR")]
+    sysfs_root: Option<PathBuf>,
+    #[arg(long, value_name = "DIR")]
+    dev_root: Option<PathBuf>,
+    #[arg(long, value_name = "DIR")]
+    proc_root: Option<PathBuf>,
+    #[arg(long, value_name = "DIR")]
+    state_dir: Option<PathBuf>,
+    /// Unix socket path.
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Socket mode, octal (e.g. 0660).
+    #[arg(long, value_name = "MODE")]
+    socket_mode: Option<String>,
+    /// Group owning the socket.
+    #[arg(long, value_name = "GROUP")]
+    socket_group: Option<String>,
+    /// A uid allowed to mutate (repeatable; replaces the config's list).
+    #[arg(long = "writer-uid", value_name = "UID")]
+    writer_uids: Vec<u32>,
+    /// A gid allowed to mutate (repeatable; replaces the config's list).
+    #[arg(long = "writer-gid", value_name = "GID")]
+    writer_gids: Vec<u32>,
+}
+
+fn load_config(args: &ServeArgs) -> anyhow::Result<(Config, Option<PathBuf>)> {
+    let path = match &args.config {
+        Some(p) => Some(p.clone()),
+        None => {
+            let p = PathBuf::from(DEFAULT_CONFIG_PATH);
+            p.exists().then_some(p)
+        }
+    };
+    let mut cfg = match &path {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    if let Some(v) = &args.sysfs_root {
+        cfg.sysfs_root = v.clone();
+    }
+    if let Some(v) = &args.dev_root {
+        cfg.dev_root = v.clone();
+    }
+    if let Some(v) = &args.proc_root {
+        cfg.proc_root = v.clone();
+    }
+    if let Some(v) = &args.state_dir {
+        cfg.state_dir = v.clone();
+    }
+    if let Some(v) = &args.socket {
+        cfg.api.socket = v.clone();
+    }
+    if let Some(v) = &args.socket_mode {
+        cfg.api.socket_mode = v.clone();
+    }
+    if let Some(v) = &args.socket_group {
+        cfg.api.socket_group = Some(v.clone());
+    }
+    if !args.writer_uids.is_empty() {
+        cfg.api.writer_uids = args.writer_uids.clone();
+    }
+    if !args.writer_gids.is_empty() {
+        cfg.api.writer_gids = args.writer_gids.clone();
+    }
+    cfg.socket_mode()?;
+    Ok((cfg, path))
+}
+
+fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
+    let (cfg, path) = load_config(args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(hostdevd::daemon::run(cfg, path))?;
+    Ok(())
 }
 
 #[derive(Debug, Args)]
@@ -39,9 +130,9 @@ struct ScanArgs {
     json: bool,
 }
 
-fn init_logging() {
+fn init_logging(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -70,9 +161,13 @@ fn run_scan(args: &ScanArgs) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
+    init_logging(match cli.command {
+        Command::Scan(_) => "warn",
+        _ => "info",
+    });
     let result = match &cli.command {
         Command::Scan(args) => run_scan(args),
+        Command::Serve(args) => run_serve(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -811,6 +811,52 @@ impl Ledger {
     }
 }
 
+/// What a server-side audit found. Only `orphans` may ever be freed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AuditReport {
+    /// Present, claimed by a consumer not in the expected list, not attached, unchanged
+    /// since the snapshot.
+    pub orphans: Vec<DeviceRecord>,
+    /// Claimed by an unexpected consumer but changed after the snapshot: never acted on.
+    pub changed: Vec<DeviceRecord>,
+    /// Claimed by an unexpected consumer but attached to a domain: never freed.
+    pub protected: Vec<DeviceRecord>,
+    /// Every lost claim (reported; freed only by its owner).
+    pub lost: Vec<DeviceRecord>,
+    pub strays: Vec<Stray>,
+}
+
+impl Ledger {
+    /// The server-side audit: compares the claims with the consumers the controller
+    /// believes live here, as of the host generation it read before forming that belief.
+    /// It infers nothing from absence beyond listing candidates; freeing is a separate,
+    /// generation-checked release of each orphan.
+    pub fn audit(&self, expected: &BTreeSet<ConsumerId>, snapshot: Generation) -> AuditReport {
+        let mut report = AuditReport {
+            strays: self.strays(),
+            ..AuditReport::default()
+        };
+        for r in self.records.values() {
+            let Some(claim) = &r.claim else { continue };
+            if !r.present {
+                report.lost.push(r.clone());
+                continue;
+            }
+            if expected.contains(&claim.owner.consumer) {
+                continue;
+            }
+            if r.generation > snapshot {
+                report.changed.push(r.clone());
+            } else if r.attached.is_some() {
+                report.protected.push(r.clone());
+            } else {
+                report.orphans.push(r.clone());
+            }
+        }
+        report
+    }
+}
+
 /// Which addresses hold claims, built once per decision or listing (O(records)).
 struct BlockIndex {
     /// Addresses of claimed records, present or lost (a lost PF claim still blocks VFs

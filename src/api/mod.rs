@@ -1,0 +1,525 @@
+//! The gRPC service `hostdev.v1.HostDev`: request validation, the caller check, and the
+//! wiring of each RPC to the writer (mutations) or the published view (reads).
+
+pub mod convert;
+pub mod status;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+use tokio::sync::{broadcast, mpsc};
+use tokio_stream::Stream;
+use tonic::transport::server::UdsConnectInfo;
+use tonic::{Request, Response, Status};
+
+use crate::ledger::{
+    ClaimRequest, ClaimTarget, DeviceState, Outcome, ReleaseRequest, TransferRequest,
+};
+use crate::pci::{Generation, PciAddress};
+use crate::sysfs::PciDevice;
+use crate::writer::{Event, OrphanFree, Writer};
+use convert::device_to_proto;
+use status::ApiError;
+
+/// Generated protobuf and gRPC code for `hostdev.v1`.
+#[allow(clippy::all, missing_debug_implementations, missing_docs)]
+pub mod proto {
+    tonic::include_proto!("hostdev.v1");
+    /// The encoded descriptor set, for server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/hostdev_descriptor.bin"));
+}
+
+use proto::host_dev_server::HostDev;
+
+/// Who may change state: peers whose uid or primary gid is listed (SO_PEERCRED).
+#[derive(Debug, Clone, Default)]
+pub struct Access {
+    pub writer_uids: Vec<u32>,
+    pub writer_gids: Vec<u32>,
+}
+
+impl Access {
+    fn check<T>(&self, req: &Request<T>, what: &str) -> Result<(), ApiError> {
+        let cred = req
+            .extensions()
+            .get::<UdsConnectInfo>()
+            .and_then(|i| i.peer_cred);
+        match cred {
+            Some(c) if self.writer_uids.contains(&c.uid()) || self.writer_gids.contains(&c.gid()) => {
+                Ok(())
+            }
+            Some(c) => Err(ApiError::PermissionDenied(format!(
+                "{what} refused: uid {} gid {} may not change device ownership (allowed uids {:?}, gids {:?})",
+                c.uid(),
+                c.gid(),
+                self.writer_uids,
+                self.writer_gids
+            ))),
+            None => Err(ApiError::PermissionDenied(format!(
+                "{what} refused: the caller's credentials are unknown (only Unix-socket peers may mutate)"
+            ))),
+        }
+    }
+}
+
+/// Health of a dependency, as shown by GetStatus.
+#[derive(Debug, Clone)]
+pub struct HealthInfo {
+    pub ok: bool,
+    pub detail: String,
+}
+
+/// Facts the service reports but does not own.
+#[derive(Debug)]
+pub struct AgentInfo {
+    pub started: Instant,
+    pub boot_id: String,
+    pub libvirt: RwLock<HealthInfo>,
+}
+
+/// The service implementation.
+#[derive(Debug, Clone)]
+pub struct HostDevService {
+    writer: Writer,
+    access: Access,
+    /// The latest sysfs inventory, by address (names, netdevs, SR-IOV details).
+    inventory: Arc<RwLock<BTreeMap<PciAddress, PciDevice>>>,
+    info: Arc<AgentInfo>,
+}
+
+/// How many watch events may wait for a slow consumer before it is cut off.
+const WATCH_CLIENT_BUFFER: usize = 1024;
+
+impl HostDevService {
+    pub fn new(
+        writer: Writer,
+        access: Access,
+        inventory: Arc<RwLock<BTreeMap<PciAddress, PciDevice>>>,
+        info: Arc<AgentInfo>,
+    ) -> Self {
+        HostDevService {
+            writer,
+            access,
+            inventory,
+            info,
+        }
+    }
+
+    fn inv(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<PciAddress, PciDevice>> {
+        match self.inventory.read() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// The present device at an address as a message, from the latest view.
+    fn present_device(&self, address: PciAddress) -> Option<proto::Device> {
+        let view = self.writer.view();
+        let inv = self.inv();
+        let found = view
+            .device(address)
+            .find(|v| v.record.present)
+            .map(|v| device_to_proto(v, inv.get(&address)));
+        found
+    }
+
+    fn event_to_proto(&self, e: &Event) -> proto::WatchEvent {
+        match e {
+            Event::Changed { generation, view } => proto::WatchEvent {
+                kind: proto::WatchEventKind::Changed as i32,
+                generation: generation.0,
+                address: view.record.address().to_string(),
+                device: Some(device_to_proto(view, self.inv().get(&view.record.address()))),
+            },
+            Event::Removed {
+                generation,
+                address,
+            } => proto::WatchEvent {
+                kind: proto::WatchEventKind::Removed as i32,
+                generation: generation.0,
+                address: address.to_string(),
+                device: None,
+            },
+        }
+    }
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<proto::WatchEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl HostDev for HostDevService {
+    async fn list_devices(
+        &self,
+        _req: Request<proto::ListDevicesRequest>,
+    ) -> Result<Response<proto::ListDevicesResponse>, Status> {
+        let view = self.writer.view();
+        let inv = self.inv();
+        Ok(Response::new(proto::ListDevicesResponse {
+            host_generation: view.host_generation.0,
+            devices: view
+                .devices
+                .iter()
+                .map(|v| device_to_proto(v, inv.get(&v.record.address())))
+                .collect(),
+            strays: view.strays.iter().map(convert::stray_to_proto).collect(),
+        }))
+    }
+
+    async fn get_device(
+        &self,
+        req: Request<proto::GetDeviceRequest>,
+    ) -> Result<Response<proto::GetDeviceResponse>, Status> {
+        let address = convert::address("address", &req.get_ref().address)?;
+        let view = self.writer.view();
+        let inv = self.inv();
+        let mut device = None;
+        let mut lost = Vec::new();
+        for v in view.device(address) {
+            let d = device_to_proto(v, inv.get(&address));
+            if v.record.present {
+                device = Some(d);
+            } else {
+                lost.push(d);
+            }
+        }
+        if device.is_none() && lost.is_empty() {
+            return Err(ApiError::Write(
+                crate::ledger::LedgerError::UnknownDevice { address }.into(),
+            )
+            .into());
+        }
+        Ok(Response::new(proto::GetDeviceResponse {
+            host_generation: view.host_generation.0,
+            device,
+            lost,
+        }))
+    }
+
+    async fn claim(
+        &self,
+        req: Request<proto::ClaimRequest>,
+    ) -> Result<Response<proto::ClaimResponse>, Status> {
+        self.access.check(&req, "claim")?;
+        let r = req.get_ref();
+        let owner = convert::owner("owner", r.owner.as_ref())?;
+        let request_id = convert::request_id(&r.request_id)?;
+        let target = match &r.target {
+            Some(proto::claim_request::Target::Address(a)) => ClaimTarget::Address {
+                address: convert::address("address.address", &a.address)?,
+                expected_generation: Generation(a.expected_generation),
+            },
+            Some(proto::claim_request::Target::Selector(s)) => {
+                ClaimTarget::Selector(convert::selector(s)?)
+            }
+            None => {
+                return Err(ApiError::BadField {
+                    field: "target",
+                    reason: "set either address or selector".into(),
+                }
+                .into())
+            }
+        };
+        let applied = self
+            .writer
+            .claim(ClaimRequest {
+                target,
+                owner,
+                request_id,
+            })
+            .await
+            .map_err(ApiError::from)?;
+        Ok(Response::new(proto::ClaimResponse {
+            device: self.present_device(applied.outcome.address()),
+            generation: applied.outcome.generation().0,
+            replayed: applied.replayed,
+        }))
+    }
+
+    async fn release(
+        &self,
+        req: Request<proto::ReleaseRequest>,
+    ) -> Result<Response<proto::ReleaseResponse>, Status> {
+        self.access.check(&req, "release")?;
+        let r = req.get_ref();
+        let owner = convert::owner("owner", r.owner.as_ref())?;
+        let rel = ReleaseRequest {
+            address: convert::address("address", &r.address)?,
+            consumer: owner.consumer,
+            request_id: convert::request_id(&r.request_id)?,
+            generation: Generation(r.generation),
+        };
+        let applied = self.writer.release(rel).await.map_err(ApiError::from)?;
+        Ok(Response::new(proto::ReleaseResponse {
+            address: applied.outcome.address().to_string(),
+            generation: applied.outcome.generation().0,
+            replayed: applied.replayed,
+        }))
+    }
+
+    async fn transfer(
+        &self,
+        req: Request<proto::TransferRequest>,
+    ) -> Result<Response<proto::TransferResponse>, Status> {
+        self.access.check(&req, "transfer")?;
+        let r = req.get_ref();
+        let t = TransferRequest {
+            address: convert::address("address", &r.address)?,
+            from: convert::consumer("from_consumer_id", &r.from_consumer_id)?,
+            to: convert::owner("to", r.to.as_ref())?,
+            request_id: convert::request_id(&r.request_id)?,
+            generation: Generation(r.generation),
+        };
+        let applied = self.writer.transfer(t).await.map_err(ApiError::from)?;
+        Ok(Response::new(proto::TransferResponse {
+            device: self.present_device(applied.outcome.address()),
+            generation: applied.outcome.generation().0,
+            replayed: applied.replayed,
+        }))
+    }
+
+    async fn reconcile(
+        &self,
+        req: Request<proto::ReconcileRequest>,
+    ) -> Result<Response<proto::ReconcileResponse>, Status> {
+        let r = req.get_ref();
+        if r.act {
+            self.access.check(&req, "reconcile with act=true")?;
+        }
+        if r.expected_consumer_ids.len() > 100_000 {
+            return Err(ApiError::BadField {
+                field: "expected_consumer_ids",
+                reason: format!("{} ids is more than the limit of 100000", r.expected_consumer_ids.len()),
+            }
+            .into());
+        }
+        let expected: BTreeSet<_> = r
+            .expected_consumer_ids
+            .iter()
+            .map(|c| convert::consumer("expected_consumer_ids", c))
+            .collect::<Result<_, _>>()?;
+        let request_id = if r.act {
+            Some(convert::request_id(&r.request_id)?)
+        } else {
+            None
+        };
+        let view = self.writer.view();
+        let report = view.ledger.audit(&expected, Generation(r.snapshot_generation));
+        let to_views = |recs: &[crate::ledger::DeviceRecord]| -> Vec<proto::Device> {
+            let inv = self.inv();
+            recs.iter()
+                .map(|rec| {
+                    let v = crate::ledger::DeviceView {
+                        state: view.ledger.state_of(rec),
+                        record: rec.clone(),
+                    };
+                    device_to_proto(&v, inv.get(&rec.address()))
+                })
+                .collect()
+        };
+        let mut orphans: Vec<proto::Orphan> = to_views(&report.orphans)
+            .into_iter()
+            .map(|d| proto::Orphan {
+                device: Some(d),
+                freed_generation: 0,
+                kept_because: String::new(),
+            })
+            .collect();
+        if let Some(request_id) = request_id {
+            let frees: Vec<OrphanFree> = report
+                .orphans
+                .iter()
+                .filter_map(|rec| {
+                    rec.claim.as_ref().map(|c| OrphanFree {
+                        address: rec.address(),
+                        consumer: c.owner.consumer,
+                        generation: rec.generation,
+                    })
+                })
+                .collect();
+            let results = self
+                .writer
+                .free_orphans(frees, request_id)
+                .await
+                .map_err(ApiError::from)?;
+            for (o, res) in orphans.iter_mut().zip(results) {
+                match res {
+                    Ok(a) => o.freed_generation = a.outcome.generation().0,
+                    Err(e) => o.kept_because = e.to_string(),
+                }
+            }
+        }
+        let host_generation = self.writer.view().host_generation.0;
+        Ok(Response::new(proto::ReconcileResponse {
+            host_generation,
+            orphans,
+            strays: report.strays.iter().map(convert::stray_to_proto).collect(),
+            lost: to_views(&report.lost),
+            changed: to_views(&report.changed),
+            protected: to_views(&report.protected),
+            acted: r.act,
+        }))
+    }
+
+    type WatchStream = WatchStream;
+
+    async fn watch(
+        &self,
+        req: Request<proto::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let r = req.get_ref();
+        let (from, backlog, mut rx, snapshot) = {
+            let log = match self.writer.events().lock() {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+            let view = self.writer.view();
+            let from = if r.snapshot {
+                view.host_generation
+            } else {
+                Generation(r.from_generation)
+            };
+            // A generation from the future (another agent's, or before a restore) cannot
+            // be resumed either: the client must list again.
+            let resumed = (from <= view.host_generation)
+                .then(|| log.resume(from))
+                .flatten();
+            let Some((backlog, rx)) = resumed else {
+                return Err(ApiError::TooOld {
+                    from: from.0,
+                    oldest: log.oldest().0,
+                }
+                .into());
+            };
+            (from, backlog, rx, r.snapshot.then_some(view))
+        };
+        let (tx, out) = mpsc::channel::<Result<proto::WatchEvent, Status>>(WATCH_CLIENT_BUFFER);
+        let this = self.clone();
+        tokio::spawn(async move {
+            if let Some(view) = snapshot {
+                let mut evs: Vec<proto::WatchEvent> = {
+                    let inv = this.inv();
+                    view.devices
+                        .iter()
+                        .map(|v| proto::WatchEvent {
+                            kind: proto::WatchEventKind::Snapshot as i32,
+                            generation: v.record.generation.0,
+                            address: v.record.address().to_string(),
+                            device: Some(device_to_proto(v, inv.get(&v.record.address()))),
+                        })
+                        .collect()
+                };
+                evs.push(proto::WatchEvent {
+                    kind: proto::WatchEventKind::SnapshotEnd as i32,
+                    generation: view.host_generation.0,
+                    address: String::new(),
+                    device: None,
+                });
+                for e in evs {
+                    if tx.send(Ok(e)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            // The backlog and the live channel were taken under one lock, so no event is
+            // in both and none falls between; events at or below `from` are already
+            // reflected in what the client holds.
+            for e in backlog {
+                if tx.send(Ok(this.event_to_proto(&e))).await.is_err() {
+                    return;
+                }
+            }
+            loop {
+                match rx.recv().await {
+                    Ok(e) if e.generation() <= from => continue,
+                    Ok(e) => {
+                        if tx.send(Ok(this.event_to_proto(&e))).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        let _ = tx
+                            .send(Err(Status::resource_exhausted(format!(
+                                "watcher fell behind by {n} events and was cut off; resume with Watch from the last generation received"
+                            ))))
+                            .await;
+                        return;
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out))))
+    }
+
+    async fn get_request_outcome(
+        &self,
+        req: Request<proto::GetRequestOutcomeRequest>,
+    ) -> Result<Response<proto::RequestOutcome>, Status> {
+        let r = req.get_ref();
+        let consumer = convert::consumer("consumer_id", &r.consumer_id)?;
+        let request_id = convert::request_id(&r.request_id)?;
+        let view = self.writer.view();
+        let entry = view.ledger.request(consumer, &request_id).ok_or_else(|| {
+            ApiError::NotFound(format!(
+                "no request {request_id} of consumer {consumer} is recorded: it was never applied (or was pruned), so it is safe to retry"
+            ))
+        })?;
+        let operation = match entry.outcome {
+            Outcome::Claimed { .. } => "claimed",
+            Outcome::Released { .. } => "released",
+            Outcome::Transferred { .. } => "transferred",
+        };
+        Ok(Response::new(proto::RequestOutcome {
+            operation: operation.into(),
+            address: entry.outcome.address().to_string(),
+            generation: entry.outcome.generation().0,
+            at_unix: entry.at,
+        }))
+    }
+
+    async fn get_status(
+        &self,
+        _req: Request<proto::GetStatusRequest>,
+    ) -> Result<Response<proto::AgentStatus>, Status> {
+        let view = self.writer.view();
+        let mut by_state: std::collections::HashMap<String, u32> = Default::default();
+        let mut lost = 0;
+        for v in &view.devices {
+            *by_state.entry(v.state.name().to_string()).or_default() += 1;
+            if v.state == DeviceState::Lost {
+                lost += 1;
+            }
+        }
+        let libvirt = match self.info.libvirt.read() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        };
+        let store = self.writer.store_health();
+        let oldest = match self.writer.events().lock() {
+            Ok(g) => g.oldest(),
+            Err(p) => p.into_inner().oldest(),
+        };
+        Ok(Response::new(proto::AgentStatus {
+            version: env!("CARGO_PKG_VERSION").into(),
+            host_generation: view.host_generation.0,
+            uptime_seconds: self.info.started.elapsed().as_secs(),
+            store: Some(proto::Health {
+                ok: store.is_none(),
+                detail: store.unwrap_or_else(|| "last commit succeeded".into()),
+            }),
+            libvirt: Some(proto::Health {
+                ok: libvirt.ok,
+                detail: libvirt.detail,
+            }),
+            boot_id: self.info.boot_id.clone(),
+            devices_by_state: by_state,
+            strays: u32::try_from(view.strays.len()).unwrap_or(u32::MAX),
+            lost,
+            watch_oldest_generation: oldest.0,
+        }))
+    }
+}
+

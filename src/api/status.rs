@@ -1,0 +1,154 @@
+//! The one map from every error the API can return to a gRPC status with google.rpc
+//! details (ErrorInfo always, PreconditionFailure or BadRequest where they apply).
+
+use std::collections::HashMap;
+
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::ledger::LedgerError;
+use crate::pci::IdError;
+use crate::writer::WriteError;
+
+/// The ErrorInfo domain of every error this API returns.
+pub const ERROR_DOMAIN: &str = "hostdev.v1";
+
+/// Everything an RPC can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("invalid {field}: {source}")]
+    BadId {
+        field: &'static str,
+        #[source]
+        source: IdError,
+    },
+    #[error("invalid {field}: {reason}")]
+    BadField { field: &'static str, reason: String },
+    #[error(transparent)]
+    Write(#[from] WriteError),
+    #[error("{0}")]
+    PermissionDenied(String),
+    #[error("watch cannot resume from generation {from}: the oldest replayable is {oldest}; list devices again and watch from the listed host generation")]
+    TooOld { from: u64, oldest: u64 },
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    NotFound(String),
+}
+
+impl ApiError {
+    pub fn bad_id(field: &'static str) -> impl FnOnce(IdError) -> ApiError {
+        move |source| ApiError::BadId { field, source }
+    }
+}
+
+fn ledger_code(e: &LedgerError) -> Code {
+    use LedgerError::*;
+    match e {
+        StaleGeneration { .. } => Code::Aborted,
+        UnknownDevice { .. } => Code::NotFound,
+        AlreadyClaimed { .. }
+        | NotClaimed { .. }
+        | WrongOwner { .. }
+        | Attached { .. }
+        | Blocked { .. }
+        | InUseByDomain { .. }
+        | Unmanaged { .. }
+        | Lost { .. } => Code::FailedPrecondition,
+        NoMatch { .. } => Code::ResourceExhausted,
+        RequestIdReused { .. } => Code::InvalidArgument,
+    }
+}
+
+fn ledger_metadata(e: &LedgerError) -> HashMap<String, String> {
+    let mut m = HashMap::new();
+    if let Some(a) = e.address() {
+        m.insert("address".into(), a.to_string());
+    }
+    if let Some(g) = e.current_generation() {
+        m.insert("current_generation".into(), g.to_string());
+    }
+    if let Some(o) = e.current_owner() {
+        m.insert("owner_consumer_id".into(), o.consumer.to_string());
+        m.insert("owner_label".into(), o.label.to_string());
+    }
+    match e {
+        LedgerError::Attached { domain, .. } | LedgerError::InUseByDomain { domain, .. } => {
+            m.insert("domain_name".into(), domain.name.clone());
+            m.insert("domain_uuid".into(), domain.uuid.to_string());
+            m.insert("domain_running".into(), domain.running.to_string());
+        }
+        LedgerError::Blocked { by, relation, .. } => {
+            m.insert("blocked_by".into(), by.to_string());
+            m.insert("relation".into(), format!("{relation:?}"));
+        }
+        LedgerError::StaleGeneration { presented, .. } => {
+            m.insert("presented_generation".into(), presented.to_string());
+        }
+        _ => {}
+    }
+    m
+}
+
+impl From<ApiError> for Status {
+    fn from(e: ApiError) -> Status {
+        to_status(&e)
+    }
+}
+
+/// Maps an API error to its status. Exhaustive: a new error variant cannot be added
+/// without choosing its code here.
+pub fn to_status(e: &ApiError) -> Status {
+    let msg = e.to_string();
+    match e {
+        ApiError::BadId { field, .. } | ApiError::BadField { field, .. } => {
+            let mut d = ErrorDetails::with_error_info("INVALID_ARGUMENT", ERROR_DOMAIN, HashMap::new());
+            d.add_bad_request_violation(*field, msg.clone());
+            Status::with_error_details(Code::InvalidArgument, msg, d)
+        }
+        ApiError::Write(WriteError::Ledger(le)) => {
+            let code = ledger_code(le);
+            let mut d = ErrorDetails::with_error_info(le.reason(), ERROR_DOMAIN, ledger_metadata(le));
+            if code == Code::FailedPrecondition || code == Code::Aborted {
+                d.add_precondition_failure_violation(
+                    le.reason(),
+                    le.address().map(|a| a.to_string()).unwrap_or_default(),
+                    msg.clone(),
+                );
+            }
+            Status::with_error_details(code, msg, d)
+        }
+        ApiError::Write(WriteError::Store(se)) => {
+            let reason = if se.is_disk_full() {
+                "STORE_FULL"
+            } else if se.is_read_only() {
+                "STORE_READ_ONLY"
+            } else {
+                "STORE_ERROR"
+            };
+            let d = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, HashMap::new());
+            Status::with_error_details(Code::Unavailable, msg, d)
+        }
+        ApiError::Write(WriteError::ShuttingDown) => {
+            let d = ErrorDetails::with_error_info("SHUTTING_DOWN", ERROR_DOMAIN, HashMap::new());
+            Status::with_error_details(Code::Unavailable, msg, d)
+        }
+        ApiError::PermissionDenied(_) => {
+            let d = ErrorDetails::with_error_info("PERMISSION_DENIED", ERROR_DOMAIN, HashMap::new());
+            Status::with_error_details(Code::PermissionDenied, msg, d)
+        }
+        ApiError::TooOld { oldest, .. } => {
+            let meta = HashMap::from([("oldest_generation".to_string(), oldest.to_string())]);
+            let d = ErrorDetails::with_error_info("WATCH_TOO_OLD", ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::OutOfRange, msg, d)
+        }
+        ApiError::Unavailable(_) => {
+            let d = ErrorDetails::with_error_info("UNAVAILABLE", ERROR_DOMAIN, HashMap::new());
+            Status::with_error_details(Code::Unavailable, msg, d)
+        }
+        ApiError::NotFound(_) => {
+            let d = ErrorDetails::with_error_info("NOT_FOUND", ERROR_DOMAIN, HashMap::new());
+            Status::with_error_details(Code::NotFound, msg, d)
+        }
+    }
+}

@@ -1,0 +1,460 @@
+//! The daemon's configuration file (TOML): every key, its default, and the managed-device
+//! selection that turns an inventory into ledger facts.
+//!
+//! Unknown keys are rejected, so a typo in a selection cannot silently widen or narrow
+//! what the agent manages.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::Deserialize;
+
+use crate::ledger::DeviceFacts;
+use crate::pci::{DeviceId, PciAddress, PhysNet, VendorId};
+use crate::sysfs::PciDevice;
+
+/// The default config file path.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/hostdevd/config.toml";
+
+/// Why the configuration could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid config file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: Box<toml::de::Error>,
+    },
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+fn d_sysfs() -> PathBuf {
+    PathBuf::from(crate::sysfs::DEFAULT_SYSFS_ROOT)
+}
+fn d_dev() -> PathBuf {
+    PathBuf::from(crate::sysfs::DEFAULT_DEV_ROOT)
+}
+fn d_proc() -> PathBuf {
+    PathBuf::from("/proc")
+}
+fn d_state() -> PathBuf {
+    PathBuf::from("/var/lib/hostdevd")
+}
+fn d_socket() -> PathBuf {
+    PathBuf::from("/run/hostdevd/hostdevd.sock")
+}
+fn d_mode() -> String {
+    "0660".into()
+}
+fn d_writers() -> Vec<u32> {
+    vec![0]
+}
+fn d_watch() -> usize {
+    65_536
+}
+fn d_log() -> String {
+    "info".into()
+}
+
+/// The whole configuration. Field docs are the reference; `packaging/config.toml` repeats
+/// them as comments.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Root of the sysfs tree to read. Default "/sys".
+    #[serde(default = "d_sysfs")]
+    pub sysfs_root: PathBuf,
+    /// Root under which VFIO group nodes live (`<dev_root>/vfio/N`). Default "/dev".
+    #[serde(default = "d_dev")]
+    pub dev_root: PathBuf,
+    /// Root of the proc tree scanned for VFIO group holders. Default "/proc".
+    #[serde(default = "d_proc")]
+    pub proc_root: PathBuf,
+    /// Directory of the ledger database and its lock. Default "/var/lib/hostdevd".
+    #[serde(default = "d_state")]
+    pub state_dir: PathBuf,
+    #[serde(default)]
+    pub api: ApiConfig,
+    #[serde(default)]
+    pub log: LogConfig,
+    /// The managed-device selection. Empty: every SR-IOV VF is managed.
+    #[serde(default)]
+    pub devices: Vec<DeviceSpec>,
+}
+
+/// The gRPC listener and who may change state through it.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ApiConfig {
+    /// Unix socket path. Default "/run/hostdevd/hostdevd.sock".
+    #[serde(default = "d_socket")]
+    pub socket: PathBuf,
+    /// Socket file mode, octal. Default "0660".
+    #[serde(default = "d_mode")]
+    pub socket_mode: String,
+    /// Group that owns the socket (readers connect through it). Default: unchanged.
+    #[serde(default)]
+    pub socket_group: Option<String>,
+    /// uids allowed to claim, release, transfer and act in a reconcile. Default [0].
+    #[serde(default = "d_writers")]
+    pub writer_uids: Vec<u32>,
+    /// gids (the peer's primary gid) allowed to mutate. Default [].
+    #[serde(default)]
+    pub writer_gids: Vec<u32>,
+    /// Watch events kept for resuming watchers. Default 65536.
+    #[serde(default = "d_watch")]
+    pub watch_buffer: usize,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        ApiConfig {
+            socket: d_socket(),
+            socket_mode: d_mode(),
+            socket_group: None,
+            writer_uids: d_writers(),
+            writer_gids: Vec::new(),
+            watch_buffer: d_watch(),
+        }
+    }
+}
+
+/// Logging.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// A `RUST_LOG`-style filter, e.g. "info" or "hostdevd=debug". Default "info".
+    #[serde(default = "d_log")]
+    pub filter: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig { filter: d_log() }
+    }
+}
+
+/// One entry of the managed-device selection (like Nova's device_spec and the SR-IOV
+/// device plugin's selectors). Every set field must match; a device matching any entry is
+/// managed and gets that entry's physical network tags.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceSpec {
+    /// 4 hex digits.
+    pub vendor_id: Option<String>,
+    pub device_id: Option<String>,
+    /// An address pattern: each of domain, bus, device, function is hex or "*", e.g.
+    /// "0000:3b:*.*"; the short form "3b:02.*" means domain 0000.
+    pub address: Option<String>,
+    /// The network interface name of the PF: matches its VFs (and the PF itself).
+    pub pf_name: Option<String>,
+    /// Bound kernel driver.
+    pub driver: Option<String>,
+    /// Only VFs (true) or only non-VFs (false).
+    pub vf: Option<bool>,
+    /// Physical network tags for matching devices.
+    #[serde(default)]
+    pub physnets: Vec<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            sysfs_root: d_sysfs(),
+            dev_root: d_dev(),
+            proc_root: d_proc(),
+            state_dir: d_state(),
+            api: ApiConfig::default(),
+            log: LogConfig::default(),
+            devices: Vec::new(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let cfg = Self::parse(&text).map_err(|e| match e {
+            ConfigError::Parse { source, .. } => ConfigError::Parse {
+                path: path.to_path_buf(),
+                source,
+            },
+            other => other,
+        })?;
+        Ok(cfg)
+    }
+
+    /// Parses and validates config text.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let cfg: Config = toml::from_str(text).map_err(|source| ConfigError::Parse {
+            path: PathBuf::from("<text>"),
+            source: Box::new(source),
+        })?;
+        cfg.selection()?;
+        cfg.socket_mode()?;
+        Ok(cfg)
+    }
+
+    /// The socket mode as a number.
+    pub fn socket_mode(&self) -> Result<u32, ConfigError> {
+        let m = self.api.socket_mode.trim_start_matches("0o");
+        u32::from_str_radix(m, 8)
+            .ok()
+            .filter(|m| *m <= 0o777)
+            .ok_or_else(|| {
+                ConfigError::Invalid(format!(
+                    "api.socket_mode {:?} is not an octal file mode such as \"0660\"",
+                    self.api.socket_mode
+                ))
+            })
+    }
+
+    /// The compiled managed-device selection.
+    pub fn selection(&self) -> Result<Selection, ConfigError> {
+        let specs = self
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(i, d)| CompiledSpec::compile(d).map_err(|e| ConfigError::Invalid(format!("devices[{i}]: {e}"))))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Selection { specs })
+    }
+}
+
+/// One part of an address pattern.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Any,
+    Is(u32),
+}
+
+impl Part {
+    fn matches(&self, v: u32) -> bool {
+        match self {
+            Part::Any => true,
+            Part::Is(x) => *x == v,
+        }
+    }
+}
+
+/// A PCI address with wildcards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AddressPattern {
+    domain: Part,
+    bus: Part,
+    device: Part,
+    function: Part,
+}
+
+impl FromStr for AddressPattern {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("address pattern {s:?} is not dddd:bb:dd.f with hex or '*' parts");
+        if s.len() > 24 {
+            return Err(bad());
+        }
+        let (head, func) = s.rsplit_once('.').ok_or_else(bad)?;
+        let parts: Vec<&str> = head.split(':').collect();
+        let (d, b, v) = match parts.as_slice() {
+            [d, b, v] => (*d, *b, *v),
+            [b, v] => ("0", *b, *v),
+            _ => return Err(bad()),
+        };
+        let part = |t: &str, max: u32| -> Result<Part, String> {
+            if t == "*" {
+                return Ok(Part::Any);
+            }
+            if t.is_empty() || t.len() > 8 || !t.bytes().all(|c| c.is_ascii_hexdigit()) {
+                return Err(bad());
+            }
+            let v = u32::from_str_radix(t, 16).map_err(|_| bad())?;
+            if v > max {
+                return Err(bad());
+            }
+            Ok(Part::Is(v))
+        };
+        Ok(AddressPattern {
+            domain: part(d, u32::MAX)?,
+            bus: part(b, 0xff)?,
+            device: part(v, 0x1f)?,
+            function: part(func, 7)?,
+        })
+    }
+}
+
+impl AddressPattern {
+    pub fn matches(&self, a: PciAddress) -> bool {
+        self.domain.matches(a.domain())
+            && self.bus.matches(u32::from(a.bus()))
+            && self.device.matches(u32::from(a.device()))
+            && self.function.matches(u32::from(a.function()))
+    }
+}
+
+#[derive(Debug, Clone)]
+struct CompiledSpec {
+    vendor_id: Option<VendorId>,
+    device_id: Option<DeviceId>,
+    address: Option<AddressPattern>,
+    pf_name: Option<String>,
+    driver: Option<String>,
+    vf: Option<bool>,
+    physnets: Vec<PhysNet>,
+}
+
+impl CompiledSpec {
+    fn compile(d: &DeviceSpec) -> Result<Self, String> {
+        Ok(CompiledSpec {
+            vendor_id: d
+                .vendor_id
+                .as_deref()
+                .map(VendorId::from_str)
+                .transpose()
+                .map_err(|e| e.to_string())?,
+            device_id: d
+                .device_id
+                .as_deref()
+                .map(DeviceId::from_str)
+                .transpose()
+                .map_err(|e| e.to_string())?,
+            address: d.address.as_deref().map(AddressPattern::from_str).transpose()?,
+            pf_name: d.pf_name.clone(),
+            driver: d.driver.clone(),
+            vf: d.vf,
+            physnets: d
+                .physnets
+                .iter()
+                .map(|p| PhysNet::from_str(p).map_err(|e| e.to_string()))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
+    fn matches(&self, dev: &PciDevice, pf_netdevs: &[String]) -> bool {
+        let is_vf = dev.physfn.is_some();
+        self.vendor_id.is_none_or(|v| dev.vendor_id == Some(v))
+            && self.device_id.is_none_or(|d| dev.device_id == Some(d))
+            && self.address.is_none_or(|p| p.matches(dev.address))
+            && self
+                .driver
+                .as_ref()
+                .is_none_or(|d| dev.driver.as_deref() == Some(d.as_str()))
+            && self.vf.is_none_or(|want| want == is_vf)
+            && self
+                .pf_name
+                .as_ref()
+                .is_none_or(|n| pf_netdevs.contains(n) || dev.netdevs.contains(n))
+    }
+}
+
+/// The compiled managed-device selection.
+#[derive(Debug, Clone)]
+pub struct Selection {
+    specs: Vec<CompiledSpec>,
+}
+
+impl fmt::Display for Selection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.specs.is_empty() {
+            f.write_str("every SR-IOV VF")
+        } else {
+            write!(f, "{} device spec(s)", self.specs.len())
+        }
+    }
+}
+
+impl Selection {
+    /// Turns an inventory into ledger facts: which devices are managed, with which tags.
+    pub fn facts(&self, devices: &[PciDevice]) -> Vec<DeviceFacts> {
+        let by_addr: std::collections::BTreeMap<PciAddress, &PciDevice> =
+            devices.iter().map(|d| (d.address, d)).collect();
+        devices
+            .iter()
+            .map(|dev| {
+                let pf_netdevs: &[String] = dev
+                    .physfn
+                    .and_then(|pf| by_addr.get(&pf))
+                    .map(|pf| pf.netdevs.as_slice())
+                    .unwrap_or(&[]);
+                let (managed, physnets) = if self.specs.is_empty() {
+                    (dev.physfn.is_some(), Vec::new())
+                } else {
+                    let mut managed = false;
+                    let mut tags: Vec<PhysNet> = Vec::new();
+                    for s in self.specs.iter().filter(|s| s.matches(dev, pf_netdevs)) {
+                        managed = true;
+                        for t in &s.physnets {
+                            if !tags.contains(t) {
+                                tags.push(t.clone());
+                            }
+                        }
+                    }
+                    (managed, tags)
+                };
+                // A device whose identity could not be read is never handed out.
+                let readable = dev.vendor_id.is_some() && dev.device_id.is_some();
+                DeviceFacts {
+                    address: dev.address,
+                    vendor_id: dev.vendor_id.unwrap_or(VendorId(0xffff)),
+                    device_id: dev.device_id.unwrap_or(DeviceId(0xffff)),
+                    driver: dev.driver.clone(),
+                    iommu_group: dev.iommu_group,
+                    numa_node: dev.numa_node,
+                    physfn: dev.physfn,
+                    is_pf: dev.sriov.is_some(),
+                    physnets,
+                    managed: managed && readable,
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_unknown_keys() {
+        let c = Config::parse("").expect("empty config");
+        assert_eq!(c, Config::default());
+        let err = Config::parse("sysfs_rot = \"/x\"").expect_err("typo");
+        assert!(err.to_string().contains("sysfs_rot"), "{err}");
+        let err = Config::parse("[[devices]]\nvendor = \"8086\"").expect_err("typo");
+        assert!(err.to_string().contains("vendor"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        for (text, needle) in [
+            ("[[devices]]\nvendor_id = \"80866\"", "devices[0]"),
+            ("[[devices]]\naddress = \"0000:3b:*\"", "address pattern"),
+            ("[[devices]]\nphysnets = [\"\"]", "physical network"),
+            ("[api]\nsocket_mode = \"999\"", "socket_mode"),
+        ] {
+            let err = Config::parse(text).expect_err(text);
+            assert!(err.to_string().contains(needle), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn address_patterns() {
+        let p: AddressPattern = "0000:3b:*.*".parse().expect("pattern");
+        assert!(p.matches("0000:3b:02.1".parse().expect("a")));
+        assert!(!p.matches("0000:3c:02.1".parse().expect("a")));
+        let p: AddressPattern = "*:*:02.1".parse().expect("pattern");
+        assert!(p.matches("0001:ff:02.1".parse().expect("a")));
+        assert!("0000:3b:20.*".parse::<AddressPattern>().is_err());
+    }
+}

@@ -1,0 +1,274 @@
+//! The daemon: startup order (store, scan, reconcile, then serve and report ready),
+//! the Unix socket, health and reflection services, signals and shutdown.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::api::proto::host_dev_server::HostDevServer;
+use crate::api::{proto, Access, AgentInfo, HealthInfo, HostDevService};
+use crate::config::{Config, ConfigError, Selection};
+use crate::ledger::Ledger;
+use crate::pci::PciAddress;
+use crate::store::{Store, StoreError};
+use crate::sysfs::{self, PciDevice, PciNames, SysfsError};
+use crate::writer::{WriteError, Writer};
+
+/// Why the daemon could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot open the ledger: {0}")]
+    Store(#[from] StoreError),
+    #[error("cannot scan PCI devices: {0}")]
+    Sysfs(#[from] SysfsError),
+    #[error("cannot apply the first inventory: {0}")]
+    Write(#[from] WriteError),
+    #[error("cannot set up socket {path}: {source}")]
+    Socket {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot start the writer thread: {0}")]
+    Thread(#[source] std::io::Error),
+    #[error("cannot build the reflection service: {0}")]
+    Reflection(String),
+    #[error("the gRPC server failed: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+/// A running agent's core: the writer and the shared inventory.
+#[derive(Debug, Clone)]
+pub struct Agent {
+    pub writer: Writer,
+    pub inventory: Arc<RwLock<BTreeMap<PciAddress, PciDevice>>>,
+    pub info: Arc<AgentInfo>,
+    sysfs_root: PathBuf,
+    dev_root: PathBuf,
+    names: Arc<PciNames>,
+}
+
+fn boot_id(proc_root: &Path) -> String {
+    std::fs::read_to_string(proc_root.join("sys/kernel/random/boot_id"))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+impl Agent {
+    /// Loads the store, scans sysfs and applies the inventory: everything before serving.
+    pub async fn start(cfg: &Config) -> Result<Agent, DaemonError> {
+        let started = Instant::now();
+        let selection = cfg.selection()?;
+        let state_dir = cfg.state_dir.clone();
+        let (store, snapshot) = tokio::task::spawn_blocking(move || {
+            let store = Store::open(&state_dir)?;
+            let snapshot = store.load()?;
+            Ok::<_, StoreError>((store, snapshot))
+        })
+        .await
+        .map_err(|e| DaemonError::Thread(std::io::Error::other(e.to_string())))??;
+        let boot = boot_id(&cfg.proc_root);
+        let mut store = store;
+        match store.meta_get("boot_id")? {
+            Some(prev) if prev != boot => {
+                tracing::warn!(previous = %prev, current = %boot, "new boot: claims are kept and checked against the new inventory");
+            }
+            _ => {}
+        }
+        store.meta_set("boot_id", &boot)?;
+        let ledger = Ledger::from_snapshot(snapshot);
+        tracing::info!(
+            host_generation = %ledger.host_generation(),
+            records = ledger.records().count(),
+            db = %store.path().display(),
+            "ledger loaded"
+        );
+        let (writer, _thread) = Writer::start(ledger, store, cfg.api.watch_buffer)
+            .map_err(DaemonError::Thread)?;
+        let names = Arc::new(PciNames::system_default());
+        let agent = Agent {
+            writer,
+            inventory: Arc::new(RwLock::new(BTreeMap::new())),
+            info: Arc::new(AgentInfo {
+                started,
+                boot_id: boot,
+                libvirt: RwLock::new(HealthInfo {
+                    ok: false,
+                    detail: "libvirt is not connected in this build".into(),
+                }),
+            }),
+            sysfs_root: cfg.sysfs_root.clone(),
+            dev_root: cfg.dev_root.clone(),
+            names,
+        };
+        agent.rescan(&selection).await?;
+        Ok(agent)
+    }
+
+    /// A full scan, applied to the ledger (off the async threads).
+    pub async fn rescan(&self, selection: &Selection) -> Result<(), DaemonError> {
+        let (root, dev, names) = (self.sysfs_root.clone(), self.dev_root.clone(), self.names.clone());
+        let inv = tokio::task::spawn_blocking(move || sysfs::scan(&root, &dev, &names))
+            .await
+            .map_err(|e| DaemonError::Thread(std::io::Error::other(e.to_string())))??;
+        for e in &inv.errors {
+            tracing::warn!(problem = %e, "sysfs entry skipped");
+        }
+        for d in inv.devices.iter().filter(|d| !d.errors.is_empty()) {
+            tracing::warn!(device = %d.address, problems = ?d.errors, "device read with problems");
+        }
+        let facts = selection.facts(&inv.devices);
+        {
+            let mut g = match self.inventory.write() {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+            *g = inv.devices.into_iter().map(|d| (d.address, d)).collect();
+        }
+        self.writer.inventory(facts).await?;
+        Ok(())
+    }
+
+    /// The gRPC service over this agent.
+    pub fn service(&self, access: Access) -> HostDevService {
+        HostDevService::new(
+            self.writer.clone(),
+            access,
+            self.inventory.clone(),
+            self.info.clone(),
+        )
+    }
+}
+
+/// Binds the Unix socket: creates its directory, replaces a stale socket (never any
+/// other kind of file), applies mode and group.
+pub fn bind_socket(path: &Path, mode: u32, group: Option<&str>) -> Result<UnixListener, DaemonError> {
+    let err = |source| DaemonError::Socket {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path).map_err(err)?,
+        Ok(_) => {
+            return Err(err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "exists and is not a socket; refusing to replace it",
+            )))
+        }
+        Err(_) => {}
+    }
+    let listener = UnixListener::bind(path).map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(err)?;
+    if let Some(g) = group {
+        let gid = nix::unistd::Group::from_name(g)
+            .map_err(|e| err(std::io::Error::from(e)))?
+            .ok_or_else(|| err(std::io::Error::new(std::io::ErrorKind::NotFound, format!("no group named {g}"))))?
+            .gid;
+        nix::unistd::chown(path, None, Some(gid)).map_err(|e| err(std::io::Error::from(e)))?;
+    }
+    Ok(listener)
+}
+
+/// Serves the API, health and reflection on a listener until `shutdown` completes;
+/// in-flight calls drain before it returns.
+pub async fn serve(
+    listener: UnixListener,
+    service: HostDevService,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), DaemonError> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<HostDevServer<HostDevService>>().await;
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| DaemonError::Reflection(e.to_string()))?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .map_err(|e| DaemonError::Reflection(e.to_string()))?;
+    tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(HostDevServer::new(service).max_decoding_message_size(4 << 20))
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
+}
+
+/// The whole daemon: start, bind, notify systemd, serve until SIGTERM/SIGINT; SIGHUP
+/// reloads the managed-device selection from `config_path` and rescans.
+pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<(), DaemonError> {
+    let agent = Agent::start(&cfg).await?;
+    let listener = bind_socket(
+        &cfg.api.socket,
+        cfg.socket_mode()?,
+        cfg.api.socket_group.as_deref(),
+    )?;
+    let service = agent.service(Access {
+        writer_uids: cfg.api.writer_uids.clone(),
+        writer_gids: cfg.api.writer_gids.clone(),
+    });
+    tracing::info!(socket = %cfg.api.socket.display(), "serving");
+    // READY only now: store loaded, first scan applied, socket bound.
+    if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
+        tracing::debug!(error = %e, "systemd notify failed (not under systemd?)");
+    }
+    let reload_agent = agent.clone();
+    let initial_selection = cfg.selection()?;
+    tokio::spawn(async move {
+        let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+            return;
+        };
+        while hup.recv().await.is_some() {
+            let selection = match &config_path {
+                Some(p) => Config::load(p).and_then(|c| c.selection()),
+                None => Ok(initial_selection.clone()),
+            };
+            match selection {
+                Ok(sel) => match reload_agent.rescan(&sel).await {
+                    Ok(()) => tracing::info!(selection = %sel, "reloaded device selection"),
+                    Err(e) => tracing::error!(error = %e, "rescan after reload failed"),
+                },
+                Err(e) => tracing::error!(error = %e, "reload refused; the previous selection stays"),
+            }
+        }
+    });
+    let socket = cfg.api.socket.clone();
+    serve(listener, service, shutdown_signal()).await?;
+    let _ = std::fs::remove_file(&socket);
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Completes on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    match (term, int) {
+        (Ok(mut t), Ok(mut i)) => {
+            tokio::select! {
+                _ = t.recv() => {},
+                _ = i.recv() => {},
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+    tracing::info!("shutdown requested; draining in-flight calls");
+}

@@ -1,0 +1,521 @@
+//! The single writer: one thread owns the ledger and the store, applies commands in
+//! batches (group commit), and publishes a read snapshot and change events after each
+//! durable commit.
+//!
+//! Why one thread: every mutation is decided against the same in-memory ledger in one
+//! order, so two controllers racing for one VF get exactly one winner. Why batches: the
+//! fsync is the cost of a change, so every command waiting when the writer wakes is
+//! decided in order and made durable by one transaction. Each caller is answered only
+//! after the transaction that holds its change has committed (I4); if the commit fails,
+//! every change of the batch is undone in memory and every caller gets the error.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tokio::sync::{broadcast, mpsc, oneshot};
+
+use crate::ledger::{
+    ChangeSet, ClaimRequest, DeviceFacts, DeviceState, DeviceView, DomainDevices, Ledger,
+    LedgerError, Outcome, RecordId, ReleaseRequest, Stray, TransferRequest,
+};
+use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
+use crate::store::{Store, StoreError};
+
+/// How many commands one batch takes at most.
+const MAX_BATCH: usize = 512;
+
+/// Why the writer could not carry out a command.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error("the change was not made durable, so it was not made: {0}")]
+    Store(#[source] Arc<StoreError>),
+    #[error("the agent is shutting down; nothing was changed")]
+    ShuttingDown,
+}
+
+type Reply<T> = oneshot::Sender<Result<T, WriteError>>;
+
+/// The answer to a mutating request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    pub outcome: Outcome,
+    /// True when the ledger replayed an earlier identical request (nothing changed).
+    pub replayed: bool,
+}
+
+/// One orphan to free during an acting reconcile: freed only if its record still has
+/// this generation and owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OrphanFree {
+    pub address: PciAddress,
+    pub consumer: ConsumerId,
+    pub generation: Generation,
+}
+
+/// A command for the writer.
+#[derive(Debug)]
+pub enum Command {
+    Claim(ClaimRequest, Reply<Applied>),
+    Release(ReleaseRequest, Reply<Applied>),
+    Transfer(TransferRequest, Reply<Applied>),
+    /// A full inventory scan.
+    Inventory(Vec<DeviceFacts>, Reply<()>),
+    /// Some devices rescanned: `None` means gone.
+    Devices(Vec<(PciAddress, Option<DeviceFacts>)>, Reply<()>),
+    Domains(Vec<DomainDevices>, Reply<()>),
+    /// Free orphans found by a reconcile (each result in order).
+    FreeOrphans(
+        Vec<OrphanFree>,
+        RequestId,
+        Reply<Vec<Result<Applied, LedgerError>>>,
+    ),
+}
+
+/// What a watcher receives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Changed {
+        generation: Generation,
+        view: DeviceView,
+    },
+    Removed {
+        generation: Generation,
+        address: PciAddress,
+    },
+}
+
+impl Event {
+    pub fn generation(&self) -> Generation {
+        match self {
+            Event::Changed { generation, .. } | Event::Removed { generation, .. } => *generation,
+        }
+    }
+}
+
+/// A consistent read view, published after every commit.
+#[derive(Debug, Clone, Default)]
+pub struct View {
+    pub host_generation: Generation,
+    /// Every record with its derived state, by address (present first, then lost).
+    pub devices: Vec<DeviceView>,
+    pub strays: Vec<Stray>,
+    /// Requests by key, for outcome retrieval after a disconnect.
+    pub ledger: Ledger,
+}
+
+impl View {
+    pub fn device(&self, address: PciAddress) -> impl Iterator<Item = &DeviceView> {
+        self.devices
+            .iter()
+            .filter(move |v| v.record.address() == address)
+    }
+}
+
+/// Recent events for resuming watchers, and the channel live events go out on.
+#[derive(Debug)]
+pub struct EventLog {
+    ring: VecDeque<Event>,
+    capacity: usize,
+    /// Watchers may resume from any generation >= this.
+    oldest: Generation,
+    tx: broadcast::Sender<Event>,
+}
+
+impl EventLog {
+    fn new(capacity: usize, start: Generation) -> Self {
+        let (tx, _) = broadcast::channel(capacity.max(16));
+        EventLog {
+            ring: VecDeque::new(),
+            capacity: capacity.max(16),
+            oldest: start,
+            tx,
+        }
+    }
+
+    fn push(&mut self, ev: Event) {
+        if self.ring.len() == self.capacity {
+            if let Some(old) = self.ring.pop_front() {
+                self.oldest = old.generation();
+            }
+        }
+        self.ring.push_back(ev.clone());
+        // No receivers is fine: nobody watches.
+        let _ = self.tx.send(ev);
+    }
+
+    /// The oldest generation a watcher may resume from.
+    pub fn oldest(&self) -> Generation {
+        self.oldest
+    }
+
+    /// Events after `from` still in the ring, and a receiver for what follows, taken
+    /// together so no event falls between them. `None` when `from` is too old.
+    pub fn resume(&self, from: Generation) -> Option<(Vec<Event>, broadcast::Receiver<Event>)> {
+        if from < self.oldest {
+            return None;
+        }
+        let rx = self.tx.subscribe();
+        let backlog = self
+            .ring
+            .iter()
+            .filter(|e| e.generation() > from)
+            .cloned()
+            .collect();
+        Some((backlog, rx))
+    }
+}
+
+/// The handle the rest of the agent uses: send commands, read views, follow events.
+#[derive(Debug, Clone)]
+pub struct Writer {
+    tx: mpsc::Sender<Command>,
+    view: Arc<RwLock<Arc<View>>>,
+    events: Arc<Mutex<EventLog>>,
+    /// The last commit's error, cleared by the next successful commit.
+    store_error: Arc<Mutex<Option<String>>>,
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl Writer {
+    /// Starts the writer thread over a loaded ledger and its store. The thread ends when
+    /// every `Writer` handle is dropped; `join` on the returned handle waits for it.
+    pub fn start(
+        ledger: Ledger,
+        store: Store,
+        event_capacity: usize,
+    ) -> std::io::Result<(Writer, std::thread::JoinHandle<()>)> {
+        let (tx, rx) = mpsc::channel(4096);
+        let view = Arc::new(RwLock::new(Arc::new(make_view(&ledger))));
+        let events = Arc::new(Mutex::new(EventLog::new(
+            event_capacity,
+            ledger.host_generation(),
+        )));
+        let store_error = Arc::new(Mutex::new(None));
+        let mut worker = Worker {
+            ledger,
+            store,
+            rx,
+            view: view.clone(),
+            events: events.clone(),
+            store_error: store_error.clone(),
+        };
+        let handle = std::thread::Builder::new()
+            .name("hostdevd-writer".into())
+            .spawn(move || worker.run())?;
+        Ok((
+            Writer {
+                tx,
+                view,
+                events,
+                store_error,
+            },
+            handle,
+        ))
+    }
+
+    /// The latest committed view.
+    pub fn view(&self) -> Arc<View> {
+        match self.view.read() {
+            Ok(v) => v.clone(),
+            // A poisoned lock means a writer panic mid-publish; the Arc inside is still a
+            // complete earlier view.
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    pub fn events(&self) -> &Arc<Mutex<EventLog>> {
+        &self.events
+    }
+
+    /// `None` when the last commit succeeded, else its error.
+    pub fn store_health(&self) -> Option<String> {
+        match self.store_error.lock() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    async fn call<T>(
+        &self,
+        make: impl FnOnce(Reply<T>) -> Command,
+    ) -> Result<T, WriteError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(make(reply))
+            .await
+            .map_err(|_| WriteError::ShuttingDown)?;
+        rx.await.map_err(|_| WriteError::ShuttingDown)?
+    }
+
+    pub async fn claim(&self, req: ClaimRequest) -> Result<Applied, WriteError> {
+        self.call(|r| Command::Claim(req, r)).await
+    }
+    pub async fn release(&self, req: ReleaseRequest) -> Result<Applied, WriteError> {
+        self.call(|r| Command::Release(req, r)).await
+    }
+    pub async fn transfer(&self, req: TransferRequest) -> Result<Applied, WriteError> {
+        self.call(|r| Command::Transfer(req, r)).await
+    }
+    pub async fn inventory(&self, facts: Vec<DeviceFacts>) -> Result<(), WriteError> {
+        self.call(|r| Command::Inventory(facts, r)).await
+    }
+    pub async fn devices(
+        &self,
+        changes: Vec<(PciAddress, Option<DeviceFacts>)>,
+    ) -> Result<(), WriteError> {
+        self.call(|r| Command::Devices(changes, r)).await
+    }
+    pub async fn domains(&self, domains: Vec<DomainDevices>) -> Result<(), WriteError> {
+        self.call(|r| Command::Domains(domains, r)).await
+    }
+    pub async fn free_orphans(
+        &self,
+        orphans: Vec<OrphanFree>,
+        request_id: RequestId,
+    ) -> Result<Vec<Result<Applied, LedgerError>>, WriteError> {
+        self.call(|r| Command::FreeOrphans(orphans, request_id, r))
+            .await
+    }
+}
+
+fn make_view(ledger: &Ledger) -> View {
+    View {
+        host_generation: ledger.host_generation(),
+        devices: ledger.views(),
+        strays: ledger.strays(),
+        ledger: ledger.clone(),
+    }
+}
+
+/// A decided command waiting for its batch to commit.
+enum Pending {
+    Applied(Reply<Applied>, Result<Applied, LedgerError>),
+    Unit(Reply<()>),
+    Orphans(
+        Reply<Vec<Result<Applied, LedgerError>>>,
+        Vec<Result<Applied, LedgerError>>,
+    ),
+}
+
+struct Worker {
+    ledger: Ledger,
+    store: Store,
+    rx: mpsc::Receiver<Command>,
+    view: Arc<RwLock<Arc<View>>>,
+    events: Arc<Mutex<EventLog>>,
+    store_error: Arc<Mutex<Option<String>>>,
+}
+
+impl Worker {
+    fn set_store_error(&self, e: Option<String>) {
+        match self.store_error.lock() {
+            Ok(mut g) => *g = e,
+            Err(p) => *p.into_inner() = e,
+        }
+    }
+
+    fn run(&mut self) {
+        while let Some(first) = self.rx.blocking_recv() {
+            let mut batch = vec![first];
+            while batch.len() < MAX_BATCH {
+                match self.rx.try_recv() {
+                    Ok(cmd) => batch.push(cmd),
+                    Err(_) => break,
+                }
+            }
+            self.run_batch(batch);
+        }
+    }
+
+    fn decide(&mut self, cmd: Command, now: u64, changes: &mut Vec<ChangeSet>) -> Pending {
+        let mut keep = |(outcome, cs): (Outcome, ChangeSet)| {
+            let replayed = cs.is_empty();
+            if !replayed {
+                changes.push(cs);
+            }
+            Applied { outcome, replayed }
+        };
+        match cmd {
+            Command::Claim(req, reply) => {
+                Pending::Applied(reply, self.ledger.claim(&req, now).map(&mut keep))
+            }
+            Command::Release(req, reply) => {
+                Pending::Applied(reply, self.ledger.release(&req, now).map(&mut keep))
+            }
+            Command::Transfer(req, reply) => {
+                Pending::Applied(reply, self.ledger.transfer(&req, now).map(&mut keep))
+            }
+            Command::FreeOrphans(list, request_id, reply) => {
+                let results = list
+                    .into_iter()
+                    .map(|o| {
+                        self.ledger
+                            .release(
+                                &ReleaseRequest {
+                                    address: o.address,
+                                    consumer: o.consumer,
+                                    request_id: request_id.clone(),
+                                    generation: o.generation,
+                                },
+                                now,
+                            )
+                            .map(&mut keep)
+                    })
+                    .collect();
+                Pending::Orphans(reply, results)
+            }
+            Command::Inventory(facts, reply) => {
+                changes.push(self.ledger.apply_inventory(facts));
+                Pending::Unit(reply)
+            }
+            Command::Devices(list, reply) => {
+                changes.push(self.ledger.apply_devices(list));
+                Pending::Unit(reply)
+            }
+            Command::Domains(domains, reply) => {
+                changes.push(self.ledger.apply_domains(domains));
+                Pending::Unit(reply)
+            }
+        }
+    }
+
+    fn run_batch(&mut self, batch: Vec<Command>) {
+        let now = now_unix();
+        let before = self.view_now();
+        let mut changes = Vec::new();
+        let pending: Vec<Pending> = batch
+            .into_iter()
+            .map(|cmd| self.decide(cmd, now, &mut changes))
+            .collect();
+        let durable: Vec<ChangeSet> = changes.iter().filter(|c| !c.is_empty()).cloned().collect();
+        let committed = if durable.is_empty() {
+            Ok(())
+        } else {
+            self.store.commit(&durable)
+        };
+        self.set_store_error(committed.as_ref().err().map(|e| e.to_string()));
+        match committed {
+            Ok(()) => {
+                if !changes.is_empty() {
+                    self.publish(&before, &changes);
+                }
+                for p in pending {
+                    match p {
+                        Pending::Applied(r, res) => {
+                            let _ = r.send(res.map_err(WriteError::from));
+                        }
+                        Pending::Unit(r) => {
+                            let _ = r.send(Ok(()));
+                        }
+                        Pending::Orphans(r, res) => {
+                            let _ = r.send(Ok(res));
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, changes = durable.len(), "store commit failed; the batch is undone");
+                for cs in changes.iter().rev() {
+                    self.ledger.undo(cs);
+                }
+                let e = Arc::new(e);
+                for p in pending {
+                    // A request the ledger rejected changed nothing: its own answer stands.
+                    match p {
+                        Pending::Applied(r, Err(le)) => {
+                            let _ = r.send(Err(WriteError::Ledger(le)));
+                        }
+                        Pending::Applied(r, Ok(_)) => {
+                            let _ = r.send(Err(WriteError::Store(e.clone())));
+                        }
+                        Pending::Unit(r) => {
+                            let _ = r.send(Err(WriteError::Store(e.clone())));
+                        }
+                        Pending::Orphans(r, _) => {
+                            let _ = r.send(Err(WriteError::Store(e.clone())));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn view_now(&self) -> Arc<View> {
+        match self.view.read() {
+            Ok(v) => v.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// Publishes the new view, logs each state change and emits watch events: one per
+    /// changed or removed record, and one per device whose derived state changed because
+    /// of a relative (stamped with the batch's host generation).
+    fn publish(&mut self, before: &View, changes: &[ChangeSet]) {
+        let view = make_view(&self.ledger);
+        let old_state: BTreeMap<RecordId, (&DeviceState, Generation)> = before
+            .devices
+            .iter()
+            .map(|v| (v.record.id, (&v.state, v.record.generation)))
+            .collect();
+        let mut written: BTreeSet<RecordId> = BTreeSet::new();
+        let mut events = Vec::new();
+        for cs in changes {
+            for r in &cs.upserts {
+                written.insert(r.id);
+            }
+            for (address, generation) in &cs.removed {
+                tracing::info!(device = %address, new_generation = %generation, "device record removed");
+                events.push(Event::Removed {
+                    generation: *generation,
+                    address: *address,
+                });
+            }
+        }
+        for v in &view.devices {
+            let old = old_state.get(&v.record.id);
+            if written.contains(&v.record.id) {
+                tracing::info!(
+                    device = %v.record.address(),
+                    state = v.state.name(),
+                    owner = %v.record.claim.as_ref().map(|c| c.owner.to_string()).unwrap_or_default(),
+                    old_generation = %old.map(|o| o.1).unwrap_or_default(),
+                    new_generation = %v.record.generation,
+                    "device changed"
+                );
+                events.push(Event::Changed {
+                    generation: v.record.generation,
+                    view: v.clone(),
+                });
+            } else if old.is_some_and(|(s, _)| **s != v.state) {
+                events.push(Event::Changed {
+                    generation: view.host_generation,
+                    view: v.clone(),
+                });
+            }
+        }
+        events.sort_by_key(|e| e.generation());
+        let view = Arc::new(view);
+        // Publish the view before the events, so a watcher that re-lists after an event
+        // sees at least that event's state.
+        match self.view.write() {
+            Ok(mut g) => *g = view,
+            Err(p) => *p.into_inner() = view,
+        }
+        let mut log = match self.events.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        for e in events {
+            log.push(e);
+        }
+    }
+}
