@@ -14,6 +14,7 @@
 //! - [`writer`]: the single writer thread: decides commands in batches against the
 //!   ledger, commits each batch once (group commit), publishes views and watch events.
 //! - [`api`]: the gRPC service `hostdev.v1.HostDev`, the caller check, the error map.
+//! - [`client`]: connecting a `HostDev` client to the agent's Unix socket.
 //! - [`config`]: the TOML configuration and the managed-device selection.
 //! - [`daemon`]: startup order, serving on the Unix socket, signals, readiness, demo.
 //!
@@ -21,6 +22,7 @@
 //! takes its root path, socket or connection as an argument.
 
 pub mod api;
+pub mod client;
 pub mod config;
 pub mod daemon;
 pub mod ledger;

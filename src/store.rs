@@ -1,1 +1,639 @@
-//! placeholder
+//! The durable ledger: one SQLite database (`hostdevd.db`, WAL, `synchronous=FULL`) in the
+//! state directory, held under an exclusive `flock` for the store's life.
+//!
+//! The store persists what the ledger hands it as [`ChangeSet`]s and gives it back as a
+//! [`Snapshot`] at start. Every [`Store::commit`] is one transaction, fsynced before it
+//! returns (invariant I4): a batch of change sets is all on disk or none of it is. The host
+//! generation it records never moves backwards (invariant I5).
+//!
+//! What the store refuses to do matters as much: a database that fails its integrity
+//! check, was written by a newer build, or is missing while its write-ahead log is
+//! present is reported and left byte for byte as found. It is never replaced, since a
+//! fresh database would silently free every device a VM is using.
+//!
+//! A new database is built under a temporary name and renamed into place once its schema
+//! is committed, so a `hostdevd.db` that exists is always a complete database: an empty
+//! one is corruption, not a fresh start.
+
+mod error;
+mod schema;
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read};
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
+
+use crate::ledger::model::{ChangeSet, DeviceRecord, Outcome, RequestEntry, Snapshot};
+use crate::pci::{ConsumerId, Generation, RequestId};
+
+pub use error::{Cause, StoreError};
+use schema::HOST_GENERATION_KEY;
+
+/// The database file's name inside the state directory.
+pub const DB_FILE: &str = "hostdevd.db";
+/// The lock file's name inside the state directory. It holds the pid of the daemon that
+/// owns the directory, for the error a second daemon prints; the lock is what counts.
+pub const LOCK_FILE: &str = "hostdevd.lock";
+/// Where a new database is built before it is renamed to [`DB_FILE`].
+const NEW_DB_FILE: &str = "hostdevd.db.new";
+/// How long a write waits for a reader that holds a lock (an operator's sqlite3 session)
+/// before it fails. WAL readers never block our writes, so this only covers checkpoints.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How many `quick_check` complaints are quoted in a corruption error.
+const MAX_CHECK_MESSAGES: usize = 3;
+
+/// The schema version this build writes and understands.
+pub fn schema_version() -> i64 {
+    schema::current_version()
+}
+
+/// The durable ledger. Holds the state directory's lock and one SQLite connection; drop it
+/// to release both.
+pub struct Store {
+    // Field order is drop order: the connection is closed (and the WAL checkpointed)
+    // before the lock is released, so a successor never sees a half-closed database.
+    conn: Connection,
+    path: PathBuf,
+    dir: PathBuf,
+    _lock: Flock<File>,
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Store {
+    /// Opens (creating if absent) the store in `state_dir`.
+    ///
+    /// Creates the directory (mode 0750) if needed, takes the exclusive lock, checks the
+    /// database's schema version and integrity, and applies pending migrations. Fails with
+    /// [`StoreError::Locked`] if another daemon holds the directory,
+    /// [`StoreError::Corrupt`] or [`StoreError::NewerSchema`] without writing a byte, and
+    /// [`StoreError::ReadOnly`] if the directory cannot be written.
+    pub fn open(state_dir: &Path) -> Result<Store, StoreError> {
+        create_state_dir(state_dir)?;
+        let lock = lock_state_dir(state_dir)?;
+        let path = state_dir.join(DB_FILE);
+        match fs::metadata(&path) {
+            Ok(meta) if meta.len() == 0 => {
+                // Our databases are created complete and renamed into place, so an empty
+                // file is a truncated database, not a new one.
+                return Err(StoreError::corrupt(
+                    &path,
+                    "the file is empty; a database created by hostdevd never is",
+                ));
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                let wal = sibling(&path, "-wal");
+                if fs::symlink_metadata(&wal).is_ok() {
+                    // The log belongs to a database that was deleted; a new database would
+                    // replay frames of the old one into itself.
+                    return Err(StoreError::corrupt(
+                        &path,
+                        format!(
+                            "the database is missing but its write-ahead log {} exists",
+                            wal.display()
+                        ),
+                    ));
+                }
+                create_database(state_dir, &path)?;
+            }
+            Err(e) => return Err(StoreError::io(&path, "reading the database's metadata", e)),
+        }
+        // READ_WRITE without CREATE: the file was checked or created above, and if it
+        // vanished since, failing beats starting empty.
+        let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(&path, flags)
+            .map_err(|e| StoreError::sqlite(&path, "opening the database", e))?;
+        prepare_connection(&conn, &path)?;
+        let store = Store {
+            conn,
+            path,
+            dir: state_dir.to_path_buf(),
+            _lock: lock,
+        };
+        // A database without a host generation cannot honour I5; say so at start rather
+        // than at the first claim.
+        store.host_generation()?;
+        Ok(store)
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The state directory this store owns.
+    pub fn state_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The host generation of the last committed batch.
+    pub fn host_generation(&self) -> Result<Generation, StoreError> {
+        read_host_generation(&self.conn, &self.path)
+    }
+
+    /// Everything stored: host generation, device records and the request log (ordered by
+    /// time, then consumer and request id). Every record is decoded and checked against
+    /// its indexed columns; a disagreement is reported as corruption.
+    pub fn load(&self) -> Result<Snapshot, StoreError> {
+        let path = &self.path;
+        let sql = |e| StoreError::sqlite(path, "loading the ledger", e);
+        // One read transaction, so the three reads see the same commit.
+        let tx = self.conn.unchecked_transaction().map_err(sql)?;
+        let host_generation = read_host_generation(&tx, path)?;
+
+        let mut records = std::collections::BTreeMap::new();
+        let mut stmt = tx.prepare_cached(schema::SELECT_RECORDS).map_err(sql)?;
+        let mut rows = stmt.query([]).map_err(sql)?;
+        while let Some(row) = rows.next().map_err(sql)? {
+            let columns = RecordColumns {
+                id: row.get(0).map_err(sql)?,
+                address: row.get(1).map_err(sql)?,
+                generation: row.get(2).map_err(sql)?,
+                present: row.get(3).map_err(sql)?,
+                consumer: row.get(4).map_err(sql)?,
+            };
+            let json: String = row.get(5).map_err(sql)?;
+            let record = decode_record(path, &columns, &json)?;
+            records.insert(record.id, record);
+        }
+        drop(rows);
+        drop(stmt);
+
+        let mut requests = Vec::new();
+        let mut stmt = tx.prepare_cached(schema::SELECT_REQUESTS).map_err(sql)?;
+        let mut rows = stmt.query([]).map_err(sql)?;
+        while let Some(row) = rows.next().map_err(sql)? {
+            let consumer: String = row.get(0).map_err(sql)?;
+            let request_id: String = row.get(1).map_err(sql)?;
+            let outcome: String = row.get(2).map_err(sql)?;
+            let at: i64 = row.get(3).map_err(sql)?;
+            requests.push(decode_request(path, &consumer, &request_id, &outcome, at)?);
+        }
+        Ok(Snapshot {
+            host_generation,
+            records,
+            requests,
+        })
+    }
+
+    /// Writes a batch of change sets as ONE durable transaction: upserts, removals,
+    /// request entries and prunes of each change set in order, then the host generation
+    /// of the last one. Returns only once the transaction is fsynced.
+    ///
+    /// Refuses with [`StoreError::BackwardsGeneration`], writing nothing, if any change
+    /// set's host generation is below the stored one or the one before it in the batch.
+    /// On any error (a full disk, a read-only mount) the transaction is rolled back,
+    /// nothing of the batch is on disk, and the store stays usable.
+    pub fn commit(&mut self, batch: &[ChangeSet]) -> Result<(), StoreError> {
+        let Some(last) = batch.last() else {
+            return Ok(());
+        };
+        let path = &self.path;
+        let sql = |e| StoreError::sqlite(path, "committing a batch", e);
+        // IMMEDIATE takes the write lock up front, so a failure to get it surfaces here
+        // and not halfway through the batch.
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(sql)?;
+        let stored = read_host_generation(&tx, path)?;
+        let mut running = stored;
+        for cs in batch {
+            if cs.host_generation < running {
+                return Err(StoreError::BackwardsGeneration {
+                    path: path.clone(),
+                    stored,
+                    proposed: cs.host_generation,
+                });
+            }
+            running = cs.host_generation;
+        }
+        if running == stored && batch.iter().all(ChangeSet::is_empty) {
+            // Nothing to write: skip the fsync. Dropping `tx` ends it without a write.
+            return Ok(());
+        }
+        {
+            let mut upsert = tx.prepare_cached(schema::UPSERT_RECORD).map_err(sql)?;
+            let mut remove = tx.prepare_cached(schema::DELETE_RECORD).map_err(sql)?;
+            let mut log = tx.prepare_cached(schema::UPSERT_REQUEST).map_err(sql)?;
+            let mut prune = tx.prepare_cached(schema::DELETE_REQUEST).map_err(sql)?;
+            for cs in batch {
+                for record in &cs.upserts {
+                    let json = serde_json::to_string(record).map_err(|e| StoreError::Encode {
+                        path: path.clone(),
+                        what: format!("record {}", record.id.0),
+                        reason: "JSON encoding failed".into(),
+                        source: Some(e),
+                    })?;
+                    let consumer = record.claim.as_ref().map(|c| c.owner.consumer.to_string());
+                    upsert
+                        .execute(params![
+                            to_sql_int(path, "record id", record.id.0)?,
+                            record.address().to_string(),
+                            to_sql_int(path, "generation", record.generation.0)?,
+                            record.present,
+                            consumer,
+                            json,
+                        ])
+                        .map_err(sql)?;
+                }
+                for id in &cs.removals {
+                    remove
+                        .execute([to_sql_int(path, "record id", id.0)?])
+                        .map_err(sql)?;
+                }
+                for entry in &cs.requests {
+                    let outcome =
+                        serde_json::to_string(&entry.outcome).map_err(|e| StoreError::Encode {
+                            path: path.clone(),
+                            what: format!(
+                                "the outcome of request {} of {}",
+                                entry.request_id, entry.consumer
+                            ),
+                            reason: "JSON encoding failed".into(),
+                            source: Some(e),
+                        })?;
+                    log.execute(params![
+                        entry.consumer.to_string(),
+                        entry.request_id.as_str(),
+                        outcome,
+                        to_sql_int(path, "request time", entry.at)?,
+                    ])
+                    .map_err(sql)?;
+                }
+                for (consumer, request_id) in &cs.pruned_requests {
+                    prune
+                        .execute(params![consumer.to_string(), request_id.as_str()])
+                        .map_err(sql)?;
+                }
+            }
+            let updated = tx
+                .prepare_cached(schema::UPDATE_HOST_GENERATION)
+                .map_err(sql)?
+                .execute([to_sql_int(path, "host generation", last.host_generation.0)?])
+                .map_err(sql)?;
+            if updated != 1 {
+                return Err(StoreError::corrupt(
+                    path,
+                    "the meta table has no host_generation row",
+                ));
+            }
+        }
+        // If COMMIT fails (SQLITE_FULL while appending to the WAL), dropping the
+        // transaction rolls it back, which also clears SQLite's error state so the next
+        // commit starts clean. Auto-checkpoint failures after a successful COMMIT are
+        // ignored by SQLite's default WAL hook, so an error here means "not committed".
+        tx.commit().map_err(sql)
+    }
+
+    /// Reads a meta value (e.g. `boot_id`). The host generation reads as its decimal text.
+    pub fn meta_get(&self, key: &str) -> Result<Option<String>, StoreError> {
+        let path = &self.path;
+        let sql = |e| StoreError::sqlite(path, "reading a meta value", e);
+        let mut stmt = self.conn.prepare_cached(schema::SELECT_META).map_err(sql)?;
+        stmt.query_row([key], |row| row.get::<_, String>(0))
+            .optional()
+            .map_err(sql)
+    }
+
+    /// Durably sets a meta value. The host generation is reserved: only
+    /// [`Store::commit`] writes it, so I5 is checked on every write.
+    pub fn meta_set(&mut self, key: &str, value: &str) -> Result<(), StoreError> {
+        if key == HOST_GENERATION_KEY {
+            return Err(StoreError::ReservedKey {
+                path: self.path.clone(),
+                key: key.to_string(),
+            });
+        }
+        let path = &self.path;
+        let sql = |e| StoreError::sqlite(path, "writing a meta value", e);
+        let mut stmt = self.conn.prepare_cached(schema::UPSERT_META).map_err(sql)?;
+        stmt.execute([key, value]).map_err(sql)?;
+        Ok(())
+    }
+}
+
+/// Creates the state directory (and parents) with mode 0750 if it does not exist.
+fn create_state_dir(dir: &Path) -> Result<(), StoreError> {
+    match fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o750)
+        .create(dir)
+    {
+        Ok(()) => Ok(()),
+        Err(e) => Err(StoreError::io(dir, "creating the state directory", e)),
+    }
+}
+
+/// Takes the exclusive, non-blocking lock on the state directory's lock file.
+fn lock_state_dir(dir: &Path) -> Result<Flock<File>, StoreError> {
+    let lock_path = dir.join(LOCK_FILE);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o640)
+        .open(&lock_path)
+        .map_err(|e| StoreError::io(&lock_path, "opening the lock file", e))?;
+    match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => {
+            // Best effort, for the message a second daemon prints. A fixed width lets us
+            // overwrite in place without truncating, so even a full disk (no new block
+            // needed) does not stop a restart; a failure here changes nothing that counts.
+            let _ = lock.write_at(format!("{:<20}\n", std::process::id()).as_bytes(), 0);
+            Ok(lock)
+        }
+        Err((mut file, errno)) if errno == Errno::EWOULDBLOCK => {
+            let mut text = String::new();
+            let holder = match file.read_to_string(&mut text) {
+                Ok(_) => match text.trim().parse::<u32>() {
+                    Ok(pid) => format!("pid {pid}"),
+                    Err(_) => "pid unknown".to_string(),
+                },
+                Err(_) => "pid unknown".to_string(),
+            };
+            Err(StoreError::Locked {
+                dir: dir.to_path_buf(),
+                holder,
+                source: errno,
+            })
+        }
+        Err((_, errno)) => Err(StoreError::io(
+            &lock_path,
+            "locking the state directory",
+            io::Error::from(errno),
+        )),
+    }
+}
+
+/// Builds a new database under [`NEW_DB_FILE`], fully migrated and fsynced, then renames
+/// it to `path` and fsyncs the directory. A crash at any point leaves either no
+/// `hostdevd.db` or a complete one.
+fn create_database(dir: &Path, path: &Path) -> Result<(), StoreError> {
+    let tmp = dir.join(NEW_DB_FILE);
+    // Leftovers of a creation that crashed: they never held acknowledged data, because
+    // the daemon only serves from the renamed database.
+    for suffix in ["", "-journal", "-wal", "-shm"] {
+        let leftover = sibling(&tmp, suffix);
+        match fs::remove_file(&leftover) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(StoreError::io(&leftover, "removing a leftover file", e)),
+        }
+    }
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+        | OpenFlags::SQLITE_OPEN_CREATE
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(&tmp, flags)
+        .map_err(|e| StoreError::sqlite(&tmp, "creating the database", e))?;
+    // A rollback journal while building: once the connection closes, everything is in
+    // the one file that gets renamed (a WAL would have to travel with it).
+    conn.pragma_update(None, "journal_mode", "DELETE")
+        .map_err(|e| StoreError::sqlite(&tmp, "creating the database", e))?;
+    conn.pragma_update(None, "synchronous", "FULL")
+        .map_err(|e| StoreError::sqlite(&tmp, "creating the database", e))?;
+    migrate(&conn, &tmp, 0)?;
+    conn.close()
+        .map_err(|(_, e)| StoreError::sqlite(&tmp, "closing the new database", e))?;
+    File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| StoreError::io(&tmp, "syncing the new database", e))?;
+    fs::rename(&tmp, path).map_err(|e| StoreError::io(path, "renaming the new database", e))?;
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| StoreError::io(dir, "syncing the state directory", e))?;
+    Ok(())
+}
+
+/// Checks an opened database and brings it to the current schema. Nothing is written
+/// before the version and integrity checks pass.
+fn prepare_connection(conn: &Connection, path: &Path) -> Result<(), StoreError> {
+    let sql = |e| StoreError::sqlite(path, "checking the database", e);
+    conn.busy_timeout(BUSY_TIMEOUT).map_err(sql)?;
+    // The first read of the header: a file that is not a database fails here (NOTADB,
+    // classified as corrupt).
+    let version: i64 = conn
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .map_err(sql)?;
+    let known = schema::current_version();
+    if version > known {
+        return Err(StoreError::NewerSchema {
+            path: path.to_path_buf(),
+            found: version,
+            known,
+        });
+    }
+    if version < 0 {
+        return Err(StoreError::corrupt(
+            path,
+            format!("its schema version {version} is negative"),
+        ));
+    }
+    quick_check(conn, path)?;
+    if version == 0 {
+        let tables: i64 = conn
+            .query_row("SELECT count(*) FROM sqlite_schema", [], |r| r.get(0))
+            .map_err(sql)?;
+        if tables != 0 {
+            return Err(StoreError::corrupt(
+                path,
+                "it has tables but no schema version, so it is not a hostdevd database",
+            ));
+        }
+    }
+    // Writes begin here, on a database that passed the checks.
+    let sql = |e| StoreError::sqlite(path, "configuring the database", e);
+    let mode: String = conn
+        .pragma_query_value(None, "journal_mode", |r| r.get(0))
+        .map_err(sql)?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        let mode: String = conn
+            .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
+            .map_err(sql)?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(StoreError::Sqlite {
+                path: path.to_path_buf(),
+                op: "switching to WAL mode",
+                source: rusqlite::Error::InvalidParameterName(format!(
+                    "journal_mode stayed {mode}"
+                )),
+            });
+        }
+    }
+    // FULL: in WAL mode the log is fsynced at every commit, so a commit that returned
+    // survives a power cut (I4). NORMAL would only guarantee consistency.
+    conn.pragma_update(None, "synchronous", "FULL")
+        .map_err(sql)?;
+    // The schema is ours; nothing in it needs functions with side effects.
+    conn.pragma_update(None, "trusted_schema", "OFF")
+        .map_err(sql)?;
+    if version < known {
+        migrate(conn, path, version)?;
+    }
+    Ok(())
+}
+
+/// Runs `PRAGMA quick_check` and turns any complaint into a corruption error.
+fn quick_check(conn: &Connection, path: &Path) -> Result<(), StoreError> {
+    let sql = |e| StoreError::sqlite(path, "checking the database's integrity", e);
+    let mut stmt = conn.prepare("PRAGMA quick_check").map_err(sql)?;
+    let mut rows = stmt.query([]).map_err(sql)?;
+    let mut complaints = Vec::new();
+    while let Some(row) = rows.next().map_err(sql)? {
+        let line: String = row.get(0).map_err(sql)?;
+        if line != "ok" {
+            complaints.push(line);
+        }
+    }
+    if complaints.is_empty() {
+        return Ok(());
+    }
+    let more = complaints.len().saturating_sub(MAX_CHECK_MESSAGES);
+    complaints.truncate(MAX_CHECK_MESSAGES);
+    let mut reason = format!("integrity check failed: {}", complaints.join("; "));
+    if more > 0 {
+        reason.push_str(&format!(" (and {more} more)"));
+    }
+    Err(StoreError::corrupt(path, reason))
+}
+
+/// Applies migrations `from..` and sets `user_version`, all in one transaction: a crash
+/// or error leaves the database at its old version with its old schema.
+fn migrate(conn: &Connection, path: &Path, from: i64) -> Result<(), StoreError> {
+    let sql = |e| StoreError::sqlite(path, "migrating the schema", e);
+    // `unchecked_transaction` only because the connection is borrowed shared here; it is
+    // still one transaction that rolls back if dropped uncommitted.
+    let tx = conn.unchecked_transaction().map_err(sql)?;
+    apply_migrations(&tx, path, from)?;
+    tx.commit().map_err(sql)
+}
+
+fn apply_migrations(conn: &Connection, path: &Path, from: i64) -> Result<(), StoreError> {
+    let sql = |e| StoreError::sqlite(path, "migrating the schema", e);
+    let start = usize::try_from(from).unwrap_or(usize::MAX);
+    for migration in schema::MIGRATIONS.iter().skip(start) {
+        conn.execute_batch(migration).map_err(sql)?;
+    }
+    // `user_version` is part of the transaction, so version and schema move together.
+    conn.pragma_update(None, "user_version", schema::current_version())
+        .map_err(sql)
+}
+
+fn read_host_generation(conn: &Connection, path: &Path) -> Result<Generation, StoreError> {
+    let sql = |e| StoreError::sqlite(path, "reading the host generation", e);
+    let value: Option<rusqlite::types::Value> = conn
+        .prepare_cached(schema::SELECT_HOST_GENERATION)
+        .map_err(sql)?
+        .query_row([], |r| r.get(0))
+        .optional()
+        .map_err(sql)?;
+    match value {
+        Some(rusqlite::types::Value::Integer(n)) => u64::try_from(n)
+            .map(Generation)
+            .map_err(|_| StoreError::corrupt(path, format!("the host generation {n} is negative"))),
+        Some(other) => Err(StoreError::corrupt(
+            path,
+            format!("the host generation is not an integer ({other:?})"),
+        )),
+        None => Err(StoreError::corrupt(
+            path,
+            "the meta table has no host_generation row",
+        )),
+    }
+}
+
+/// The indexed columns of a `records` row, checked against the row's JSON.
+struct RecordColumns {
+    id: i64,
+    address: String,
+    generation: i64,
+    present: bool,
+    consumer: Option<String>,
+}
+
+fn decode_record(
+    path: &Path,
+    columns: &RecordColumns,
+    json: &str,
+) -> Result<DeviceRecord, StoreError> {
+    let id = columns.id;
+    let record: DeviceRecord = serde_json::from_str(json).map_err(|e| StoreError::Corrupt {
+        path: path.to_path_buf(),
+        reason: format!("record {id} does not decode: {e}"),
+        source: None,
+    })?;
+    let consumer = record.claim.as_ref().map(|c| c.owner.consumer.to_string());
+    let agrees = i64::try_from(record.id.0).ok() == Some(id)
+        && record.address().to_string() == columns.address
+        && i64::try_from(record.generation.0).ok() == Some(columns.generation)
+        && record.present == columns.present
+        && consumer == columns.consumer;
+    if !agrees {
+        return Err(StoreError::corrupt(
+            path,
+            format!(
+                "record {id}: the columns (address {}, generation {}, present {}, consumer {:?}) \
+                 disagree with its JSON",
+                columns.address, columns.generation, columns.present, columns.consumer
+            ),
+        ));
+    }
+    Ok(record)
+}
+
+fn decode_request(
+    path: &Path,
+    consumer: &str,
+    request_id: &str,
+    outcome: &str,
+    at: i64,
+) -> Result<RequestEntry, StoreError> {
+    let bad = |what: String| {
+        StoreError::corrupt(
+            path,
+            format!("request {request_id:?} of {consumer:?}: {what}"),
+        )
+    };
+    Ok(RequestEntry {
+        consumer: ConsumerId::from_str(consumer).map_err(|e| bad(e.to_string()))?,
+        request_id: RequestId::from_str(request_id).map_err(|e| bad(e.to_string()))?,
+        outcome: serde_json::from_str::<Outcome>(outcome)
+            .map_err(|e| bad(format!("the outcome does not decode: {e}")))?,
+        at: u64::try_from(at).map_err(|_| bad(format!("its time {at} is negative")))?,
+    })
+}
+
+/// SQLite integers are signed 64-bit; values past `i64::MAX` are refused, not wrapped,
+/// since a wrapped generation would sort before every real one.
+fn to_sql_int(path: &Path, what: &str, value: u64) -> Result<i64, StoreError> {
+    i64::try_from(value).map_err(|_| StoreError::Encode {
+        path: path.to_path_buf(),
+        what: format!("{what} {value}"),
+        reason: "it exceeds SQLite's 64-bit signed integer range".into(),
+        source: None,
+    })
+}
+
+/// `path` with `suffix` appended to its file name (`hostdevd.db` → `hostdevd.db-wal`).
+fn sibling(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
+}

@@ -1,1 +1,267 @@
-//! placeholder
+//! The read-only inventory of PCI devices under a sysfs root: ids, names, driver, IOMMU group, NUMA node, SR-IOV links, netdevs, VFIO group node.
+//!
+//! The sysfs root and the dev root are always passed in ([`DEFAULT_SYSFS_ROOT`] and
+//! [`DEFAULT_DEV_ROOT`] exist only as defaults for configuration), so tests point the
+//! same code at a fake tree. A scan never aborts because of one device: whatever could
+//! not be read is named, with its path, in that device's [`PciDevice::errors`], and every
+//! other device is still listed.
+//!
+//! - [`attr`]: reading and parsing single attributes and links.
+//! - [`names`]: the PCI ID database.
+//! - [`render`]: the human-readable table of `hostdevd scan`.
+
+pub mod attr;
+pub mod names;
+pub mod render;
+mod scan;
+
+use std::fmt;
+use std::io;
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use crate::pci::{DeviceId, PciAddress, VendorId};
+
+pub use names::PciNames;
+pub use scan::{scan, scan_one};
+
+/// The default sysfs mount point. The only place this literal may appear; everything
+/// else receives the root as a parameter.
+pub const DEFAULT_SYSFS_ROOT: &str = "/sys";
+
+/// The default device node root (for `/dev/vfio/N`). Same rule as [`DEFAULT_SYSFS_ROOT`].
+pub const DEFAULT_DEV_ROOT: &str = "/dev";
+
+/// The name under which the kernel registers the VFIO PCI driver.
+pub const VFIO_PCI_DRIVER: &str = "vfio-pci";
+
+/// Why something in a sysfs tree could not be read. Every message names the path; the
+/// underlying cause is kept as the error's `source()` (see [`SysfsError::full_message`]).
+#[derive(Debug, thiserror::Error)]
+pub enum SysfsError {
+    #[error("could not list the directory {path}")]
+    ListDir { path: PathBuf, source: io::Error },
+    #[error("could not read {path}")]
+    Read { path: PathBuf, source: io::Error },
+    #[error("could not read the link {path}")]
+    ReadLink { path: PathBuf, source: io::Error },
+    #[error("the link {path} points to {target}, which does not exist")]
+    DanglingLink {
+        path: PathBuf,
+        target: PathBuf,
+        source: io::Error,
+    },
+    #[error("the link {path} points to {target}, whose name is not {expected}")]
+    BadLink {
+        path: PathBuf,
+        target: PathBuf,
+        expected: &'static str,
+    },
+    #[error("{path} is longer than {limit} bytes, so it is not a kernel attribute")]
+    TooLong { path: PathBuf, limit: usize },
+    #[error("{path} is not valid UTF-8")]
+    NotUtf8 {
+        path: PathBuf,
+        source: std::str::Utf8Error,
+    },
+    #[error("{path} holds {value:?}, expected {expected}")]
+    Malformed {
+        path: PathBuf,
+        value: String,
+        expected: &'static str,
+    },
+    #[error("the device directory {path} of {address} vanished or is unreadable")]
+    DeviceGone {
+        address: PciAddress,
+        path: PathBuf,
+        source: io::Error,
+    },
+}
+
+impl SysfsError {
+    /// The message followed by its chain of causes, for places that keep only text
+    /// (a device's `errors`).
+    pub fn full_message(&self) -> String {
+        let mut msg = self.to_string();
+        let mut cause = std::error::Error::source(self);
+        while let Some(c) = cause {
+            msg.push_str(": ");
+            msg.push_str(&c.to_string());
+            cause = c.source();
+        }
+        msg
+    }
+}
+
+/// A 24-bit PCI class code (base class, subclass, programming interface), shown and
+/// serialized as 6 lowercase hex digits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ClassCode(pub u32);
+
+impl ClassCode {
+    pub fn base(&self) -> u8 {
+        (self.0 >> 16) as u8
+    }
+    pub fn subclass(&self) -> u8 {
+        (self.0 >> 8) as u8
+    }
+    pub fn prog_if(&self) -> u8 {
+        self.0 as u8
+    }
+}
+
+impl fmt::Display for ClassCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:06x}", self.0)
+    }
+}
+
+impl Serialize for ClassCode {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// An 8-bit PCI revision id, shown and serialized as 2 lowercase hex digits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Revision(pub u8);
+
+impl fmt::Display for Revision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:02x}", self.0)
+    }
+}
+
+impl Serialize for Revision {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// The SR-IOV side of a physical function.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SriovInfo {
+    /// `sriov_totalvfs`: the most VFs the PF can create (0 if unreadable).
+    pub total_vfs: u32,
+    /// `sriov_numvfs`: how many VFs are enabled now (0 if unreadable).
+    pub num_vfs: u32,
+    /// The VFs from the PF's `virtfnN` links, in VF-index order (`virtfn10` after
+    /// `virtfn9`); links that point nowhere are left out and named in `errors`.
+    pub vfs: Vec<PciAddress>,
+}
+
+/// One PCI function as sysfs describes it. The serialized form is the JSON entry of
+/// `hostdevd scan --json`; fields marked `skip` are for the daemon's own use.
+///
+/// Id fields are `None` (JSON null) only when their attribute could not be read, and then
+/// `errors` says why.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PciDevice {
+    pub address: PciAddress,
+    pub vendor_id: Option<VendorId>,
+    pub device_id: Option<DeviceId>,
+    pub subsystem_vendor_id: Option<VendorId>,
+    pub subsystem_device_id: Option<DeviceId>,
+    pub class: Option<ClassCode>,
+    pub revision: Option<Revision>,
+    pub vendor_name: Option<String>,
+    pub device_name: Option<String>,
+    /// The bound driver's name; `None` when unbound.
+    pub driver: Option<String>,
+    pub iommu_group: Option<u32>,
+    /// `None` when the kernel reports -1 (no affinity) or has no NUMA support.
+    pub numa_node: Option<u32>,
+    /// Network interfaces under the device's `net/`, sorted.
+    pub netdevs: Vec<String>,
+    /// For a VF: its physical function.
+    pub physfn: Option<PciAddress>,
+    /// For a VF: N such that `physfn/virtfnN` points back to it.
+    pub vf_index: Option<u32>,
+    /// For a PF (a device with `sriov_totalvfs`).
+    pub sriov: Option<SriovInfo>,
+    /// `<devroot>/vfio/N` when bound to vfio-pci and in IOMMU group N.
+    pub vfio_group: Option<PathBuf>,
+    /// One sentence per attribute or link that could not be read, each naming it.
+    pub errors: Vec<String>,
+    /// `driver_override`; `None` when the kernel shows "(null)".
+    #[serde(skip)]
+    pub driver_override: Option<String>,
+    /// The other devices in the same IOMMU group (this device excluded), sorted.
+    #[serde(skip)]
+    pub iommu_group_peers: Vec<PciAddress>,
+    /// Whether `vfio_group` exists as a node under the dev root.
+    #[serde(skip)]
+    pub vfio_group_exists: bool,
+}
+
+impl PciDevice {
+    /// A record with only the address filled in; the scan fills the rest.
+    pub fn new(address: PciAddress) -> Self {
+        Self {
+            address,
+            vendor_id: None,
+            device_id: None,
+            subsystem_vendor_id: None,
+            subsystem_device_id: None,
+            class: None,
+            revision: None,
+            vendor_name: None,
+            device_name: None,
+            driver: None,
+            iommu_group: None,
+            numa_node: None,
+            netdevs: Vec::new(),
+            physfn: None,
+            vf_index: None,
+            sriov: None,
+            vfio_group: None,
+            errors: Vec::new(),
+            driver_override: None,
+            iommu_group_peers: Vec::new(),
+            vfio_group_exists: false,
+        }
+    }
+
+    /// Whether the device is bound to vfio-pci.
+    pub fn is_vfio_bound(&self) -> bool {
+        self.driver.as_deref() == Some(VFIO_PCI_DRIVER)
+    }
+
+    /// Whether this is an SR-IOV virtual function.
+    pub fn is_vf(&self) -> bool {
+        self.physfn.is_some()
+    }
+
+    /// Whether this is an SR-IOV physical function.
+    pub fn is_pf(&self) -> bool {
+        self.sriov.is_some()
+    }
+
+    /// Records a problem with one attribute or link.
+    pub(crate) fn problem(&mut self, attribute: &str, err: &SysfsError) {
+        tracing::debug!(address = %self.address, attribute, error = %err, "sysfs attribute problem");
+        self.errors
+            .push(format!("{attribute}: {}", err.full_message()));
+    }
+}
+
+/// Every PCI device under a sysfs root, sorted by address.
+#[derive(Debug, Clone, PartialEq, Serialize, Default)]
+pub struct Inventory {
+    pub devices: Vec<PciDevice>,
+    /// Entries of `bus/pci/devices` that are not devices at all (a name that is not a PCI
+    /// address), one sentence each. Not part of the JSON.
+    #[serde(skip)]
+    pub errors: Vec<String>,
+}
+
+impl Inventory {
+    /// The device at `address`, if present.
+    pub fn get(&self, address: PciAddress) -> Option<&PciDevice> {
+        self.devices
+            .binary_search_by_key(&address, |d| d.address)
+            .ok()
+            .and_then(|i| self.devices.get(i))
+    }
+}

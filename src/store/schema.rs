@@ -1,0 +1,73 @@
+//! The store's SQL schema: the ordered list of migrations (`PRAGMA user_version` is the
+//! number applied) and the statements the hot path prepares once and reuses.
+
+/// Migrations in order; the schema version of a database is the number applied. Append
+/// only: a released migration is never edited, since databases in the field already ran
+/// it. Each one runs inside the single transaction that also bumps `user_version`.
+pub(crate) const MIGRATIONS: &[&str] = &[
+    // 1: the ledger. Columns hold what an operator queries with sqlite3 (address, owner,
+    // generation); `record` holds the full device record as JSON, the source of truth
+    // that `load` decodes and checks against the columns.
+    "CREATE TABLE meta (
+        key   TEXT PRIMARY KEY NOT NULL,
+        value ANY NOT NULL
+    ) STRICT, WITHOUT ROWID;
+    INSERT INTO meta (key, value) VALUES ('host_generation', 0);
+    CREATE TABLE records (
+        id         INTEGER PRIMARY KEY NOT NULL,
+        address    TEXT NOT NULL,
+        generation INTEGER NOT NULL,
+        present    INTEGER NOT NULL CHECK (present IN (0, 1)),
+        consumer   TEXT,
+        record     TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX records_by_address ON records (address);
+    CREATE INDEX records_by_consumer ON records (consumer) WHERE consumer IS NOT NULL;
+    CREATE TABLE requests (
+        consumer   TEXT NOT NULL,
+        request_id TEXT NOT NULL,
+        outcome    TEXT NOT NULL,
+        at         INTEGER NOT NULL,
+        PRIMARY KEY (consumer, request_id)
+    ) STRICT, WITHOUT ROWID;
+    CREATE INDEX requests_by_at ON requests (at);",
+];
+
+/// The schema version this build writes and understands.
+pub(crate) fn current_version() -> i64 {
+    // The list is a compile-time constant of a handful of entries.
+    MIGRATIONS.len() as i64
+}
+
+/// The meta key holding the host generation; written only by `commit`, so I5 is
+/// checked on every write of it.
+pub(crate) const HOST_GENERATION_KEY: &str = "host_generation";
+
+pub(crate) const SELECT_HOST_GENERATION: &str =
+    "SELECT value FROM meta WHERE key = 'host_generation'";
+pub(crate) const UPDATE_HOST_GENERATION: &str =
+    "UPDATE meta SET value = ?1 WHERE key = 'host_generation'";
+pub(crate) const UPSERT_RECORD: &str = "INSERT INTO records
+        (id, address, generation, present, consumer, record)
+        VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+    ON CONFLICT (id) DO UPDATE SET
+        address = excluded.address,
+        generation = excluded.generation,
+        present = excluded.present,
+        consumer = excluded.consumer,
+        record = excluded.record";
+pub(crate) const DELETE_RECORD: &str = "DELETE FROM records WHERE id = ?1";
+pub(crate) const UPSERT_REQUEST: &str = "INSERT INTO requests
+        (consumer, request_id, outcome, at) VALUES (?1, ?2, ?3, ?4)
+    ON CONFLICT (consumer, request_id) DO UPDATE SET
+        outcome = excluded.outcome,
+        at = excluded.at";
+pub(crate) const DELETE_REQUEST: &str =
+    "DELETE FROM requests WHERE consumer = ?1 AND request_id = ?2";
+pub(crate) const SELECT_RECORDS: &str =
+    "SELECT id, address, generation, present, consumer, record FROM records ORDER BY id";
+pub(crate) const SELECT_REQUESTS: &str = "SELECT consumer, request_id, outcome, at FROM requests
+    ORDER BY at, consumer, request_id";
+pub(crate) const SELECT_META: &str = "SELECT CAST(value AS TEXT) FROM meta WHERE key = ?1";
+pub(crate) const UPSERT_META: &str = "INSERT INTO meta (key, value) VALUES (?1, ?2)
+    ON CONFLICT (key) DO UPDATE SET value = excluded.value";

@@ -1,0 +1,574 @@
+//! Unit tests of the store: every kind of change survives a reopen, batches are atomic,
+//! generations never go backwards, and damaged or foreign databases are refused untouched.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+use rusqlite::Connection;
+use tempfile::TempDir;
+
+use super::*;
+use crate::ledger::model::{Claim, DeviceFacts, DomainRef, Owner, RecordId, RequestKey};
+use crate::pci::{DeviceId, OwnerLabel, PciAddress, PhysNet, VendorId};
+
+fn address(function: u8) -> PciAddress {
+    PciAddress::new(0, 0x3b, 2, function).expect("valid address")
+}
+
+fn consumer(n: u8) -> ConsumerId {
+    ConsumerId(uuid::Uuid::from_bytes([n; 16]))
+}
+
+fn request_id(s: &str) -> RequestId {
+    s.parse().expect("valid request id")
+}
+
+fn facts(function: u8) -> DeviceFacts {
+    DeviceFacts {
+        address: address(function),
+        vendor_id: VendorId(0x8086),
+        device_id: DeviceId(0x10ed),
+        driver: Some("vfio-pci".into()),
+        iommu_group: Some(40 + u32::from(function)),
+        numa_node: Some(1),
+        physfn: PciAddress::new(0, 0x3b, 0, 0),
+        is_pf: false,
+        physnets: vec!["physnet1".parse::<PhysNet>().expect("valid physnet")],
+        managed: true,
+    }
+}
+
+fn record(id: u64, function: u8, generation: u64, owner: Option<u8>) -> DeviceRecord {
+    DeviceRecord {
+        id: RecordId(id),
+        facts: facts(function),
+        generation: Generation(generation),
+        present: true,
+        claim: owner.map(|n| Claim {
+            owner: Owner {
+                consumer: consumer(n),
+                label: "vm-label".parse::<OwnerLabel>().expect("valid label"),
+            },
+            request_id: request_id(&format!("claim-{n}-{generation}")),
+            claimed_at: 1_700_000_000 + generation,
+        }),
+        attached: None,
+    }
+}
+
+fn entry(n: u8, id: &str, rec: &DeviceRecord, at: u64) -> RequestEntry {
+    RequestEntry {
+        consumer: consumer(n),
+        request_id: request_id(id),
+        outcome: Outcome::Claimed {
+            address: rec.address(),
+            record: rec.id,
+            generation: rec.generation,
+        },
+        at,
+    }
+}
+
+fn change(prev: u64, host: u64) -> ChangeSet {
+    ChangeSet {
+        prev_host_generation: Generation(prev),
+        host_generation: Generation(host),
+        ..ChangeSet::default()
+    }
+}
+
+/// What the store should hold after a sequence of commits: the same rules, applied to
+/// plain collections.
+#[derive(Default)]
+struct Model {
+    host_generation: Generation,
+    records: BTreeMap<RecordId, DeviceRecord>,
+    requests: BTreeMap<RequestKey, RequestEntry>,
+}
+
+impl Model {
+    fn apply(&mut self, batch: &[ChangeSet]) {
+        for cs in batch {
+            for r in &cs.upserts {
+                self.records.insert(r.id, r.clone());
+            }
+            for id in &cs.removals {
+                self.records.remove(id);
+            }
+            for e in &cs.requests {
+                self.requests
+                    .insert((e.consumer, e.request_id.clone()), e.clone());
+            }
+            for key in &cs.pruned_requests {
+                self.requests.remove(key);
+            }
+            self.host_generation = cs.host_generation;
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let mut requests: Vec<RequestEntry> = self.requests.values().cloned().collect();
+        requests.sort_by(|a, b| {
+            (a.at, a.consumer.to_string(), a.request_id.as_str()).cmp(&(
+                b.at,
+                b.consumer.to_string(),
+                b.request_id.as_str(),
+            ))
+        });
+        Snapshot {
+            host_generation: self.host_generation,
+            records: self.records.clone(),
+            requests,
+        }
+    }
+}
+
+fn reopen(dir: &Path) -> Store {
+    Store::open(dir).expect("reopen store")
+}
+
+/// Commits the batch, mirrors it in the model, and checks a fresh open loads the model.
+fn commit_and_check(store: Store, model: &mut Model, batch: &[ChangeSet]) -> Store {
+    let mut store = store;
+    store.commit(batch).expect("commit");
+    model.apply(batch);
+    assert_eq!(store.load().expect("load"), model.snapshot(), "same store");
+    let dir = store.state_dir().to_path_buf();
+    drop(store);
+    let store = reopen(&dir);
+    assert_eq!(
+        store.load().expect("load"),
+        model.snapshot(),
+        "after reopen"
+    );
+    store
+}
+
+#[test]
+fn fresh_store_is_empty_versioned_and_private() {
+    let tmp = TempDir::new().expect("tempdir");
+    let dir = tmp.path().join("state").join("hostdevd");
+    let store = Store::open(&dir).expect("open");
+    assert_eq!(store.load().expect("load"), Snapshot::default());
+    assert_eq!(store.path(), dir.join(DB_FILE));
+    let mode = fs::metadata(&dir).expect("dir").permissions().mode() & 0o777;
+    assert_eq!(mode & !0o750, 0, "state dir mode {mode:o} is at most 0750");
+    drop(store);
+    let conn = Connection::open(dir.join(DB_FILE)).expect("sqlite");
+    let version: i64 = conn
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .expect("user_version");
+    assert_eq!(version, schema_version());
+    let mode: String = conn
+        .pragma_query_value(None, "journal_mode", |r| r.get(0))
+        .expect("journal_mode");
+    assert_eq!(mode, "wal");
+    assert!(
+        !dir.join(NEW_DB_FILE).exists(),
+        "temporary database renamed"
+    );
+}
+
+#[test]
+fn every_kind_of_change_survives_reopen() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut model = Model::default();
+    let store = Store::open(tmp.path()).expect("open");
+
+    // Insert three records.
+    let mut cs = change(0, 3);
+    cs.upserts = vec![
+        record(1, 0, 1, None),
+        record(2, 1, 2, None),
+        record(3, 2, 3, None),
+    ];
+    let store = commit_and_check(store, &mut model, &[cs]);
+
+    // Claim one: an update with an owner and a request entry.
+    let claimed = record(2, 1, 4, Some(7));
+    let mut cs = change(3, 4);
+    cs.upserts = vec![claimed.clone()];
+    cs.requests = vec![entry(7, "req-a", &claimed, 100)];
+    let store = commit_and_check(store, &mut model, &[cs]);
+
+    // The device vanished and was marked lost; it is attached to a domain meanwhile.
+    let mut lost = claimed.clone();
+    lost.present = false;
+    lost.generation = Generation(5);
+    lost.attached = Some(DomainRef {
+        uuid: uuid::Uuid::from_bytes([7; 16]),
+        name: "instance-0007".into(),
+        running: true,
+    });
+    let mut cs = change(4, 5);
+    cs.upserts = vec![lost];
+    let store = commit_and_check(store, &mut model, &[cs]);
+
+    // Remove a record.
+    let mut cs = change(5, 6);
+    cs.removals = vec![RecordId(1)];
+    let store = commit_and_check(store, &mut model, &[cs]);
+
+    // More request entries, then a prune without a generation bump.
+    let mut cs = change(6, 7);
+    let r3 = record(3, 2, 7, Some(8));
+    cs.upserts = vec![r3.clone()];
+    cs.requests = vec![entry(8, "req-b", &r3, 101), entry(8, "req-c", &r3, 99)];
+    let store = commit_and_check(store, &mut model, &[cs]);
+    let mut cs = change(7, 7);
+    cs.pruned_requests = vec![(consumer(7), request_id("req-a"))];
+    let store = commit_and_check(store, &mut model, &[cs]);
+
+    // A release: owner gone, consumer column back to NULL.
+    let mut cs = change(7, 8);
+    cs.upserts = vec![record(3, 2, 8, None)];
+    let store = commit_and_check(store, &mut model, &[cs]);
+
+    let snapshot = store.load().expect("load");
+    assert_eq!(snapshot.host_generation, Generation(8));
+    assert_eq!(snapshot.records.len(), 2);
+    assert_eq!(snapshot.requests.len(), 2);
+    // Requests come back ordered by time.
+    assert_eq!(snapshot.requests[0].request_id.as_str(), "req-c");
+}
+
+#[test]
+fn a_batch_is_one_transaction() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut model = Model::default();
+    let mut store = Store::open(tmp.path()).expect("open");
+
+    // Several change sets in one batch all land, in order: the later upsert wins and a
+    // record inserted then removed within the batch is gone.
+    let mut a = change(0, 1);
+    a.upserts = vec![record(1, 0, 1, None)];
+    let mut b = change(1, 2);
+    b.upserts = vec![record(2, 1, 2, Some(1)), record(3, 2, 2, None)];
+    let mut c = change(2, 3);
+    c.upserts = vec![record(1, 0, 3, Some(2))];
+    c.removals = vec![RecordId(3)];
+    let batch = [a, b, c];
+    store = commit_and_check(store, &mut model, &batch);
+
+    // A batch whose last change set cannot be encoded (an id past SQLite's range) fails
+    // after the first ones were applied inside the transaction: none of it may remain.
+    let mut d = change(3, 4);
+    d.upserts = vec![record(2, 1, 4, None)];
+    let mut e = change(4, 5);
+    e.upserts = vec![record(u64::MAX, 3, 5, None)];
+    let err = store.commit(&[d, e]).expect_err("unencodable id");
+    assert!(matches!(err, StoreError::Encode { .. }), "{err}");
+    assert_eq!(store.load().expect("load"), model.snapshot());
+    drop(store);
+    assert_eq!(
+        reopen(tmp.path()).load().expect("load"),
+        model.snapshot(),
+        "nothing of the failed batch is on disk"
+    );
+}
+
+#[test]
+fn host_generation_never_goes_backwards() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut store = Store::open(tmp.path()).expect("open");
+    let mut cs = change(0, 5);
+    cs.upserts = vec![record(5, 0, 5, None)];
+    store.commit(&[cs]).expect("commit");
+
+    let mut back = change(5, 3);
+    back.upserts = vec![record(6, 1, 3, None)];
+    let err = store.commit(&[back]).expect_err("backwards");
+    match &err {
+        StoreError::BackwardsGeneration {
+            stored, proposed, ..
+        } => {
+            assert_eq!((*stored, *proposed), (Generation(5), Generation(3)));
+        }
+        other => panic!("expected BackwardsGeneration, got {other}"),
+    }
+    assert!(err.to_string().contains(DB_FILE), "{err}");
+
+    // Backwards within a batch, even if the batch ends higher.
+    let mut up = change(5, 9);
+    up.upserts = vec![record(7, 2, 9, None)];
+    let mut down = change(9, 4);
+    down.upserts = vec![record(8, 3, 4, None)];
+    let mut last = change(4, 10);
+    last.upserts = vec![record(9, 4, 10, None)];
+    let err = store.commit(&[up, down, last]).expect_err("dip in batch");
+    assert!(
+        matches!(err, StoreError::BackwardsGeneration { .. }),
+        "{err}"
+    );
+
+    drop(store);
+    let store = reopen(tmp.path());
+    let snapshot = store.load().expect("load");
+    assert_eq!(snapshot.host_generation, Generation(5));
+    assert_eq!(
+        snapshot.records.keys().copied().collect::<Vec<_>>(),
+        [RecordId(5)]
+    );
+}
+
+#[test]
+fn empty_batches_write_nothing() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut store = Store::open(tmp.path()).expect("open");
+    store.commit(&[]).expect("empty batch");
+    store
+        .commit(&[change(0, 0), change(0, 0)])
+        .expect("empty change sets");
+    assert_eq!(store.load().expect("load"), Snapshot::default());
+    // A bare generation bump is a change and is recorded.
+    store.commit(&[change(0, 2)]).expect("bump");
+    assert_eq!(store.host_generation().expect("gen"), Generation(2));
+}
+
+#[test]
+fn second_open_of_the_same_dir_is_locked() {
+    let tmp = TempDir::new().expect("tempdir");
+    let first = Store::open(tmp.path()).expect("open");
+    let err = Store::open(tmp.path()).expect_err("second open");
+    assert!(matches!(err, StoreError::Locked { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains(&tmp.path().display().to_string()), "{text}");
+    assert!(
+        text.contains(&format!("pid {}", std::process::id())),
+        "names the holder: {text}"
+    );
+    drop(first);
+    Store::open(tmp.path()).expect("open after the first closed");
+}
+
+/// Creates a store with some content and closes it, returning the database's bytes.
+fn populated(dir: &Path) -> Vec<u8> {
+    let mut store = Store::open(dir).expect("open");
+    let mut cs = change(0, 40);
+    cs.upserts = (0..40u8)
+        .map(|i| record(u64::from(i) + 1, i % 8, 40, Some(i)))
+        .collect();
+    store.commit(&[cs]).expect("commit");
+    drop(store);
+    assert!(
+        !dir.join("hostdevd.db-wal").exists(),
+        "clean close checkpoints"
+    );
+    fs::read(dir.join(DB_FILE)).expect("db bytes")
+}
+
+fn assert_refused_untouched(dir: &Path, expect: fn(&StoreError) -> bool) -> StoreError {
+    let db = dir.join(DB_FILE);
+    let before = fs::read(&db).expect("db bytes");
+    let err = Store::open(dir).expect_err("open must fail");
+    assert!(expect(&err), "unexpected error: {err}");
+    assert!(
+        err.to_string().contains(&db.display().to_string()),
+        "names the file: {err}"
+    );
+    assert_eq!(fs::read(&db).expect("db bytes"), before, "file unchanged");
+    // And again: a second attempt is refused the same way, still without a write.
+    let again = Store::open(dir).expect_err("open must fail again");
+    assert!(expect(&again), "unexpected error: {again}");
+    assert_eq!(fs::read(&db).expect("db bytes"), before, "file unchanged");
+    err
+}
+
+#[test]
+fn garbage_over_the_whole_file_is_corrupt() {
+    let tmp = TempDir::new().expect("tempdir");
+    let bytes = populated(tmp.path());
+    let garbage: Vec<u8> = (0..bytes.len()).map(|i| (i * 7 + 13) as u8).collect();
+    fs::write(tmp.path().join(DB_FILE), garbage).expect("write garbage");
+    assert_refused_untouched(tmp.path(), StoreError::is_corrupt);
+}
+
+#[test]
+fn garbage_over_a_data_page_is_corrupt() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut bytes = populated(tmp.path());
+    assert!(bytes.len() > 3 * 4096, "several pages");
+    for b in &mut bytes[4096..2 * 4096] {
+        *b = 0xa5;
+    }
+    fs::write(tmp.path().join(DB_FILE), bytes).expect("write garbage");
+    assert_refused_untouched(tmp.path(), StoreError::is_corrupt);
+}
+
+#[test]
+fn truncated_file_is_corrupt() {
+    for keep in [0usize, 50, 4096] {
+        let tmp = TempDir::new().expect("tempdir");
+        let bytes = populated(tmp.path());
+        fs::write(tmp.path().join(DB_FILE), &bytes[..keep]).expect("truncate");
+        let err = assert_refused_untouched(tmp.path(), StoreError::is_corrupt);
+        assert!(err.to_string().contains("corrupt"), "{keep}: {err}");
+    }
+}
+
+#[test]
+fn newer_schema_is_refused_untouched() {
+    let tmp = TempDir::new().expect("tempdir");
+    populated(tmp.path());
+    let conn = Connection::open(tmp.path().join(DB_FILE)).expect("sqlite");
+    conn.pragma_update(None, "user_version", 999)
+        .expect("set user_version");
+    drop(conn);
+    let err = assert_refused_untouched(tmp.path(), |e| {
+        matches!(e, StoreError::NewerSchema { found: 999, .. })
+    });
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!(
+            "was written by a newer hostdevd (schema 999, this build knows up to {})",
+            schema_version()
+        )),
+        "{text}"
+    );
+}
+
+#[test]
+fn foreign_database_is_refused() {
+    let tmp = TempDir::new().expect("tempdir");
+    let conn = Connection::open(tmp.path().join(DB_FILE)).expect("sqlite");
+    conn.execute_batch("CREATE TABLE other (x); INSERT INTO other VALUES (1);")
+        .expect("foreign db");
+    drop(conn);
+    let err = assert_refused_untouched(tmp.path(), StoreError::is_corrupt);
+    assert!(err.to_string().contains("not a hostdevd database"), "{err}");
+}
+
+#[test]
+fn missing_database_with_a_wal_is_refused() {
+    let tmp = TempDir::new().expect("tempdir");
+    fs::write(
+        tmp.path().join("hostdevd.db-wal"),
+        b"frames of a deleted db",
+    )
+    .expect("wal");
+    let err = Store::open(tmp.path()).expect_err("must refuse");
+    assert!(err.is_corrupt(), "{err}");
+    assert!(
+        !tmp.path().join(DB_FILE).exists(),
+        "no new database created"
+    );
+}
+
+#[test]
+fn leftovers_of_an_interrupted_creation_are_replaced() {
+    let tmp = TempDir::new().expect("tempdir");
+    fs::write(tmp.path().join(NEW_DB_FILE), b"half-built").expect("leftover");
+    fs::write(tmp.path().join("hostdevd.db.new-journal"), b"journal").expect("leftover");
+    let store = Store::open(tmp.path()).expect("open");
+    assert_eq!(store.load().expect("load"), Snapshot::default());
+    assert!(!tmp.path().join(NEW_DB_FILE).exists());
+    assert!(!tmp.path().join("hostdevd.db.new-journal").exists());
+}
+
+#[test]
+fn columns_that_disagree_with_the_json_are_corrupt() {
+    let tmp = TempDir::new().expect("tempdir");
+    populated(tmp.path());
+    let conn = Connection::open(tmp.path().join(DB_FILE)).expect("sqlite");
+    conn.execute("UPDATE records SET consumer = NULL WHERE id = 3", [])
+        .expect("tamper");
+    drop(conn);
+    let store = Store::open(tmp.path()).expect("open passes the page-level check");
+    let err = store.load().expect_err("load must notice");
+    assert!(err.is_corrupt(), "{err}");
+    assert!(err.to_string().contains("record 3"), "{err}");
+
+    let conn = Connection::open(tmp.path().join(DB_FILE)).expect("sqlite");
+    drop(store);
+    conn.execute(
+        "UPDATE records SET consumer = NULL, record = '{\"id\":' WHERE id = 3",
+        [],
+    )
+    .expect("tamper");
+    drop(conn);
+    let err = Store::open(tmp.path())
+        .expect("open")
+        .load()
+        .expect_err("half-written JSON");
+    assert!(
+        err.to_string().contains("record 3 does not decode"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_read_only_connection_rejects_the_batch_and_recovers() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut model = Model::default();
+    let mut store = Store::open(tmp.path()).expect("open");
+    let mut cs = change(0, 1);
+    cs.upserts = vec![record(1, 0, 1, None)];
+    store = commit_and_check(store, &mut model, &[cs]);
+
+    // `query_only` makes SQLite answer writes with SQLITE_READONLY, as a read-only file
+    // does, without needing a mount.
+    store
+        .conn
+        .pragma_update(None, "query_only", true)
+        .expect("query_only");
+    let mut cs = change(1, 2);
+    cs.upserts = vec![record(1, 0, 2, Some(3))];
+    let err = store
+        .commit(std::slice::from_ref(&cs))
+        .expect_err("read-only");
+    assert!(err.is_read_only(), "{err}");
+    assert!(err.to_string().contains(DB_FILE), "{err}");
+    assert_eq!(store.load().expect("reads still work"), model.snapshot());
+
+    store
+        .conn
+        .pragma_update(None, "query_only", false)
+        .expect("writable again");
+    commit_and_check(store, &mut model, &[cs]);
+}
+
+#[test]
+fn meta_values_survive_reopen_and_host_generation_is_reserved() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut store = Store::open(tmp.path()).expect("open");
+    assert_eq!(store.meta_get("boot_id").expect("get"), None);
+    store.meta_set("boot_id", "abc-123").expect("set");
+    store.meta_set("boot_id", "def-456").expect("overwrite");
+    store.commit(&[change(0, 12)]).expect("bump");
+    let err = store
+        .meta_set(HOST_GENERATION_KEY, "0")
+        .expect_err("reserved");
+    assert!(matches!(err, StoreError::ReservedKey { .. }), "{err}");
+    drop(store);
+    let store = reopen(tmp.path());
+    assert_eq!(
+        store.meta_get("boot_id").expect("get").as_deref(),
+        Some("def-456")
+    );
+    assert_eq!(
+        store.meta_get(HOST_GENERATION_KEY).expect("get").as_deref(),
+        Some("12")
+    );
+}
+
+#[test]
+fn errors_keep_their_cause() {
+    let tmp = TempDir::new().expect("tempdir");
+    let first = Store::open(tmp.path()).expect("open");
+    let err = Store::open(tmp.path()).expect_err("locked");
+    assert!(std::error::Error::source(&err).is_some(), "{err:?}");
+    drop(first);
+    fs::write(tmp.path().join(DB_FILE), vec![0x42u8; 8192]).expect("garbage");
+    let err = Store::open(tmp.path()).expect_err("corrupt");
+    assert!(std::error::Error::source(&err).is_some(), "{err:?}");
+}
+
+#[test]
+fn store_moves_to_the_writer_thread() {
+    // The daemon's single writer owns the store on a blocking thread.
+    fn assert_send<T: Send>() {}
+    assert_send::<Store>();
+    assert_send::<StoreError>();
+}

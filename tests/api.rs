@@ -1,0 +1,580 @@
+//! Integration tests of the gRPC API: the real server on a temp Unix socket over a fake
+//! sysfs tree, every RPC, error codes with their google.rpc details, watch resume and
+//! OUT_OF_RANGE, the permission check from a second uid, and concurrent clients.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+
+use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::api::Access;
+use hostdevd::config::Config;
+use hostdevd::daemon::{bind_socket, serve, Agent};
+use support::fakesys::FakeTree;
+use support::FakeSys;
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+use tonic::Code;
+use tonic_types::StatusExt;
+
+const PF: &str = "0000:3b:00.0";
+
+struct Server {
+    socket: PathBuf,
+    _tree: FakeTree,
+    _state: tempfile::TempDir,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Server {
+    async fn client(&self) -> HostDevClient<Channel> {
+        hostdevd::client::connect(&self.socket)
+            .await
+            .expect("connect to the test server")
+    }
+
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            t.await.expect("server task");
+        }
+    }
+}
+
+/// A PF with `vfs` VFs (own IOMMU groups, NUMA split 0/1) and one plain device; every
+/// device managed (address wildcard), so PF/VF blocking is visible.
+async fn start(vfs: u16) -> Server {
+    let mut f = FakeSys::new();
+    f.pf(PF, 0x8086, 0x1572, 64, vfs).driver(PF, "i40e").netdev(PF, "ens1f0");
+    f.iommu_group(PF, 10).vf_iommu_groups(PF, 100).vf_driver(PF, "iavf");
+    for (i, vf) in f.vfs(PF).iter().enumerate() {
+        f.numa(&vf.to_string(), (i % 2) as i32);
+    }
+    f.device("0000:5e:00.0", 0x15b3, 0x1017).iommu_group("0000:5e:00.0", 30);
+    let tree = f.build();
+    let state = tempfile::tempdir().expect("state dir");
+    std::fs::set_permissions(state.path(), std::fs::Permissions::from_mode(0o755))
+        .expect("chmod state dir");
+    let socket = state.path().join("hostdevd.sock");
+    let mut cfg = Config::parse("[[devices]]\naddress = \"*:*:*.*\"\nphysnets = [\"physnet1\"]\n")
+        .expect("config");
+    cfg.sysfs_root = tree.sysfs_root().to_path_buf();
+    cfg.dev_root = tree.dev_root().to_path_buf();
+    cfg.state_dir = state.path().join("state");
+    cfg.api.socket = socket.clone();
+    let agent = Agent::start(&cfg).await.expect("agent start");
+    let listener = bind_socket(&socket, 0o666, None).expect("bind");
+    let service = agent.service(Access {
+        writer_uids: vec![0, nix::unistd::getuid().as_raw()],
+        writer_gids: vec![],
+    });
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        serve(listener, service, async {
+            let _ = rx.await;
+        })
+        .await
+        .expect("serve");
+    });
+    Server {
+        socket,
+        _tree: tree,
+        _state: state,
+        stop: Some(tx),
+        task: Some(task),
+    }
+}
+
+fn owner(n: u128) -> proto::Owner {
+    proto::Owner {
+        consumer_id: uuid::Uuid::from_u128(n).to_string(),
+        label: format!("instance-{n:08x}"),
+    }
+}
+
+async fn device(c: &mut HostDevClient<Channel>, a: &str) -> proto::Device {
+    c.get_device(proto::GetDeviceRequest { address: a.into() })
+        .await
+        .expect("get device")
+        .into_inner()
+        .device
+        .expect("present")
+}
+
+async fn claim(
+    c: &mut HostDevClient<Channel>,
+    a: &str,
+    who: u128,
+    req: &str,
+    g: u64,
+) -> Result<proto::ClaimResponse, tonic::Status> {
+    c.claim(proto::ClaimRequest {
+        owner: Some(owner(who)),
+        request_id: req.into(),
+        target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+            address: a.into(),
+            expected_generation: g,
+        })),
+    })
+    .await
+    .map(|r| r.into_inner())
+}
+
+async fn release(
+    c: &mut HostDevClient<Channel>,
+    a: &str,
+    who: u128,
+    req: &str,
+    g: u64,
+) -> Result<proto::ReleaseResponse, tonic::Status> {
+    c.release(proto::ReleaseRequest {
+        address: a.into(),
+        owner: Some(owner(who)),
+        request_id: req.into(),
+        generation: g,
+    })
+    .await
+    .map(|r| r.into_inner())
+}
+
+fn info(s: &tonic::Status) -> (String, std::collections::HashMap<String, String>) {
+    let i = s.get_details_error_info().expect("ErrorInfo detail");
+    assert_eq!(i.domain, "hostdev.v1");
+    (i.reason, i.metadata)
+}
+
+async fn listing(c: &mut HostDevClient<Channel>) -> proto::ListDevicesResponse {
+    c.list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_claim_release_round_trip() {
+    let s = start(4).await;
+    let mut c = s.client().await;
+    let list = listing(&mut c).await;
+    assert_eq!(list.devices.len(), 6);
+    assert!(list.host_generation >= 6);
+    let vf = "0000:3b:02.1";
+    let d = list.devices.iter().find(|d| d.address == vf).expect("vf listed");
+    assert_eq!(d.state, proto::DeviceState::Free as i32);
+    assert_eq!(d.physfn, PF);
+    let pf = list.devices.iter().find(|d| d.address == PF).expect("pf");
+    assert_eq!(pf.sriov.as_ref().map(|s| s.vfs.len()), Some(4));
+    assert_eq!(pf.netdevs, vec!["ens1f0".to_string()]);
+
+    let claimed = claim(&mut c, vf, 1, "boot-1", d.generation).await.expect("claim");
+    assert!(claimed.generation > list.host_generation);
+    assert!(!claimed.replayed);
+    let dev = claimed.device.expect("device in reply");
+    assert_eq!(dev.state, proto::DeviceState::Claimed as i32);
+    assert_eq!(dev.owner.expect("owner").consumer_id, owner(1).consumer_id);
+    // The PF is now blocked by its claimed VF.
+    let pfd = device(&mut c, PF).await;
+    assert_eq!(pfd.state, proto::DeviceState::Unavailable as i32);
+    assert_eq!(pfd.blocker.expect("blocker").address, vf);
+
+    // Retry after a "timeout": same answer, replayed.
+    let again = claim(&mut c, vf, 1, "boot-1", d.generation).await.expect("retry");
+    assert_eq!(again.generation, claimed.generation);
+    assert!(again.replayed);
+
+    let out = c
+        .get_request_outcome(proto::GetRequestOutcomeRequest {
+            consumer_id: owner(1).consumer_id,
+            request_id: "boot-1".into(),
+        })
+        .await
+        .expect("outcome")
+        .into_inner();
+    assert_eq!(out.operation, "claimed");
+    assert_eq!(out.generation, claimed.generation);
+
+    let rel = release(&mut c, vf, 1, "free-1", claimed.generation).await.expect("release");
+    assert!(rel.generation > claimed.generation);
+    assert_eq!(device(&mut c, vf).await.state, proto::DeviceState::Free as i32);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rejection_has_its_code_and_details_and_changes_nothing() {
+    let s = start(4).await;
+    let mut c = s.client().await;
+    let vf = "0000:3b:02.0";
+    let g0 = device(&mut c, vf).await.generation;
+    let g1 = claim(&mut c, vf, 1, "r1", g0).await.expect("claim").generation;
+    let before = listing(&mut c).await;
+
+    // Stale generation: ABORTED, with the current generation and owner.
+    let e = release(&mut c, vf, 1, "audit", g0).await.expect_err("stale");
+    assert_eq!(e.code(), Code::Aborted);
+    let (reason, meta) = info(&e);
+    assert_eq!(reason, "STALE_GENERATION");
+    assert_eq!(meta["current_generation"], g1.to_string());
+    assert_eq!(meta["owner_consumer_id"], owner(1).consumer_id);
+    assert!(e.get_details_precondition_failure().is_some());
+
+    // Wrong owner.
+    let e = release(&mut c, vf, 2, "x", g1).await.expect_err("wrong owner");
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert_eq!(info(&e).0, "WRONG_OWNER");
+
+    // Already claimed (fresh generation, other consumer).
+    let e = claim(&mut c, vf, 2, "x2", g1).await.expect_err("claimed");
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert_eq!(info(&e).0, "ALREADY_CLAIMED");
+
+    // Blocked by a related claim.
+    let pf_gen = device(&mut c, PF).await.generation;
+    let e = claim(&mut c, PF, 2, "pf", pf_gen).await.expect_err("blocked");
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    let (reason, meta) = info(&e);
+    assert_eq!(reason, "BLOCKED_BY_RELATED_CLAIM");
+    assert_eq!(meta["blocked_by"], vf);
+
+    // Unknown device.
+    let e = claim(&mut c, "0000:99:00.0", 2, "u", 1).await.expect_err("unknown");
+    assert_eq!(e.code(), Code::NotFound);
+    let e = c
+        .get_device(proto::GetDeviceRequest {
+            address: "0000:99:00.0".into(),
+        })
+        .await
+        .expect_err("unknown");
+    assert_eq!(e.code(), Code::NotFound);
+
+    // Bad input: malformed address, non-UUID owner, huge request id, control bytes,
+    // missing target, reused request id.
+    for (a, o, r) in [
+        ("0000:3b:02", owner(2), "ok"),
+        ("zz", owner(2), "ok"),
+        (
+            vf,
+            proto::Owner {
+                consumer_id: "not-a-uuid".into(),
+                label: String::new(),
+            },
+            "ok",
+        ),
+        (vf, owner(2), &"r".repeat(100_000)[..]),
+        (vf, owner(2), "a\u{7}b"),
+        (vf, owner(2), ""),
+    ] {
+        let e = c
+            .claim(proto::ClaimRequest {
+                owner: Some(o),
+                request_id: r.into(),
+                target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+                    address: a.into(),
+                    expected_generation: g1,
+                })),
+            })
+            .await
+            .expect_err("bad input");
+        assert_eq!(e.code(), Code::InvalidArgument, "{a} {r:.20}: {e:?}");
+        assert!(e.message().len() < 400, "error echoes bounded input");
+    }
+    let e = c
+        .claim(proto::ClaimRequest {
+            owner: Some(owner(2)),
+            request_id: "t".into(),
+            target: None,
+        })
+        .await
+        .expect_err("no target");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let e = claim(&mut c, "0000:3b:02.2", 1, "r1", 0).await.expect_err("reuse");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert_eq!(info(&e).0, "REQUEST_ID_REUSED");
+
+    // Nothing changed through all of that.
+    let after = listing(&mut c).await;
+    assert_eq!(before, after);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_by_selector_prefers_numa_and_runs_out_cleanly() {
+    let s = start(4).await;
+    let mut c = s.client().await;
+    let sel = |numa: Option<u32>| proto::Selector {
+        vendor_id: "8086".into(),
+        pf_address: PF.into(),
+        physnet: "physnet1".into(),
+        numa_node: numa,
+        ..Default::default()
+    };
+    let mut got = BTreeSet::new();
+    for i in 0..4u128 {
+        let r = c
+            .claim(proto::ClaimRequest {
+                owner: Some(owner(10 + i)),
+                request_id: format!("s{i}"),
+                target: Some(proto::claim_request::Target::Selector(sel(Some(1)))),
+            })
+            .await
+            .expect("selector claim")
+            .into_inner();
+        let d = r.device.expect("device");
+        if i < 2 {
+            assert_eq!(d.numa_node, Some(1), "preferred node first");
+        }
+        assert!(got.insert(d.address));
+    }
+    let e = c
+        .claim(proto::ClaimRequest {
+            owner: Some(owner(99)),
+            request_id: "none".into(),
+            target: Some(proto::claim_request::Target::Selector(sel(None))),
+        })
+        .await
+        .expect_err("exhausted");
+    assert_eq!(e.code(), Code::ResourceExhausted);
+    let e = c
+        .claim(proto::ClaimRequest {
+            owner: Some(owner(99)),
+            request_id: "bad".into(),
+            target: Some(proto::claim_request::Target::Selector(proto::Selector {
+                vendor_id: "80866".into(),
+                ..Default::default()
+            })),
+        })
+        .await
+        .expect_err("bad selector");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_delivers_resumes_and_refuses_unknown_generations() {
+    let s = start(4).await;
+    let mut c = s.client().await;
+    let start_gen = listing(&mut c).await.host_generation;
+    let mut stream = c
+        .clone()
+        .watch(proto::WatchRequest {
+            from_generation: start_gen,
+            snapshot: false,
+        })
+        .await
+        .expect("watch")
+        .into_inner();
+    let vf = "0000:3b:02.3";
+    let g = device(&mut c, vf).await.generation;
+    let claimed = claim(&mut c, vf, 1, "w1", g).await.expect("claim");
+    // The claimed VF's event, and the PF's derived change (now unavailable).
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let ev = stream.next().await.expect("event").expect("ok");
+        seen.push(ev);
+    }
+    let ev = seen.iter().find(|e| e.address == vf).expect("vf event");
+    assert_eq!(ev.kind, proto::WatchEventKind::Changed as i32);
+    assert_eq!(ev.generation, claimed.generation);
+    assert!(seen.iter().any(|e| e.address == PF));
+    let last = seen.iter().map(|e| e.generation).max().unwrap_or(0);
+    drop(stream);
+
+    // While disconnected: a release. Resuming from the last generation replays it.
+    let rel = release(&mut c, vf, 1, "w2", claimed.generation).await.expect("release");
+    let mut resumed = c
+        .clone()
+        .watch(proto::WatchRequest {
+            from_generation: last,
+            snapshot: false,
+        })
+        .await
+        .expect("resume")
+        .into_inner();
+    let ev = resumed.next().await.expect("event").expect("ok");
+    assert_eq!(ev.address, vf);
+    assert_eq!(ev.generation, rel.generation);
+    assert_eq!(
+        ev.device.expect("device").state,
+        proto::DeviceState::Free as i32
+    );
+
+    // A generation this agent has not reached: OUT_OF_RANGE, re-list.
+    let e = c
+        .watch(proto::WatchRequest {
+            from_generation: rel.generation + 1000,
+            snapshot: false,
+        })
+        .await
+        .expect_err("future generation");
+    assert_eq!(e.code(), Code::OutOfRange);
+    assert_eq!(info(&e).0, "WATCH_TOO_OLD");
+
+    // A snapshot watch starts with every device, then an end marker.
+    let mut snap = c
+        .watch(proto::WatchRequest {
+            from_generation: 0,
+            snapshot: true,
+        })
+        .await
+        .expect("snapshot")
+        .into_inner();
+    let mut n = 0;
+    loop {
+        let ev = snap.next().await.expect("event").expect("ok");
+        if ev.kind == proto::WatchEventKind::SnapshotEnd as i32 {
+            break;
+        }
+        assert_eq!(ev.kind, proto::WatchEventKind::Snapshot as i32);
+        n += 1;
+    }
+    assert_eq!(n, 6);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_reports_then_frees_only_unchanged_orphans() {
+    let s = start(4).await;
+    let mut c = s.client().await;
+    let live = 1u128;
+    let dead = 2u128;
+    let g = device(&mut c, "0000:3b:02.0").await.generation;
+    claim(&mut c, "0000:3b:02.0", live, "a", g).await.expect("live claim");
+    let g = device(&mut c, "0000:3b:02.1").await.generation;
+    claim(&mut c, "0000:3b:02.1", dead, "b", g).await.expect("dead claim");
+    let snapshot = listing(&mut c).await.host_generation;
+    // A claim made after the controller's snapshot: changed, never acted on.
+    let g = device(&mut c, "0000:3b:02.2").await.generation;
+    claim(&mut c, "0000:3b:02.2", 3, "c", g).await.expect("late claim");
+    let req = |act| proto::ReconcileRequest {
+        expected_consumer_ids: vec![owner(live).consumer_id],
+        snapshot_generation: snapshot,
+        act,
+        request_id: "audit-1".into(),
+    };
+    let dry = c.reconcile(req(false)).await.expect("dry run").into_inner();
+    assert!(!dry.acted);
+    let orphans: Vec<&str> = dry
+        .orphans
+        .iter()
+        .filter_map(|o| o.device.as_ref().map(|d| d.address.as_str()))
+        .collect();
+    assert_eq!(orphans, vec!["0000:3b:02.1"]);
+    assert_eq!(dry.changed.len(), 1);
+    assert_eq!(dry.changed[0].address, "0000:3b:02.2");
+    // The dry run changed nothing.
+    assert_eq!(
+        device(&mut c, "0000:3b:02.1").await.state,
+        proto::DeviceState::Claimed as i32
+    );
+    let acted = c.reconcile(req(true)).await.expect("act").into_inner();
+    assert!(acted.acted);
+    assert!(acted.orphans[0].freed_generation > snapshot);
+    assert_eq!(
+        device(&mut c, "0000:3b:02.1").await.state,
+        proto::DeviceState::Free as i32
+    );
+    assert_eq!(
+        device(&mut c, "0000:3b:02.2").await.state,
+        proto::DeviceState::Claimed as i32
+    );
+    assert_eq!(
+        device(&mut c, "0000:3b:02.0").await.state,
+        proto::DeviceState::Claimed as i32
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_clients_never_share_a_device() {
+    let s = start(48).await;
+    let mut tasks = Vec::new();
+    for i in 0..64u128 {
+        let socket = s.socket.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut c = hostdevd::client::connect(&socket).await.expect("connect");
+            c.claim(proto::ClaimRequest {
+                owner: Some(owner(100 + i)),
+                request_id: format!("c{i}"),
+                target: Some(proto::claim_request::Target::Selector(proto::Selector {
+                    pf_address: PF.into(),
+                    ..Default::default()
+                })),
+            })
+            .await
+        }));
+    }
+    let mut addrs = BTreeSet::new();
+    let mut exhausted = 0;
+    for t in tasks {
+        match t.await.expect("join") {
+            Ok(r) => {
+                let a = r.into_inner().device.expect("device").address;
+                assert!(addrs.insert(a.clone()), "{a} handed out twice");
+            }
+            Err(e) if e.code() == Code::ResourceExhausted => exhausted += 1,
+            Err(e) => panic!("unexpected {e:?}"),
+        }
+    }
+    assert_eq!(addrs.len(), 48);
+    assert_eq!(exhausted, 16);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_reports_generation_and_counts() {
+    let s = start(4).await;
+    let mut c = s.client().await;
+    let st = c
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner();
+    assert_eq!(st.version, env!("CARGO_PKG_VERSION"));
+    assert_eq!(st.host_generation, listing(&mut c).await.host_generation);
+    assert!(st.store.expect("store health").ok);
+    assert_eq!(st.devices_by_state.get("free").copied(), Some(6));
+    s.stop().await;
+}
+
+#[test]
+fn a_second_uid_may_read_but_not_mutate() {
+    if !nix::unistd::getuid().is_root() {
+        panic!("this test needs root to run a child as another uid (CI runs as root)");
+    }
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let s = rt.block_on(start(2));
+    // The child runs as nobody (65534); the server's writers are root and this uid.
+    let child = |args: &[&str]| {
+        use std::os::unix::process::CommandExt;
+        std::process::Command::new(env!("CARGO_BIN_EXE_hostdevctl"))
+            .arg("--socket")
+            .arg(&s.socket)
+            .args(args)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .expect("run hostdevctl as nobody")
+    };
+    let read = child(&["status"]);
+    assert!(read.status.success(), "read as nobody: {}", String::from_utf8_lossy(&read.stderr));
+    let write = child(&[
+        "claim",
+        "0000:3b:02.0",
+        "--owner",
+        "00000000-0000-0000-0000-000000000001",
+    ]);
+    assert!(!write.status.success());
+    let err = String::from_utf8_lossy(&write.stderr);
+    assert!(err.contains("uid 65534"), "{err}");
+    rt.block_on(async {
+        let mut c = s.client().await;
+        assert_eq!(
+            device(&mut c, "0000:3b:02.0").await.state,
+            proto::DeviceState::Free as i32
+        );
+        s.stop().await;
+    });
+}

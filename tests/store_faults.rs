@@ -1,0 +1,300 @@
+//! Store behaviour on real filesystem faults: a read-only state directory and a full disk,
+//! staged with tmpfs and bind mounts. These tests need root (CI runs as root) and fail
+//! loudly without it rather than skip.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use hostdevd::ledger::model::{
+    ChangeSet, Claim, DeviceFacts, DeviceRecord, Outcome, Owner, RecordId, RequestEntry, Snapshot,
+};
+use hostdevd::pci::{ConsumerId, DeviceId, Generation, PciAddress, PhysNet, VendorId};
+use hostdevd::store::{Store, StoreError, DB_FILE};
+use tempfile::TempDir;
+
+fn require_root(test: &str) {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "{test} needs root: it mounts tmpfs file systems to stage a full disk and a \
+         read-only state directory (run the test suite as root, as CI does)"
+    );
+}
+
+fn run(cmd: &mut Command) {
+    let out = cmd.output().expect("run mount/umount");
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A mount that is undone when the guard drops, even when the test panics.
+struct Mount {
+    target: PathBuf,
+}
+
+impl Mount {
+    fn tmpfs(target: &Path, size: &str) -> Mount {
+        fs::create_dir_all(target).expect("mount point");
+        run(Command::new("mount")
+            .args(["-t", "tmpfs", "-o"])
+            .arg(format!("size={size},mode=0750"))
+            .arg("tmpfs")
+            .arg(target));
+        Mount {
+            target: target.to_path_buf(),
+        }
+    }
+
+    /// A read-only view of `source` at `target` (what systemd's ReadOnlyPaths= does).
+    fn bind_read_only(source: &Path, target: &Path) -> Mount {
+        fs::create_dir_all(target).expect("mount point");
+        run(Command::new("mount").arg("--bind").arg(source).arg(target));
+        let guard = Mount {
+            target: target.to_path_buf(),
+        };
+        run(Command::new("mount")
+            .args(["-o", "remount,bind,ro"])
+            .arg(target));
+        guard
+    }
+
+    fn remount(&self, mode: &str) {
+        run(Command::new("mount")
+            .arg("-o")
+            .arg(format!("remount,{mode}"))
+            .arg(&self.target));
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        // Lazy, so a store a failed assertion left open cannot keep the mount around.
+        let _ = Command::new("umount").arg("-l").arg(&self.target).status();
+    }
+}
+
+fn consumer(n: u64) -> ConsumerId {
+    ConsumerId(uuid::Uuid::from_u64_pair(0x5eed, n))
+}
+
+/// A record with a fat facts section, so each commit takes a few pages of the log.
+fn record(id: u64, generation: u64, owner: Option<u64>) -> DeviceRecord {
+    let function = (id % 8) as u8;
+    let slot = ((id / 8) % 32) as u8;
+    DeviceRecord {
+        id: RecordId(id),
+        facts: DeviceFacts {
+            address: PciAddress::new(0, 0x5e, slot, function).expect("address"),
+            vendor_id: VendorId(0x15b3),
+            device_id: DeviceId(0x101e),
+            driver: Some("mlx5_core".into()),
+            iommu_group: Some(100 + id as u32),
+            numa_node: Some(0),
+            physfn: None,
+            is_pf: false,
+            physnets: (0..12)
+                .map(|i| {
+                    format!("physnet-{i:02}-{}", "x".repeat(40))
+                        .parse::<PhysNet>()
+                        .expect("physnet")
+                })
+                .collect(),
+            managed: true,
+        },
+        generation: Generation(generation),
+        present: true,
+        claim: owner.map(|n| Claim {
+            owner: Owner {
+                consumer: consumer(n),
+                label: "faults".parse().expect("label"),
+            },
+            request_id: format!("r-{generation}").parse().expect("request id"),
+            claimed_at: generation,
+        }),
+        attached: None,
+    }
+}
+
+/// The change set of step `step`: four records rewritten and one request logged.
+fn step_change(step: u64) -> ChangeSet {
+    let upserts: Vec<DeviceRecord> = (0..4)
+        .map(|k| record(step * 4 + k + 1, step + 1, Some(step)))
+        .collect();
+    let first = &upserts[0];
+    ChangeSet {
+        prev_host_generation: Generation(step),
+        host_generation: Generation(step + 1),
+        requests: vec![RequestEntry {
+            consumer: consumer(step),
+            request_id: format!("r-{}", step + 1).parse().expect("request id"),
+            outcome: Outcome::Claimed {
+                address: first.address(),
+                record: first.id,
+                generation: first.generation,
+            },
+            at: step,
+        }],
+        upserts,
+        ..ChangeSet::default()
+    }
+}
+
+/// What the store must hold after the acknowledged change sets.
+fn expected(acked: &[ChangeSet]) -> Snapshot {
+    let mut snap = Snapshot::default();
+    for cs in acked {
+        for r in &cs.upserts {
+            snap.records.insert(r.id, r.clone());
+        }
+        snap.requests.extend(cs.requests.iter().cloned());
+        snap.host_generation = cs.host_generation;
+    }
+    // `at` grows with each step, so this is already the store's order.
+    snap
+}
+
+/// Commits successive steps until the disk is full; returns the failed change set.
+fn fill(store: &mut Store, acked: &mut Vec<ChangeSet>) -> ChangeSet {
+    for _ in 0..10_000 {
+        let cs = step_change(acked.len() as u64);
+        match store.commit(std::slice::from_ref(&cs)) {
+            Ok(()) => acked.push(cs),
+            Err(e) => {
+                assert!(e.is_disk_full(), "expected a full disk, got {e}: {e:?}");
+                let text = e.to_string();
+                assert!(text.contains(DB_FILE), "names the file: {text}");
+                eprintln!(
+                    "disk full after {} acknowledged commits: {text} (cause: {})",
+                    acked.len(),
+                    std::error::Error::source(&e)
+                        .map(|s| s.to_string())
+                        .unwrap_or_default()
+                );
+                return cs;
+            }
+        }
+    }
+    panic!("the tmpfs never filled up");
+}
+
+#[test]
+fn a_full_disk_rejects_the_batch_and_loses_nothing_acknowledged() {
+    require_root("a_full_disk_rejects_the_batch_and_loses_nothing_acknowledged");
+    let tmp = TempDir::new().expect("tempdir");
+    let mnt = tmp.path().join("full");
+    let _mount = Mount::tmpfs(&mnt, "512k");
+    let dir = mnt.join("state");
+    // Two fillers to free later, one per recovery below.
+    let filler = |n: u32| mnt.join(format!("filler{n}"));
+    fs::write(filler(1), vec![0u8; 64 * 1024]).expect("filler 1");
+    fs::write(filler(2), vec![0u8; 64 * 1024]).expect("filler 2");
+
+    let mut store = Store::open(&dir).expect("open on tmpfs");
+    let mut acked = Vec::new();
+    let failed = fill(&mut store, &mut acked);
+    assert!(acked.len() > 3, "a few commits fit before the disk fills");
+    // The same store still reads, and holds exactly what was acknowledged.
+    assert_eq!(store.load().expect("load when full"), expected(&acked));
+    // Retrying while full fails the same way and changes nothing.
+    let again = store
+        .commit(std::slice::from_ref(&failed))
+        .expect_err("still full");
+    assert!(again.is_disk_full(), "{again}");
+    assert_eq!(store.load().expect("load"), expected(&acked));
+
+    // Space comes back: the same connection commits again.
+    fs::remove_file(filler(1)).expect("free filler 1");
+    store
+        .commit(std::slice::from_ref(&failed))
+        .expect("commit once space is back");
+    acked.push(failed);
+    assert_eq!(store.load().expect("load"), expected(&acked));
+
+    // Fill again, then restart the daemon while the disk is full.
+    let failed = fill(&mut store, &mut acked);
+    drop(store);
+    let mut store = Store::open(&dir).expect("reopen on a full disk");
+    assert_eq!(
+        store.load().expect("load after reopen"),
+        expected(&acked),
+        "exactly the acknowledged changes after a restart on a full disk"
+    );
+
+    fs::remove_file(filler(2)).expect("free filler 2");
+    store
+        .commit(std::slice::from_ref(&failed))
+        .expect("commit after reopen once space is back");
+    acked.push(failed);
+    drop(store);
+    let store = Store::open(&dir).expect("reopen");
+    assert_eq!(store.load().expect("load"), expected(&acked));
+    eprintln!("acknowledged {} commits in all, none lost", acked.len());
+}
+
+/// Populates a store in `dir` and returns what it holds and the database's bytes.
+fn populate(dir: &Path) -> (Snapshot, Vec<u8>) {
+    let mut store = Store::open(dir).expect("open");
+    let batch: Vec<ChangeSet> = (0..3).map(step_change).collect();
+    store.commit(&batch).expect("commit");
+    let snap = store.load().expect("load");
+    drop(store);
+    let bytes = fs::read(dir.join(DB_FILE)).expect("db bytes");
+    (snap, bytes)
+}
+
+fn assert_read_only_refusal(dir: &Path, what: &str) {
+    let err = Store::open(dir).expect_err(what);
+    assert!(
+        matches!(err, StoreError::ReadOnly { .. }),
+        "{what}: expected ReadOnly, got {err}: {err:?}"
+    );
+    assert!(
+        err.to_string().contains(&dir.display().to_string()),
+        "{what}: names the state directory: {err}"
+    );
+}
+
+#[test]
+fn a_read_only_state_dir_is_refused_and_left_untouched() {
+    require_root("a_read_only_state_dir_is_refused_and_left_untouched");
+    let tmp = TempDir::new().expect("tempdir");
+    let mnt = tmp.path().join("ro");
+    let mount = Mount::tmpfs(&mnt, "4m");
+    let dir = mnt.join("state");
+    let (snap, bytes) = populate(&dir);
+    fs::create_dir(mnt.join("empty")).expect("empty dir");
+
+    mount.remount("ro");
+    assert_read_only_refusal(&dir, "existing store on a read-only mount");
+    assert_eq!(fs::read(dir.join(DB_FILE)).expect("db"), bytes, "untouched");
+    assert_read_only_refusal(&mnt.join("empty"), "empty dir on a read-only mount");
+    assert_read_only_refusal(&mnt.join("absent"), "absent dir on a read-only mount");
+    assert!(!mnt.join("absent").exists());
+
+    mount.remount("rw");
+    let store = Store::open(&dir).expect("open once writable");
+    assert_eq!(store.load().expect("load"), snap);
+}
+
+#[test]
+fn a_read_only_bind_mount_is_refused_and_left_untouched() {
+    require_root("a_read_only_bind_mount_is_refused_and_left_untouched");
+    let tmp = TempDir::new().expect("tempdir");
+    let source = tmp.path().join("source");
+    let (snap, bytes) = populate(&source);
+    let view = tmp.path().join("view");
+    let bind = Mount::bind_read_only(&source, &view);
+    assert_read_only_refusal(&view, "store through a read-only bind mount");
+    drop(bind);
+    assert_eq!(
+        fs::read(source.join(DB_FILE)).expect("db"),
+        bytes,
+        "untouched"
+    );
+    let store = Store::open(&source).expect("open the writable original");
+    assert_eq!(store.load().expect("load"), snap);
+}
