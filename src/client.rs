@@ -8,6 +8,12 @@ use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::api::proto::host_dev_client::HostDevClient;
 
+/// The socket the packaged daemon listens on (the config's `api.socket` default).
+pub const DEFAULT_SOCKET_PATH: &str = "/run/hostdevd/hostdevd.sock";
+
+/// The environment variable clients read for the socket path when none is given.
+pub const SOCKET_ENV: &str = "HOSTDEVD_SOCKET";
+
 /// How long a connection attempt may take before it counts as "cannot connect".
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 

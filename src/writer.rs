@@ -79,7 +79,7 @@ pub enum Command {
 pub enum Event {
     Changed {
         generation: Generation,
-        view: DeviceView,
+        view: Box<DeviceView>,
     },
     Removed {
         generation: Generation,
@@ -493,12 +493,12 @@ impl Worker {
                 );
                 events.push(Event::Changed {
                     generation: v.record.generation,
-                    view: v.clone(),
+                    view: Box::new(v.clone()),
                 });
             } else if old.is_some_and(|(s, _)| **s != v.state) {
                 events.push(Event::Changed {
                     generation: view.host_generation,
-                    view: v.clone(),
+                    view: Box::new(v.clone()),
                 });
             }
         }

@@ -48,7 +48,7 @@ impl Server {
 
 /// A PF with `vfs` VFs (own IOMMU groups, NUMA split 0/1) and one plain device; every
 /// device managed (address wildcard), so PF/VF blocking is visible.
-async fn start(vfs: u16) -> Server {
+async fn start(vfs: u32) -> Server {
     let mut f = FakeSys::new();
     f.pf(PF, 0x8086, 0x1572, 64, vfs).driver(PF, "i40e").netdev(PF, "ens1f0");
     f.iommu_group(PF, 10).vf_iommu_groups(PF, 100).vf_driver(PF, "iavf");
@@ -162,7 +162,7 @@ async fn list_claim_release_round_trip() {
     let list = listing(&mut c).await;
     assert_eq!(list.devices.len(), 6);
     assert!(list.host_generation >= 6);
-    let vf = "0000:3b:02.1";
+    let vf = "0000:3b:10.1";
     let d = list.devices.iter().find(|d| d.address == vf).expect("vf listed");
     assert_eq!(d.state, proto::DeviceState::Free as i32);
     assert_eq!(d.physfn, PF);
@@ -207,7 +207,7 @@ async fn list_claim_release_round_trip() {
 async fn every_rejection_has_its_code_and_details_and_changes_nothing() {
     let s = start(4).await;
     let mut c = s.client().await;
-    let vf = "0000:3b:02.0";
+    let vf = "0000:3b:10.0";
     let g0 = device(&mut c, vf).await.generation;
     let g1 = claim(&mut c, vf, 1, "r1", g0).await.expect("claim").generation;
     let before = listing(&mut c).await;
@@ -290,7 +290,7 @@ async fn every_rejection_has_its_code_and_details_and_changes_nothing() {
         .await
         .expect_err("no target");
     assert_eq!(e.code(), Code::InvalidArgument);
-    let e = claim(&mut c, "0000:3b:02.2", 1, "r1", 0).await.expect_err("reuse");
+    let e = claim(&mut c, "0000:3b:10.2", 1, "r1", 0).await.expect_err("reuse");
     assert_eq!(e.code(), Code::InvalidArgument);
     assert_eq!(info(&e).0, "REQUEST_ID_REUSED");
 
@@ -366,7 +366,7 @@ async fn watch_delivers_resumes_and_refuses_unknown_generations() {
         .await
         .expect("watch")
         .into_inner();
-    let vf = "0000:3b:02.3";
+    let vf = "0000:3b:10.3";
     let g = device(&mut c, vf).await.generation;
     let claimed = claim(&mut c, vf, 1, "w1", g).await.expect("claim");
     // The claimed VF's event, and the PF's derived change (now unavailable).
@@ -393,8 +393,14 @@ async fn watch_delivers_resumes_and_refuses_unknown_generations() {
         .await
         .expect("resume")
         .into_inner();
-    let ev = resumed.next().await.expect("event").expect("ok");
-    assert_eq!(ev.address, vf);
+    let mut replay = Vec::new();
+    while replay.len() < 2 {
+        replay.push(resumed.next().await.expect("event").expect("ok"));
+    }
+    let ev = replay
+        .into_iter()
+        .find(|e| e.address == vf)
+        .expect("the release is replayed");
     assert_eq!(ev.generation, rel.generation);
     assert_eq!(
         ev.device.expect("device").state,
@@ -440,14 +446,14 @@ async fn reconcile_reports_then_frees_only_unchanged_orphans() {
     let mut c = s.client().await;
     let live = 1u128;
     let dead = 2u128;
-    let g = device(&mut c, "0000:3b:02.0").await.generation;
-    claim(&mut c, "0000:3b:02.0", live, "a", g).await.expect("live claim");
-    let g = device(&mut c, "0000:3b:02.1").await.generation;
-    claim(&mut c, "0000:3b:02.1", dead, "b", g).await.expect("dead claim");
+    let g = device(&mut c, "0000:3b:10.0").await.generation;
+    claim(&mut c, "0000:3b:10.0", live, "a", g).await.expect("live claim");
+    let g = device(&mut c, "0000:3b:10.1").await.generation;
+    claim(&mut c, "0000:3b:10.1", dead, "b", g).await.expect("dead claim");
     let snapshot = listing(&mut c).await.host_generation;
     // A claim made after the controller's snapshot: changed, never acted on.
-    let g = device(&mut c, "0000:3b:02.2").await.generation;
-    claim(&mut c, "0000:3b:02.2", 3, "c", g).await.expect("late claim");
+    let g = device(&mut c, "0000:3b:10.2").await.generation;
+    claim(&mut c, "0000:3b:10.2", 3, "c", g).await.expect("late claim");
     let req = |act| proto::ReconcileRequest {
         expected_consumer_ids: vec![owner(live).consumer_id],
         snapshot_generation: snapshot,
@@ -461,27 +467,27 @@ async fn reconcile_reports_then_frees_only_unchanged_orphans() {
         .iter()
         .filter_map(|o| o.device.as_ref().map(|d| d.address.as_str()))
         .collect();
-    assert_eq!(orphans, vec!["0000:3b:02.1"]);
+    assert_eq!(orphans, vec!["0000:3b:10.1"]);
     assert_eq!(dry.changed.len(), 1);
-    assert_eq!(dry.changed[0].address, "0000:3b:02.2");
+    assert_eq!(dry.changed[0].address, "0000:3b:10.2");
     // The dry run changed nothing.
     assert_eq!(
-        device(&mut c, "0000:3b:02.1").await.state,
+        device(&mut c, "0000:3b:10.1").await.state,
         proto::DeviceState::Claimed as i32
     );
     let acted = c.reconcile(req(true)).await.expect("act").into_inner();
     assert!(acted.acted);
     assert!(acted.orphans[0].freed_generation > snapshot);
     assert_eq!(
-        device(&mut c, "0000:3b:02.1").await.state,
+        device(&mut c, "0000:3b:10.1").await.state,
         proto::DeviceState::Free as i32
     );
     assert_eq!(
-        device(&mut c, "0000:3b:02.2").await.state,
+        device(&mut c, "0000:3b:10.2").await.state,
         proto::DeviceState::Claimed as i32
     );
     assert_eq!(
-        device(&mut c, "0000:3b:02.0").await.state,
+        device(&mut c, "0000:3b:10.0").await.state,
         proto::DeviceState::Claimed as i32
     );
     s.stop().await;
@@ -562,7 +568,7 @@ fn a_second_uid_may_read_but_not_mutate() {
     assert!(read.status.success(), "read as nobody: {}", String::from_utf8_lossy(&read.stderr));
     let write = child(&[
         "claim",
-        "0000:3b:02.0",
+        "0000:3b:10.0",
         "--owner",
         "00000000-0000-0000-0000-000000000001",
     ]);
@@ -572,7 +578,7 @@ fn a_second_uid_may_read_but_not_mutate() {
     rt.block_on(async {
         let mut c = s.client().await;
         assert_eq!(
-            device(&mut c, "0000:3b:02.0").await.state,
+            device(&mut c, "0000:3b:10.0").await.state,
             proto::DeviceState::Free as i32
         );
         s.stop().await;
