@@ -227,7 +227,10 @@ impl Config {
             .devices
             .iter()
             .enumerate()
-            .map(|(i, d)| CompiledSpec::compile(d).map_err(|e| ConfigError::Invalid(format!("devices[{i}]: {e}"))))
+            .map(|(i, d)| {
+                CompiledSpec::compile(d)
+                    .map_err(|e| ConfigError::Invalid(format!("devices[{i}]: {e}")))
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Selection { specs })
     }
@@ -329,7 +332,11 @@ impl CompiledSpec {
                 .map(DeviceId::from_str)
                 .transpose()
                 .map_err(|e| e.to_string())?,
-            address: d.address.as_deref().map(AddressPattern::from_str).transpose()?,
+            address: d
+                .address
+                .as_deref()
+                .map(AddressPattern::from_str)
+                .transpose()?,
             pf_name: d.pf_name.clone(),
             driver: d.driver.clone(),
             vf: d.vf,

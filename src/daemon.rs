@@ -91,8 +91,8 @@ impl Agent {
             db = %store.path().display(),
             "ledger loaded"
         );
-        let (writer, _thread) = Writer::start(ledger, store, cfg.api.watch_buffer)
-            .map_err(DaemonError::Thread)?;
+        let (writer, _thread) =
+            Writer::start(ledger, store, cfg.api.watch_buffer).map_err(DaemonError::Thread)?;
         let names = Arc::new(PciNames::system_default());
         let agent = Agent {
             writer,
@@ -115,7 +115,11 @@ impl Agent {
 
     /// A full scan, applied to the ledger (off the async threads).
     pub async fn rescan(&self, selection: &Selection) -> Result<(), DaemonError> {
-        let (root, dev, names) = (self.sysfs_root.clone(), self.dev_root.clone(), self.names.clone());
+        let (root, dev, names) = (
+            self.sysfs_root.clone(),
+            self.dev_root.clone(),
+            self.names.clone(),
+        );
         let inv = tokio::task::spawn_blocking(move || sysfs::scan(&root, &dev, &names))
             .await
             .map_err(|e| DaemonError::Thread(std::io::Error::other(e.to_string())))??;
@@ -150,7 +154,11 @@ impl Agent {
 
 /// Binds the Unix socket: creates its directory, replaces a stale socket (never any
 /// other kind of file), applies mode and group.
-pub fn bind_socket(path: &Path, mode: u32, group: Option<&str>) -> Result<UnixListener, DaemonError> {
+pub fn bind_socket(
+    path: &Path,
+    mode: u32,
+    group: Option<&str>,
+) -> Result<UnixListener, DaemonError> {
     let err = |source| DaemonError::Socket {
         path: path.to_path_buf(),
         source,
@@ -173,7 +181,12 @@ pub fn bind_socket(path: &Path, mode: u32, group: Option<&str>) -> Result<UnixLi
     if let Some(g) = group {
         let gid = nix::unistd::Group::from_name(g)
             .map_err(|e| err(std::io::Error::from(e)))?
-            .ok_or_else(|| err(std::io::Error::new(std::io::ErrorKind::NotFound, format!("no group named {g}"))))?
+            .ok_or_else(|| {
+                err(std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("no group named {g}"),
+                ))
+            })?
             .gid;
         nix::unistd::chown(path, None, Some(gid)).map_err(|e| err(std::io::Error::from(e)))?;
     }
@@ -230,7 +243,8 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<(), Daemon
     let reload_agent = agent.clone();
     let initial_selection = cfg.selection()?;
     tokio::spawn(async move {
-        let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+        let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        else {
             return;
         };
         while hup.recv().await.is_some() {
@@ -243,7 +257,9 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<(), Daemon
                     Ok(()) => tracing::info!(selection = %sel, "reloaded device selection"),
                     Err(e) => tracing::error!(error = %e, "rescan after reload failed"),
                 },
-                Err(e) => tracing::error!(error = %e, "reload refused; the previous selection stays"),
+                Err(e) => {
+                    tracing::error!(error = %e, "reload refused; the previous selection stays")
+                }
             }
         }
     });

@@ -16,6 +16,8 @@
 //! - [`api`]: the gRPC service `hostdev.v1.HostDev`, the caller check, the error map.
 //! - [`client`]: connecting a `HostDev` client to the agent's Unix socket.
 //! - [`config`]: the TOML configuration and the managed-device selection.
+//! - [`simhost`]: a simulated host (fake sysfs tree) for the demo, tests and benchmarks.
+//! - [`demo`]: the simulated hypervisor that `hostdevd demo` serves.
 //! - [`daemon`]: startup order, serving on the Unix socket, signals, readiness, demo.
 //!
 //! The core ([`ledger`]) never touches the filesystem or the network; every edge module
@@ -25,8 +27,10 @@ pub mod api;
 pub mod client;
 pub mod config;
 pub mod daemon;
+pub mod demo;
 pub mod ledger;
 pub mod pci;
+pub mod simhost;
 pub mod store;
 pub mod sysfs;
 pub mod writer;

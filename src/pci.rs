@@ -350,7 +350,10 @@ mod tests {
 
     #[test]
     fn hex_ids() {
-        assert_eq!("0x8086".parse::<VendorId>().expect("ok").to_string(), "8086");
+        assert_eq!(
+            "0x8086".parse::<VendorId>().expect("ok").to_string(),
+            "8086"
+        );
         assert_eq!("10fb\n".parse::<DeviceId>().expect("ok").0, 0x10fb);
         assert!("0x18086".parse::<VendorId>().is_err());
         assert!("".parse::<VendorId>().is_err());

@@ -244,10 +244,7 @@ impl Writer {
         }
     }
 
-    async fn call<T>(
-        &self,
-        make: impl FnOnce(Reply<T>) -> Command,
-    ) -> Result<T, WriteError> {
+    async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, WriteError> {
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(make(reply))

@@ -50,12 +50,17 @@ impl Server {
 /// device managed (address wildcard), so PF/VF blocking is visible.
 async fn start(vfs: u32) -> Server {
     let mut f = FakeSys::new();
-    f.pf(PF, 0x8086, 0x1572, 64, vfs).driver(PF, "i40e").netdev(PF, "ens1f0");
-    f.iommu_group(PF, 10).vf_iommu_groups(PF, 100).vf_driver(PF, "iavf");
+    f.pf(PF, 0x8086, 0x1572, 64, vfs)
+        .driver(PF, "i40e")
+        .netdev(PF, "ens1f0");
+    f.iommu_group(PF, 10)
+        .vf_iommu_groups(PF, 100)
+        .vf_driver(PF, "iavf");
     for (i, vf) in f.vfs(PF).iter().enumerate() {
         f.numa(&vf.to_string(), (i % 2) as i32);
     }
-    f.device("0000:5e:00.0", 0x15b3, 0x1017).iommu_group("0000:5e:00.0", 30);
+    f.device("0000:5e:00.0", 0x15b3, 0x1017)
+        .iommu_group("0000:5e:00.0", 30);
     let tree = f.build();
     let state = tempfile::tempdir().expect("state dir");
     std::fs::set_permissions(state.path(), std::fs::Permissions::from_mode(0o755))
@@ -163,14 +168,20 @@ async fn list_claim_release_round_trip() {
     assert_eq!(list.devices.len(), 6);
     assert!(list.host_generation >= 6);
     let vf = "0000:3b:10.1";
-    let d = list.devices.iter().find(|d| d.address == vf).expect("vf listed");
+    let d = list
+        .devices
+        .iter()
+        .find(|d| d.address == vf)
+        .expect("vf listed");
     assert_eq!(d.state, proto::DeviceState::Free as i32);
     assert_eq!(d.physfn, PF);
     let pf = list.devices.iter().find(|d| d.address == PF).expect("pf");
     assert_eq!(pf.sriov.as_ref().map(|s| s.vfs.len()), Some(4));
     assert_eq!(pf.netdevs, vec!["ens1f0".to_string()]);
 
-    let claimed = claim(&mut c, vf, 1, "boot-1", d.generation).await.expect("claim");
+    let claimed = claim(&mut c, vf, 1, "boot-1", d.generation)
+        .await
+        .expect("claim");
     assert!(claimed.generation > list.host_generation);
     assert!(!claimed.replayed);
     let dev = claimed.device.expect("device in reply");
@@ -182,7 +193,9 @@ async fn list_claim_release_round_trip() {
     assert_eq!(pfd.blocker.expect("blocker").address, vf);
 
     // Retry after a "timeout": same answer, replayed.
-    let again = claim(&mut c, vf, 1, "boot-1", d.generation).await.expect("retry");
+    let again = claim(&mut c, vf, 1, "boot-1", d.generation)
+        .await
+        .expect("retry");
     assert_eq!(again.generation, claimed.generation);
     assert!(again.replayed);
 
@@ -197,9 +210,14 @@ async fn list_claim_release_round_trip() {
     assert_eq!(out.operation, "claimed");
     assert_eq!(out.generation, claimed.generation);
 
-    let rel = release(&mut c, vf, 1, "free-1", claimed.generation).await.expect("release");
+    let rel = release(&mut c, vf, 1, "free-1", claimed.generation)
+        .await
+        .expect("release");
     assert!(rel.generation > claimed.generation);
-    assert_eq!(device(&mut c, vf).await.state, proto::DeviceState::Free as i32);
+    assert_eq!(
+        device(&mut c, vf).await.state,
+        proto::DeviceState::Free as i32
+    );
     s.stop().await;
 }
 
@@ -209,11 +227,16 @@ async fn every_rejection_has_its_code_and_details_and_changes_nothing() {
     let mut c = s.client().await;
     let vf = "0000:3b:10.0";
     let g0 = device(&mut c, vf).await.generation;
-    let g1 = claim(&mut c, vf, 1, "r1", g0).await.expect("claim").generation;
+    let g1 = claim(&mut c, vf, 1, "r1", g0)
+        .await
+        .expect("claim")
+        .generation;
     let before = listing(&mut c).await;
 
     // Stale generation: ABORTED, with the current generation and owner.
-    let e = release(&mut c, vf, 1, "audit", g0).await.expect_err("stale");
+    let e = release(&mut c, vf, 1, "audit", g0)
+        .await
+        .expect_err("stale");
     assert_eq!(e.code(), Code::Aborted);
     let (reason, meta) = info(&e);
     assert_eq!(reason, "STALE_GENERATION");
@@ -222,7 +245,9 @@ async fn every_rejection_has_its_code_and_details_and_changes_nothing() {
     assert!(e.get_details_precondition_failure().is_some());
 
     // Wrong owner.
-    let e = release(&mut c, vf, 2, "x", g1).await.expect_err("wrong owner");
+    let e = release(&mut c, vf, 2, "x", g1)
+        .await
+        .expect_err("wrong owner");
     assert_eq!(e.code(), Code::FailedPrecondition);
     assert_eq!(info(&e).0, "WRONG_OWNER");
 
@@ -233,14 +258,18 @@ async fn every_rejection_has_its_code_and_details_and_changes_nothing() {
 
     // Blocked by a related claim.
     let pf_gen = device(&mut c, PF).await.generation;
-    let e = claim(&mut c, PF, 2, "pf", pf_gen).await.expect_err("blocked");
+    let e = claim(&mut c, PF, 2, "pf", pf_gen)
+        .await
+        .expect_err("blocked");
     assert_eq!(e.code(), Code::FailedPrecondition);
     let (reason, meta) = info(&e);
     assert_eq!(reason, "BLOCKED_BY_RELATED_CLAIM");
     assert_eq!(meta["blocked_by"], vf);
 
     // Unknown device.
-    let e = claim(&mut c, "0000:99:00.0", 2, "u", 1).await.expect_err("unknown");
+    let e = claim(&mut c, "0000:99:00.0", 2, "u", 1)
+        .await
+        .expect_err("unknown");
     assert_eq!(e.code(), Code::NotFound);
     let e = c
         .get_device(proto::GetDeviceRequest {
@@ -290,7 +319,9 @@ async fn every_rejection_has_its_code_and_details_and_changes_nothing() {
         .await
         .expect_err("no target");
     assert_eq!(e.code(), Code::InvalidArgument);
-    let e = claim(&mut c, "0000:3b:10.2", 1, "r1", 0).await.expect_err("reuse");
+    let e = claim(&mut c, "0000:3b:10.2", 1, "r1", 0)
+        .await
+        .expect_err("reuse");
     assert_eq!(e.code(), Code::InvalidArgument);
     assert_eq!(info(&e).0, "REQUEST_ID_REUSED");
 
@@ -383,7 +414,9 @@ async fn watch_delivers_resumes_and_refuses_unknown_generations() {
     drop(stream);
 
     // While disconnected: a release. Resuming from the last generation replays it.
-    let rel = release(&mut c, vf, 1, "w2", claimed.generation).await.expect("release");
+    let rel = release(&mut c, vf, 1, "w2", claimed.generation)
+        .await
+        .expect("release");
     let mut resumed = c
         .clone()
         .watch(proto::WatchRequest {
@@ -447,13 +480,19 @@ async fn reconcile_reports_then_frees_only_unchanged_orphans() {
     let live = 1u128;
     let dead = 2u128;
     let g = device(&mut c, "0000:3b:10.0").await.generation;
-    claim(&mut c, "0000:3b:10.0", live, "a", g).await.expect("live claim");
+    claim(&mut c, "0000:3b:10.0", live, "a", g)
+        .await
+        .expect("live claim");
     let g = device(&mut c, "0000:3b:10.1").await.generation;
-    claim(&mut c, "0000:3b:10.1", dead, "b", g).await.expect("dead claim");
+    claim(&mut c, "0000:3b:10.1", dead, "b", g)
+        .await
+        .expect("dead claim");
     let snapshot = listing(&mut c).await.host_generation;
     // A claim made after the controller's snapshot: changed, never acted on.
     let g = device(&mut c, "0000:3b:10.2").await.generation;
-    claim(&mut c, "0000:3b:10.2", 3, "c", g).await.expect("late claim");
+    claim(&mut c, "0000:3b:10.2", 3, "c", g)
+        .await
+        .expect("late claim");
     let req = |act| proto::ReconcileRequest {
         expected_consumer_ids: vec![owner(live).consumer_id],
         snapshot_generation: snapshot,
@@ -565,7 +604,11 @@ fn a_second_uid_may_read_but_not_mutate() {
             .expect("run hostdevctl as nobody")
     };
     let read = child(&["status"]);
-    assert!(read.status.success(), "read as nobody: {}", String::from_utf8_lossy(&read.stderr));
+    assert!(
+        read.status.success(),
+        "read as nobody: {}",
+        String::from_utf8_lossy(&read.stderr)
+    );
     let write = child(&[
         "claim",
         "0000:3b:10.0",

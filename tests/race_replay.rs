@@ -71,7 +71,13 @@ impl Host {
             .and_then(|v| v.record.claim.as_ref().map(|c| c.owner.consumer))
     }
 
-    async fn claim(&self, a: &str, who: &Owner, req: &str, g: Generation) -> Result<Generation, WriteError> {
+    async fn claim(
+        &self,
+        a: &str,
+        who: &Owner,
+        req: &str,
+        g: Generation,
+    ) -> Result<Generation, WriteError> {
         self.writer
             .claim(ClaimRequest {
                 target: ClaimTarget::Address {
@@ -85,7 +91,13 @@ impl Host {
             .map(|a| a.outcome.generation())
     }
 
-    async fn release(&self, a: &str, who: &Owner, req: &str, g: Generation) -> Result<Generation, WriteError> {
+    async fn release(
+        &self,
+        a: &str,
+        who: &Owner,
+        req: &str,
+        g: Generation,
+    ) -> Result<Generation, WriteError> {
         self.writer
             .release(ReleaseRequest {
                 address: addr(a),
@@ -161,11 +173,7 @@ async fn fresh_audit_while_domain_runs_is_rejected_because_attached() {
     assert!(err.to_string().contains("instance-0000002a"), "{err}");
     assert_eq!(dest.owner_of("0000:3b:02.1"), Some(instance.consumer));
     // The server-side audit agrees: the claim is protected, not an orphan.
-    let report = dest
-        .writer
-        .view()
-        .ledger
-        .audit(&BTreeSet::new(), fresh);
+    let report = dest.writer.view().ledger.audit(&BTreeSet::new(), fresh);
     assert!(report.orphans.is_empty());
     assert_eq!(report.protected.len(), 1);
 }
@@ -296,5 +304,9 @@ async fn claim_retried_after_timeout_is_one_claim() {
         .filter(|v| v.record.claim.is_some())
         .count();
     assert_eq!(claims, 1);
-    assert_eq!(h.generation("0000:3b:02.3"), first, "the retry changed nothing");
+    assert_eq!(
+        h.generation("0000:3b:02.3"),
+        first,
+        "the retry changed nothing"
+    );
 }

@@ -132,7 +132,10 @@ impl HostDevService {
                 kind: proto::WatchEventKind::Changed as i32,
                 generation: generation.0,
                 address: view.record.address().to_string(),
-                device: Some(device_to_proto(view, self.inv().get(&view.record.address()))),
+                device: Some(device_to_proto(
+                    view,
+                    self.inv().get(&view.record.address()),
+                )),
             },
             Event::Removed {
                 generation,
@@ -291,7 +294,10 @@ impl HostDev for HostDevService {
         if r.expected_consumer_ids.len() > 100_000 {
             return Err(ApiError::BadField {
                 field: "expected_consumer_ids",
-                reason: format!("{} ids is more than the limit of 100000", r.expected_consumer_ids.len()),
+                reason: format!(
+                    "{} ids is more than the limit of 100000",
+                    r.expected_consumer_ids.len()
+                ),
             }
             .into());
         }
@@ -306,7 +312,9 @@ impl HostDev for HostDevService {
             None
         };
         let view = self.writer.view();
-        let report = view.ledger.audit(&expected, Generation(r.snapshot_generation));
+        let report = view
+            .ledger
+            .audit(&expected, Generation(r.snapshot_generation));
         let to_views = |recs: &[crate::ledger::DeviceRecord]| -> Vec<proto::Device> {
             let inv = self.inv();
             recs.iter()
@@ -451,7 +459,9 @@ impl HostDev for HostDevService {
                 }
             }
         });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(out),
+        )))
     }
 
     async fn get_request_outcome(
@@ -522,4 +532,3 @@ impl HostDev for HostDevService {
         }))
     }
 }
-

@@ -102,13 +102,15 @@ pub fn to_status(e: &ApiError) -> Status {
     let msg = e.to_string();
     match e {
         ApiError::BadId { field, .. } | ApiError::BadField { field, .. } => {
-            let mut d = ErrorDetails::with_error_info("INVALID_ARGUMENT", ERROR_DOMAIN, HashMap::new());
+            let mut d =
+                ErrorDetails::with_error_info("INVALID_ARGUMENT", ERROR_DOMAIN, HashMap::new());
             d.add_bad_request_violation(*field, msg.clone());
             Status::with_error_details(Code::InvalidArgument, msg, d)
         }
         ApiError::Write(WriteError::Ledger(le)) => {
             let code = ledger_code(le);
-            let mut d = ErrorDetails::with_error_info(le.reason(), ERROR_DOMAIN, ledger_metadata(le));
+            let mut d =
+                ErrorDetails::with_error_info(le.reason(), ERROR_DOMAIN, ledger_metadata(le));
             if code == Code::FailedPrecondition || code == Code::Aborted {
                 d.add_precondition_failure_violation(
                     le.reason(),
@@ -134,7 +136,8 @@ pub fn to_status(e: &ApiError) -> Status {
             Status::with_error_details(Code::Unavailable, msg, d)
         }
         ApiError::PermissionDenied(_) => {
-            let d = ErrorDetails::with_error_info("PERMISSION_DENIED", ERROR_DOMAIN, HashMap::new());
+            let d =
+                ErrorDetails::with_error_info("PERMISSION_DENIED", ERROR_DOMAIN, HashMap::new());
             Status::with_error_details(Code::PermissionDenied, msg, d)
         }
         ApiError::TooOld { oldest, .. } => {

@@ -1,1 +1,1177 @@
-fn main() {}
+//! The `hostdevctl` binary: the operator's client of a running hostdevd (list, show,
+//! claim, release, transfer, watch, reconcile, status, outcome) over its Unix socket.
+//!
+//! Exit status: 0 done, 1 refused by the agent (or failed there), 2 usage error,
+//! 3 cannot connect to the agent.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use serde_json::{json, Value};
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+use tonic_types::StatusExt;
+
+use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::api::status::ERROR_DOMAIN;
+use hostdevd::client::{self, DEFAULT_SOCKET_PATH, SOCKET_ENV};
+use hostdevd::pci::{ConsumerId, DeviceId, OwnerLabel, PciAddress, PhysNet, RequestId, VendorId};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "hostdevctl",
+    version,
+    about = "Client of hostdevd, the per-hypervisor authority on PCI device ownership",
+    after_help = "Exit status: 0 done, 1 refused by the agent, 2 usage error, 3 cannot connect."
+)]
+struct Cli {
+    /// The agent's Unix socket [default: $HOSTDEVD_SOCKET, else /run/hostdevd/hostdevd.sock].
+    #[arg(long, global = true, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Print JSON instead of text (one object; one object per line for `watch`).
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// List every device (VFs under their PF) with state, owner and generation.
+    List,
+    /// Show one device, and any lost claims at its address.
+    Show {
+        /// PCI address, dddd:bb:dd.f (or bb:dd.f).
+        address: PciAddress,
+    },
+    /// Claim a device by address, or any free matching one with --select.
+    Claim(ClaimArgs),
+    /// Release a claim (only its owner, only with the current generation).
+    Release(ReleaseArgs),
+    /// Move a claim from one consumer to another in one step.
+    Transfer(TransferArgs),
+    /// Print device changes as they happen, one line per event.
+    Watch(WatchArgs),
+    /// Run the agent's audit: report orphans, strays, lost and changed devices.
+    Reconcile(ReconcileArgs),
+    /// The agent's version, host generation, health and device counts.
+    Status,
+    /// The outcome of an earlier claim/release/transfer, by owner and request id.
+    Outcome {
+        /// The consumer that made the request.
+        #[arg(long, value_name = "UUID")]
+        owner: ConsumerId,
+        #[arg(long, value_name = "ID")]
+        request_id: RequestId,
+    },
+}
+
+#[derive(Debug, Args)]
+struct ClaimArgs {
+    /// The device to claim (omit with --select).
+    #[arg(required_unless_present = "select")]
+    address: Option<PciAddress>,
+    /// The consumer that will own the claim (an instance or migration UUID).
+    #[arg(long, value_name = "UUID")]
+    owner: ConsumerId,
+    /// Free text for operators, e.g. the instance name.
+    #[arg(long, value_name = "TEXT", default_value = "")]
+    label: OwnerLabel,
+    /// Unique per owner; a retry with the same id returns the first answer.
+    /// [default: a fresh UUID, printed with the result]
+    #[arg(long, value_name = "ID")]
+    request_id: Option<RequestId>,
+    /// The generation the device must still have. When omitted, hostdevctl reads the
+    /// current one with GetDevice just before claiming: a convenience for operators,
+    /// NOT for controllers, which must present the generation they based their decision on.
+    #[arg(long, value_name = "G", conflicts_with = "select")]
+    generation: Option<u64>,
+    /// Let the agent pick any free managed device matching the filters below.
+    #[arg(long, conflicts_with = "address")]
+    select: bool,
+    /// Selector: vendor id (4 hex digits).
+    #[arg(long, value_name = "HEX", requires = "select")]
+    vendor: Option<VendorId>,
+    /// Selector: device id (4 hex digits).
+    #[arg(long, value_name = "HEX", requires = "select")]
+    device: Option<DeviceId>,
+    /// Selector: only VFs of this PF.
+    #[arg(long, value_name = "ADDR", requires = "select")]
+    pf: Option<PciAddress>,
+    /// Selector: physical network tag.
+    #[arg(long, value_name = "NAME", requires = "select")]
+    physnet: Option<PhysNet>,
+    /// Selector: preferred NUMA node (a preference, not a filter).
+    #[arg(long, value_name = "N", requires = "select")]
+    numa: Option<u32>,
+    /// Selector: bound kernel driver.
+    #[arg(long, value_name = "NAME", requires = "select")]
+    driver: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct ReleaseArgs {
+    address: PciAddress,
+    /// The consumer that holds the claim.
+    #[arg(long, value_name = "UUID")]
+    owner: ConsumerId,
+    /// The device's current generation (for a lost claim, the lost record's).
+    #[arg(long, value_name = "G")]
+    generation: u64,
+    /// [default: a fresh UUID, printed with the result]
+    #[arg(long, value_name = "ID")]
+    request_id: Option<RequestId>,
+}
+
+#[derive(Debug, Args)]
+struct TransferArgs {
+    address: PciAddress,
+    /// The consumer that holds the claim now.
+    #[arg(long, value_name = "UUID")]
+    from: ConsumerId,
+    /// The new owner.
+    #[arg(long, value_name = "UUID")]
+    to: ConsumerId,
+    /// The new owner's label.
+    #[arg(long, value_name = "TEXT", default_value = "")]
+    label: OwnerLabel,
+    /// The device's current generation.
+    #[arg(long, value_name = "G")]
+    generation: u64,
+    /// [default: a fresh UUID, printed with the result]
+    #[arg(long, value_name = "ID")]
+    request_id: Option<RequestId>,
+}
+
+#[derive(Debug, Args)]
+struct WatchArgs {
+    /// Deliver changes after this generation (resume). [default: the current host
+    /// generation, i.e. only changes from now on]
+    #[arg(long, value_name = "G", conflicts_with = "snapshot")]
+    from: Option<u64>,
+    /// Begin with one snapshot line per device, then changes.
+    #[arg(long)]
+    snapshot: bool,
+    /// Exit after this many events (snapshot lines included).
+    #[arg(long, value_name = "N")]
+    count: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+struct ReconcileArgs {
+    /// The consumers believed to live on this host (repeatable, or comma-separated).
+    #[arg(
+        long,
+        value_name = "UUID",
+        num_args = 1..,
+        value_delimiter = ',',
+        required_unless_present = "expect_none"
+    )]
+    expected: Vec<ConsumerId>,
+    /// No consumer is expected on this host (every claim is a candidate orphan).
+    #[arg(long, conflicts_with = "expected")]
+    expect_none: bool,
+    /// The host generation read before building the expected list (from `list`).
+    #[arg(long, value_name = "G")]
+    snapshot_generation: u64,
+    /// Free the orphans that are provably unused and unchanged since the snapshot.
+    #[arg(long, conflicts_with = "dry_run")]
+    act: bool,
+    /// Only report (the default; accepted for explicitness).
+    #[arg(long)]
+    dry_run: bool,
+    /// Identifies the audit run (with --act). [default: a fresh UUID]
+    #[arg(long, value_name = "ID")]
+    request_id: Option<RequestId>,
+}
+
+/// Why a command did not succeed, and so which exit status it gets.
+#[derive(Debug)]
+enum Failure {
+    /// The agent answered with an error (exit 1).
+    Refused(String),
+    /// The command line made no sense (exit 2).
+    Usage(String),
+    /// No agent could be reached (exit 3).
+    Connect(String),
+    /// Writing the output failed; a closed pipe ends quietly (exit 0).
+    Output(std::io::Error),
+}
+
+type Outcome = Result<(), Failure>;
+
+struct Ctx {
+    client: HostDevClient<Channel>,
+    socket: PathBuf,
+    json: bool,
+}
+
+fn socket_path(cli: &Cli) -> PathBuf {
+    if let Some(p) = &cli.socket {
+        return p.clone();
+    }
+    match std::env::var_os(SOCKET_ENV) {
+        Some(v) if !v.is_empty() => PathBuf::from(v),
+        _ => PathBuf::from(DEFAULT_SOCKET_PATH),
+    }
+}
+
+fn fresh_request_id() -> Result<RequestId, Failure> {
+    uuid::Uuid::new_v4()
+        .to_string()
+        .parse()
+        .map_err(|e| Failure::Usage(format!("cannot make a request id: {e}")))
+}
+
+fn mutating(op: &str) -> bool {
+    matches!(op, "claim" | "release" | "transfer" | "reconcile --act")
+}
+
+/// A short name for a status code, used where the server's message does not already say it.
+fn code_label(code: Code) -> Option<&'static str> {
+    match code {
+        Code::Aborted => Some("stale generation"),
+        Code::InvalidArgument => Some("invalid argument"),
+        Code::PermissionDenied => Some("permission denied"),
+        Code::ResourceExhausted => Some("no free device"),
+        Code::OutOfRange => Some("cannot resume"),
+        Code::Unavailable => Some("agent unavailable"),
+        Code::DeadlineExceeded => Some("timed out"),
+        Code::Unimplemented => Some("not supported by this agent"),
+        Code::Internal | Code::Unknown | Code::DataLoss => Some("agent error"),
+        Code::Cancelled => Some("cancelled"),
+        Code::Unauthenticated => Some("unauthenticated"),
+        // The agent's messages for these name the device and the state already.
+        Code::NotFound | Code::FailedPrecondition | Code::AlreadyExists | Code::Ok => None,
+    }
+}
+
+/// One line from a gRPC status: the operation, the meaning of the code, the server's
+/// message, and any ErrorInfo facts the message does not mention.
+fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
+    let info = status.get_details_error_info();
+    let ours = info.as_ref().is_some_and(|i| i.domain == ERROR_DOMAIN);
+    if !ours && matches!(status.code(), Code::Unavailable | Code::Unknown) {
+        // Transport failure: the connection broke, not an answer from the agent.
+        return Failure::Connect(format!(
+            "{op} failed: lost the connection to hostdevd at {}: {}",
+            socket.display(),
+            status.message()
+        ));
+    }
+    let verb = if mutating(op) { "refused" } else { "failed" };
+    let mut msg = status.message().trim().to_string();
+    // The agent's own permission messages already start with "<op> refused: ".
+    for prefix in [format!("{op} refused: "), format!("{verb}: ")] {
+        if let Some(rest) = msg.strip_prefix(&prefix) {
+            msg = rest.to_string();
+        }
+    }
+    if msg.is_empty() {
+        msg = format!("{:?}", status.code());
+    }
+    let mut line = format!("{op} {verb}: ");
+    if let Some(label) = code_label(status.code()) {
+        if !msg.to_lowercase().starts_with(label) {
+            line.push_str(label);
+            line.push_str(": ");
+        }
+    }
+    line.push_str(&msg);
+    if let Some(info) = info.filter(|_| ours) {
+        let facts = [
+            ("current_generation", "current generation"),
+            ("owner_consumer_id", "owner"),
+            ("domain_name", "domain"),
+            ("oldest_generation", "oldest replayable generation"),
+        ];
+        for (key, name) in facts {
+            if let Some(v) = info.metadata.get(key).filter(|v| !v.is_empty()) {
+                if !msg.contains(v.as_str()) {
+                    line.push_str(&format!("; {name} {v}"));
+                }
+            }
+        }
+    }
+    Failure::Refused(line)
+}
+
+fn out(line: impl AsRef<str>) -> Outcome {
+    let mut o = std::io::stdout().lock();
+    writeln!(o, "{}", line.as_ref()).map_err(Failure::Output)
+}
+
+fn out_json(v: &Value) -> Outcome {
+    out(v.to_string())
+}
+
+fn state_name(s: i32) -> &'static str {
+    match proto::DeviceState::try_from(s) {
+        Ok(proto::DeviceState::Free) => "free",
+        Ok(proto::DeviceState::Claimed) => "claimed",
+        Ok(proto::DeviceState::Attached) => "attached",
+        Ok(proto::DeviceState::Lost) => "lost",
+        Ok(proto::DeviceState::Unavailable) => "unavailable",
+        Ok(proto::DeviceState::Unmanaged) => "unmanaged",
+        Ok(proto::DeviceState::Unspecified) | Err(_) => "unspecified",
+    }
+}
+
+fn kind_name(k: i32) -> &'static str {
+    match proto::WatchEventKind::try_from(k) {
+        Ok(proto::WatchEventKind::Changed) => "changed",
+        Ok(proto::WatchEventKind::Removed) => "removed",
+        Ok(proto::WatchEventKind::Snapshot) => "snapshot",
+        Ok(proto::WatchEventKind::SnapshotEnd) => "snapshot-end",
+        Ok(proto::WatchEventKind::Unspecified) | Err(_) => "unspecified",
+    }
+}
+
+fn owner_json(o: &Option<proto::Owner>) -> Value {
+    match o {
+        Some(o) => json!({"consumer_id": o.consumer_id, "label": o.label}),
+        None => Value::Null,
+    }
+}
+
+fn domain_json(d: &Option<proto::Domain>) -> Value {
+    match d {
+        Some(d) => json!({"uuid": d.uuid, "name": d.name, "running": d.running}),
+        None => Value::Null,
+    }
+}
+
+fn nonempty(s: &str) -> Value {
+    if s.is_empty() {
+        Value::Null
+    } else {
+        Value::String(s.to_string())
+    }
+}
+
+fn device_json(d: &proto::Device) -> Value {
+    json!({
+        "address": d.address,
+        "generation": d.generation,
+        "state": state_name(d.state),
+        "present": d.present,
+        "vendor_id": d.vendor_id,
+        "device_id": d.device_id,
+        "vendor_name": nonempty(&d.vendor_name),
+        "device_name": nonempty(&d.device_name),
+        "driver": nonempty(&d.driver),
+        "iommu_group": d.iommu_group,
+        "numa_node": d.numa_node,
+        "physfn": nonempty(&d.physfn),
+        "vf_index": d.vf_index,
+        "sriov": d.sriov.as_ref().map(|s| json!({
+            "total_vfs": s.total_vfs, "num_vfs": s.num_vfs, "vfs": s.vfs,
+        })),
+        "netdevs": d.netdevs,
+        "physnets": d.physnets,
+        "managed": d.managed,
+        "owner": owner_json(&d.owner),
+        "request_id": nonempty(&d.request_id),
+        "claimed_at_unix": (d.claimed_at_unix != 0).then_some(d.claimed_at_unix),
+        "attached_domain": domain_json(&d.attached_domain),
+        "blocker": d.blocker.as_ref().map(|b| json!({
+            "address": nonempty(&b.address), "relation": b.relation, "domain": domain_json(&b.domain),
+        })),
+        "vfio_group": nonempty(&d.vfio_group),
+    })
+}
+
+fn stray_json(s: &proto::Stray) -> Value {
+    json!({
+        "address": s.address,
+        "domain": domain_json(&s.domain),
+        "claimed_by": owner_json(&s.claimed_by),
+        "known_device": s.known_device,
+    })
+}
+
+fn owner_text(o: &Option<proto::Owner>) -> String {
+    match o {
+        Some(o) if o.label.is_empty() => o.consumer_id.clone(),
+        Some(o) => format!("{} ({})", o.consumer_id, o.label),
+        None => "-".into(),
+    }
+}
+
+fn domain_text(d: &proto::Domain) -> String {
+    format!(
+        "{} ({}, uuid {})",
+        d.name,
+        if d.running { "running" } else { "defined" },
+        d.uuid
+    )
+}
+
+/// What else matters about a device's state, for the last column of `list`.
+fn detail_text(d: &proto::Device) -> String {
+    if let Some(dom) = &d.attached_domain {
+        return format!("domain {}", domain_text(dom));
+    }
+    if let Some(b) = &d.blocker {
+        return match &b.domain {
+            Some(dom) => format!("used by domain {}", domain_text(dom)),
+            None => format!("blocked by {} ({})", b.address, b.relation),
+        };
+    }
+    if !d.present {
+        return "gone from sysfs".into();
+    }
+    String::new()
+}
+
+fn opt_num(v: Option<u32>) -> String {
+    v.map(|n| n.to_string()).unwrap_or_else(|| "-".into())
+}
+
+fn or_dash(s: &str) -> &str {
+    if s.is_empty() {
+        "-"
+    } else {
+        s
+    }
+}
+
+/// Devices in tree order: each non-VF, then its VFs (by VF index) indented under it.
+/// VFs whose PF is not listed stand alone.
+fn tree_order(devices: &[proto::Device]) -> Vec<(usize, &proto::Device)> {
+    let listed: std::collections::BTreeSet<&str> =
+        devices.iter().map(|d| d.address.as_str()).collect();
+    let mut children: BTreeMap<&str, Vec<&proto::Device>> = BTreeMap::new();
+    let mut roots: Vec<&proto::Device> = Vec::new();
+    for d in devices {
+        if !d.physfn.is_empty() && listed.contains(d.physfn.as_str()) {
+            children.entry(d.physfn.as_str()).or_default().push(d);
+        } else {
+            roots.push(d);
+        }
+    }
+    let key = |d: &proto::Device| -> (u32, Option<PciAddress>, String) {
+        (
+            d.vf_index.unwrap_or(u32::MAX),
+            d.address.parse().ok(),
+            d.address.clone(),
+        )
+    };
+    roots.sort_by_key(|d| {
+        (
+            d.address.parse::<PciAddress>().ok(),
+            d.address.clone(),
+            !d.present,
+        )
+    });
+    let mut rows = Vec::new();
+    for r in roots {
+        rows.push((0, r));
+        // A lost and a present record may share an address: attach VFs once.
+        if rows.iter().filter(|(_, d)| d.address == r.address).count() > 1 {
+            continue;
+        }
+        if let Some(vfs) = children.get_mut(r.address.as_str()) {
+            vfs.sort_by_key(|d| key(d));
+            rows.extend(vfs.iter().map(|v| (1, *v)));
+        }
+    }
+    rows
+}
+
+fn render_table(rows: &[Vec<String>]) -> Vec<String> {
+    let cols = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..cols)
+        .map(|c| {
+            rows.iter()
+                .map(|r| r.get(c).map_or(0, |s| s.chars().count()))
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    rows.iter()
+        .map(|r| {
+            let mut line = String::new();
+            for (c, cell) in r.iter().enumerate() {
+                if c + 1 == r.len() {
+                    line.push_str(cell);
+                } else {
+                    line.push_str(&format!("{cell:<w$}  ", w = widths[c]));
+                }
+            }
+            line.trim_end().to_string()
+        })
+        .collect()
+}
+
+async fn cmd_list(ctx: &mut Ctx) -> Outcome {
+    let r = ctx
+        .client
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .map_err(|s| describe("list", &ctx.socket, &s))?
+        .into_inner();
+    if ctx.json {
+        return out_json(&json!({
+            "host_generation": r.host_generation,
+            "devices": r.devices.iter().map(device_json).collect::<Vec<_>>(),
+            "strays": r.strays.iter().map(stray_json).collect::<Vec<_>>(),
+        }));
+    }
+    out(format!(
+        "host generation {} ({} devices)",
+        r.host_generation,
+        r.devices.len()
+    ))?;
+    let mut rows = vec![vec![
+        "ADDRESS".to_string(),
+        "STATE".into(),
+        "GEN".into(),
+        "NUMA".into(),
+        "DRIVER".into(),
+        "OWNER".into(),
+        "DETAIL".into(),
+    ]];
+    for (depth, d) in tree_order(&r.devices) {
+        rows.push(vec![
+            format!("{}{}", "  ".repeat(depth), d.address),
+            state_name(d.state).into(),
+            d.generation.to_string(),
+            opt_num(d.numa_node),
+            or_dash(&d.driver).into(),
+            owner_text(&d.owner),
+            detail_text(d),
+        ]);
+    }
+    for line in render_table(&rows) {
+        out(line)?;
+    }
+    if !r.strays.is_empty() {
+        out(format!(
+            "{} strays (domains using devices they hold no claim on):",
+            r.strays.len()
+        ))?;
+        for s in &r.strays {
+            out(format!("  {}", stray_text(s)))?;
+        }
+    }
+    Ok(())
+}
+
+fn stray_text(s: &proto::Stray) -> String {
+    let mut t = format!(
+        "{} used by domain {}",
+        s.address,
+        s.domain
+            .as_ref()
+            .map(domain_text)
+            .unwrap_or_else(|| "?".into())
+    );
+    if s.claimed_by.is_some() {
+        t.push_str(&format!(", claimed by {}", owner_text(&s.claimed_by)));
+    }
+    if !s.known_device {
+        t.push_str(" (not a known device)");
+    }
+    t
+}
+
+fn device_lines(d: &proto::Device) -> Vec<String> {
+    let mut kv: Vec<(&str, String)> = vec![
+        ("address", d.address.clone()),
+        ("state", state_name(d.state).into()),
+        ("generation", d.generation.to_string()),
+        (
+            "present",
+            if d.present {
+                "yes"
+            } else {
+                "no (gone from sysfs)"
+            }
+            .into(),
+        ),
+        (
+            "vendor",
+            format!("{} {}", d.vendor_id, d.vendor_name)
+                .trim_end()
+                .into(),
+        ),
+        (
+            "device",
+            format!("{} {}", d.device_id, d.device_name)
+                .trim_end()
+                .into(),
+        ),
+        ("driver", or_dash(&d.driver).into()),
+        ("iommu group", opt_num(d.iommu_group)),
+        ("numa node", opt_num(d.numa_node)),
+    ];
+    if !d.physfn.is_empty() {
+        let idx = d.vf_index.map(|i| format!(" (VF {i})")).unwrap_or_default();
+        kv.push(("physfn", format!("{}{idx}", d.physfn)));
+    }
+    if let Some(s) = &d.sriov {
+        kv.push((
+            "sriov",
+            format!("{} of {} VFs: {}", s.num_vfs, s.total_vfs, s.vfs.join(" "))
+                .trim_end()
+                .into(),
+        ));
+    }
+    if !d.netdevs.is_empty() {
+        kv.push(("netdevs", d.netdevs.join(" ")));
+    }
+    if !d.physnets.is_empty() {
+        kv.push(("physnets", d.physnets.join(" ")));
+    }
+    kv.push(("managed", if d.managed { "yes" } else { "no" }.into()));
+    kv.push(("owner", owner_text(&d.owner)));
+    if !d.request_id.is_empty() {
+        kv.push(("request id", d.request_id.clone()));
+    }
+    if d.claimed_at_unix != 0 {
+        kv.push(("claimed at", format!("{} (unix time)", d.claimed_at_unix)));
+    }
+    if let Some(dom) = &d.attached_domain {
+        kv.push(("attached to", format!("domain {}", domain_text(dom))));
+    }
+    if d.blocker.is_some() {
+        kv.push(("unavailable", detail_text(d)));
+    }
+    if !d.vfio_group.is_empty() {
+        kv.push(("vfio group", d.vfio_group.clone()));
+    }
+    kv.into_iter()
+        .map(|(k, v)| format!("{k:<12} {v}"))
+        .collect()
+}
+
+async fn cmd_show(ctx: &mut Ctx, address: PciAddress) -> Outcome {
+    let r = ctx
+        .client
+        .get_device(proto::GetDeviceRequest {
+            address: address.to_string(),
+        })
+        .await
+        .map_err(|s| describe("show", &ctx.socket, &s))?
+        .into_inner();
+    if ctx.json {
+        return out_json(&json!({
+            "host_generation": r.host_generation,
+            "device": r.device.as_ref().map(device_json),
+            "lost": r.lost.iter().map(device_json).collect::<Vec<_>>(),
+        }));
+    }
+    match &r.device {
+        Some(d) => {
+            for l in device_lines(d) {
+                out(l)?;
+            }
+        }
+        None => out(format!("{address}: no present device (only lost claims)"))?,
+    }
+    for d in &r.lost {
+        out("")?;
+        out("lost claim at this address:")?;
+        for l in device_lines(d) {
+            out(format!("  {l}"))?;
+        }
+    }
+    out(format!("{:<12} {}", "host gen", r.host_generation))
+}
+
+async fn cmd_claim(ctx: &mut Ctx, a: ClaimArgs) -> Outcome {
+    let request_id = match a.request_id {
+        Some(r) => r,
+        None => fresh_request_id()?,
+    };
+    let owner = proto::Owner {
+        consumer_id: a.owner.to_string(),
+        label: a.label.to_string(),
+    };
+    let target = if a.select {
+        proto::claim_request::Target::Selector(proto::Selector {
+            vendor_id: a.vendor.map(|v| v.to_string()).unwrap_or_default(),
+            device_id: a.device.map(|v| v.to_string()).unwrap_or_default(),
+            pf_address: a.pf.map(|v| v.to_string()).unwrap_or_default(),
+            physnet: a.physnet.map(|v| v.to_string()).unwrap_or_default(),
+            numa_node: a.numa,
+            driver: a.driver.unwrap_or_default(),
+        })
+    } else {
+        let Some(address) = a.address else {
+            return Err(Failure::Usage("claim needs an ADDRESS or --select".into()));
+        };
+        let generation = match a.generation {
+            Some(g) => g,
+            None => {
+                let r = ctx
+                    .client
+                    .get_device(proto::GetDeviceRequest {
+                        address: address.to_string(),
+                    })
+                    .await
+                    .map_err(|s| describe("claim", &ctx.socket, &s))?
+                    .into_inner();
+                let Some(d) = r.device else {
+                    return Err(Failure::Refused(format!(
+                        "claim refused: {address} is not present (only lost claims remain there)"
+                    )));
+                };
+                eprintln!(
+                    "hostdevctl: claiming {address} at its current generation {} (read just now; controllers must pass --generation)",
+                    d.generation
+                );
+                d.generation
+            }
+        };
+        proto::claim_request::Target::Address(proto::ByAddress {
+            address: address.to_string(),
+            expected_generation: generation,
+        })
+    };
+    let r = ctx
+        .client
+        .claim(proto::ClaimRequest {
+            owner: Some(owner.clone()),
+            request_id: request_id.to_string(),
+            target: Some(target),
+        })
+        .await
+        .map_err(|s| describe("claim", &ctx.socket, &s))?
+        .into_inner();
+    if ctx.json {
+        return out_json(&json!({
+            "device": r.device.as_ref().map(device_json),
+            "generation": r.generation,
+            "replayed": r.replayed,
+            "request_id": request_id.as_str(),
+        }));
+    }
+    let addr = r
+        .device
+        .as_ref()
+        .map(|d| d.address.clone())
+        .unwrap_or_else(|| "?".into());
+    out(format!(
+        "claimed {addr} for {} at generation {} (request id {}){}",
+        owner_text(&Some(owner)),
+        r.generation,
+        request_id.as_str(),
+        if r.replayed {
+            "; replayed the earlier answer"
+        } else {
+            ""
+        }
+    ))
+}
+
+async fn cmd_release(ctx: &mut Ctx, a: ReleaseArgs) -> Outcome {
+    let request_id = match a.request_id {
+        Some(r) => r,
+        None => fresh_request_id()?,
+    };
+    let r = ctx
+        .client
+        .release(proto::ReleaseRequest {
+            address: a.address.to_string(),
+            owner: Some(proto::Owner {
+                consumer_id: a.owner.to_string(),
+                label: String::new(),
+            }),
+            request_id: request_id.to_string(),
+            generation: a.generation,
+        })
+        .await
+        .map_err(|s| describe("release", &ctx.socket, &s))?
+        .into_inner();
+    if ctx.json {
+        return out_json(&json!({
+            "address": r.address,
+            "generation": r.generation,
+            "replayed": r.replayed,
+            "request_id": request_id.as_str(),
+        }));
+    }
+    out(format!(
+        "released {} at generation {} (request id {}){}",
+        r.address,
+        r.generation,
+        request_id.as_str(),
+        if r.replayed {
+            "; replayed the earlier answer"
+        } else {
+            ""
+        }
+    ))
+}
+
+async fn cmd_transfer(ctx: &mut Ctx, a: TransferArgs) -> Outcome {
+    let request_id = match a.request_id {
+        Some(r) => r,
+        None => fresh_request_id()?,
+    };
+    let to = proto::Owner {
+        consumer_id: a.to.to_string(),
+        label: a.label.to_string(),
+    };
+    let r = ctx
+        .client
+        .transfer(proto::TransferRequest {
+            address: a.address.to_string(),
+            from_consumer_id: a.from.to_string(),
+            to: Some(to.clone()),
+            request_id: request_id.to_string(),
+            generation: a.generation,
+        })
+        .await
+        .map_err(|s| describe("transfer", &ctx.socket, &s))?
+        .into_inner();
+    if ctx.json {
+        return out_json(&json!({
+            "device": r.device.as_ref().map(device_json),
+            "generation": r.generation,
+            "replayed": r.replayed,
+            "request_id": request_id.as_str(),
+        }));
+    }
+    out(format!(
+        "transferred {} from {} to {} at generation {} (request id {}){}",
+        a.address,
+        a.from,
+        owner_text(&Some(to)),
+        r.generation,
+        request_id.as_str(),
+        if r.replayed {
+            "; replayed the earlier answer"
+        } else {
+            ""
+        }
+    ))
+}
+
+fn event_text(e: &proto::WatchEvent) -> String {
+    let mut t = format!("{} {}", e.generation, kind_name(e.kind));
+    if !e.address.is_empty() {
+        t.push(' ');
+        t.push_str(&e.address);
+    }
+    if let Some(d) = &e.device {
+        t.push(' ');
+        t.push_str(state_name(d.state));
+        t.push_str(" owner=");
+        t.push_str(&owner_text(&d.owner).replace(' ', ""));
+        let detail = detail_text(d);
+        if !detail.is_empty() {
+            t.push(' ');
+            t.push_str(&detail);
+        }
+    }
+    t
+}
+
+async fn cmd_watch(ctx: &mut Ctx, a: WatchArgs) -> Outcome {
+    let from = match (a.from, a.snapshot) {
+        (Some(g), _) => g,
+        (None, true) => 0,
+        (None, false) => {
+            ctx.client
+                .get_status(proto::GetStatusRequest {})
+                .await
+                .map_err(|s| describe("watch", &ctx.socket, &s))?
+                .into_inner()
+                .host_generation
+        }
+    };
+    let mut stream = ctx
+        .client
+        .watch(proto::WatchRequest {
+            from_generation: from,
+            snapshot: a.snapshot,
+        })
+        .await
+        .map_err(|s| describe("watch", &ctx.socket, &s))?
+        .into_inner();
+    if !ctx.json && !a.snapshot {
+        eprintln!("hostdevctl: watching changes after generation {from}");
+    }
+    let mut seen = 0u64;
+    loop {
+        if a.count.is_some_and(|n| seen >= n) {
+            return Ok(());
+        }
+        let Some(e) = stream
+            .message()
+            .await
+            .map_err(|s| describe("watch", &ctx.socket, &s))?
+        else {
+            return Err(Failure::Refused(
+                "watch failed: the agent ended the stream (it may be shutting down); resume with --from the last generation".into(),
+            ));
+        };
+        seen += 1;
+        if ctx.json {
+            out_json(&json!({
+                "kind": kind_name(e.kind),
+                "generation": e.generation,
+                "address": nonempty(&e.address),
+                "device": e.device.as_ref().map(device_json),
+            }))?;
+        } else {
+            out(event_text(&e))?;
+        }
+    }
+}
+
+async fn cmd_reconcile(ctx: &mut Ctx, a: ReconcileArgs) -> Outcome {
+    let request_id = match a.request_id {
+        Some(r) => r,
+        None => fresh_request_id()?,
+    };
+    let op = if a.act {
+        "reconcile --act"
+    } else {
+        "reconcile"
+    };
+    let r = ctx
+        .client
+        .reconcile(proto::ReconcileRequest {
+            expected_consumer_ids: a.expected.iter().map(|c| c.to_string()).collect(),
+            snapshot_generation: a.snapshot_generation,
+            act: a.act,
+            request_id: request_id.to_string(),
+        })
+        .await
+        .map_err(|s| describe(op, &ctx.socket, &s))?
+        .into_inner();
+    if ctx.json {
+        return out_json(&json!({
+            "host_generation": r.host_generation,
+            "acted": r.acted,
+            "orphans": r.orphans.iter().map(|o| json!({
+                "device": o.device.as_ref().map(device_json),
+                "freed_generation": (o.freed_generation != 0).then_some(o.freed_generation),
+                "kept_because": nonempty(&o.kept_because),
+            })).collect::<Vec<_>>(),
+            "strays": r.strays.iter().map(stray_json).collect::<Vec<_>>(),
+            "lost": r.lost.iter().map(device_json).collect::<Vec<_>>(),
+            "changed": r.changed.iter().map(device_json).collect::<Vec<_>>(),
+            "protected": r.protected.iter().map(device_json).collect::<Vec<_>>(),
+        }));
+    }
+    out(format!(
+        "reconcile {} against snapshot generation {}; host generation now {}",
+        if r.acted { "(acted)" } else { "(dry run)" },
+        a.snapshot_generation,
+        r.host_generation
+    ))?;
+    let dev = |d: &Option<proto::Device>| -> String {
+        match d {
+            Some(d) => format!(
+                "{} owner {} generation {}",
+                d.address,
+                owner_text(&d.owner),
+                d.generation
+            ),
+            None => "?".into(),
+        }
+    };
+    for o in &r.orphans {
+        let what = if o.freed_generation != 0 {
+            format!("; freed at generation {}", o.freed_generation)
+        } else if !o.kept_because.is_empty() {
+            format!("; kept: {}", o.kept_because)
+        } else if r.acted {
+            String::new()
+        } else {
+            "; would be freed with --act".into()
+        };
+        out(format!("orphan     {}{what}", dev(&o.device)))?;
+    }
+    for s in &r.strays {
+        out(format!("stray      {}", stray_text(s)))?;
+    }
+    for (name, list) in [
+        ("lost", &r.lost),
+        ("changed", &r.changed),
+        ("protected", &r.protected),
+    ] {
+        for d in list {
+            let detail = detail_text(d);
+            let detail = if detail.is_empty() {
+                String::new()
+            } else {
+                format!(" ({detail})")
+            };
+            out(format!("{name:<10} {}{detail}", dev(&Some(d.clone()))))?;
+        }
+    }
+    out(format!(
+        "{} orphans, {} strays, {} lost, {} changed, {} protected",
+        r.orphans.len(),
+        r.strays.len(),
+        r.lost.len(),
+        r.changed.len(),
+        r.protected.len()
+    ))
+}
+
+fn health_text(h: &Option<proto::Health>) -> String {
+    match h {
+        Some(h) => format!("{} ({})", if h.ok { "ok" } else { "NOT OK" }, h.detail),
+        None => "unknown".into(),
+    }
+}
+
+async fn cmd_status(ctx: &mut Ctx) -> Outcome {
+    let s = ctx
+        .client
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .map_err(|s| describe("status", &ctx.socket, &s))?
+        .into_inner();
+    let counts: BTreeMap<&String, &u32> = s.devices_by_state.iter().collect();
+    if ctx.json {
+        let health = |h: &Option<proto::Health>| match h {
+            Some(h) => json!({"ok": h.ok, "detail": h.detail}),
+            None => Value::Null,
+        };
+        return out_json(&json!({
+            "version": s.version,
+            "host_generation": s.host_generation,
+            "uptime_seconds": s.uptime_seconds,
+            "store": health(&s.store),
+            "libvirt": health(&s.libvirt),
+            "boot_id": s.boot_id,
+            "devices_by_state": counts,
+            "strays": s.strays,
+            "lost": s.lost,
+            "watch_oldest_generation": s.watch_oldest_generation,
+            "socket": ctx.socket.display().to_string(),
+        }));
+    }
+    let by_state = counts
+        .iter()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let lines = [
+        ("socket", ctx.socket.display().to_string()),
+        ("version", s.version.clone()),
+        ("host generation", s.host_generation.to_string()),
+        ("uptime", format!("{}s", s.uptime_seconds)),
+        ("boot id", or_dash(&s.boot_id).into()),
+        ("store", health_text(&s.store)),
+        ("libvirt", health_text(&s.libvirt)),
+        (
+            "devices",
+            if by_state.is_empty() {
+                "none".into()
+            } else {
+                by_state
+            },
+        ),
+        ("strays", s.strays.to_string()),
+        ("lost", s.lost.to_string()),
+        (
+            "watch from",
+            format!("generation {} or later", s.watch_oldest_generation),
+        ),
+    ];
+    for (k, v) in lines {
+        out(format!("{k:<16} {v}"))?;
+    }
+    Ok(())
+}
+
+async fn cmd_outcome(ctx: &mut Ctx, owner: ConsumerId, request_id: RequestId) -> Outcome {
+    let r = ctx
+        .client
+        .get_request_outcome(proto::GetRequestOutcomeRequest {
+            consumer_id: owner.to_string(),
+            request_id: request_id.to_string(),
+        })
+        .await
+        .map_err(|s| describe("outcome", &ctx.socket, &s))?
+        .into_inner();
+    if ctx.json {
+        return out_json(&json!({
+            "operation": r.operation,
+            "address": r.address,
+            "generation": r.generation,
+            "at_unix": r.at_unix,
+        }));
+    }
+    out(format!(
+        "{} {} at generation {} (unix time {})",
+        r.operation, r.address, r.generation, r.at_unix
+    ))
+}
+
+async fn run(cli: Cli) -> Outcome {
+    let socket = socket_path(&cli);
+    let client = client::connect(&socket).await.map_err(|e| {
+        let cause = std::error::Error::source(&e)
+            .and_then(std::error::Error::source)
+            .map(|c| c.to_string())
+            .unwrap_or_else(|| e.to_string());
+        Failure::Connect(format!(
+            "cannot connect to hostdevd at {}: {cause} (is the daemon running? set --socket or ${SOCKET_ENV})",
+            socket.display()
+        ))
+    })?;
+    let mut ctx = Ctx {
+        client,
+        socket,
+        json: cli.json,
+    };
+    match cli.command {
+        Command::List => cmd_list(&mut ctx).await,
+        Command::Show { address } => cmd_show(&mut ctx, address).await,
+        Command::Claim(a) => cmd_claim(&mut ctx, a).await,
+        Command::Release(a) => cmd_release(&mut ctx, a).await,
+        Command::Transfer(a) => cmd_transfer(&mut ctx, a).await,
+        Command::Watch(a) => cmd_watch(&mut ctx, a).await,
+        Command::Reconcile(a) => cmd_reconcile(&mut ctx, a).await,
+        Command::Status => cmd_status(&mut ctx).await,
+        Command::Outcome { owner, request_id } => cmd_outcome(&mut ctx, owner, request_id).await,
+    }
+}
+
+fn main() -> ExitCode {
+    // clap exits with status 2 on a usage error, 0 for --help/--version.
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("hostdevctl: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Output(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(Failure::Output(e)) => {
+            eprintln!("hostdevctl: cannot write the output: {e}");
+            ExitCode::from(1)
+        }
+        Err(Failure::Refused(m)) => {
+            eprintln!("hostdevctl: {m}");
+            ExitCode::from(1)
+        }
+        Err(Failure::Usage(m)) => {
+            eprintln!("hostdevctl: {m}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Connect(m)) => {
+            eprintln!("hostdevctl: {m}");
+            ExitCode::from(3)
+        }
+    }
+}

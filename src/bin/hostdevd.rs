@@ -27,6 +27,62 @@ enum Command {
     Scan(ScanArgs),
     /// Run the agent: load the ledger, scan, serve the gRPC API on the Unix socket.
     Serve(ServeArgs),
+    /// Run the agent on a simulated host (SR-IOV NICs with VFs) in a temporary directory,
+    /// print how to talk to it, and remove everything on Ctrl-C.
+    Demo(DemoArgs),
+}
+
+#[derive(Debug, Args)]
+struct DemoArgs {
+    /// Where to create the simulated host (a fresh subdirectory is made and removed).
+    #[arg(long, value_name = "DIR")]
+    dir: Option<PathBuf>,
+    /// VFs per PF.
+    #[arg(long, default_value_t = 8)]
+    vfs: u32,
+}
+
+fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
+    let base = match &args.dir {
+        Some(d) => d.clone(),
+        None => std::env::temp_dir(),
+    };
+    let scratch = tempfile::Builder::new()
+        .prefix("hostdevd-demo")
+        .tempdir_in(&base)
+        .with_context(|| format!("creating the demo directory in {}", base.display()))?;
+    let demo = hostdevd::demo::build(scratch.path(), args.vfs.min(64));
+    let sock = demo.socket.display().to_string();
+    println!(
+        "hostdevd demo: a simulated host with 2 SR-IOV NICs x {} VFs in {}",
+        args.vfs.min(64),
+        scratch.path().display()
+    );
+    println!();
+    println!("In another terminal (cargo run --bin hostdevctl -- ... also works):");
+    println!("  export HOSTDEVD_SOCKET={sock}");
+    println!("  hostdevctl list");
+    println!(
+        "  hostdevctl claim --select --physnet physnet1 --numa 1 --owner {}",
+        uuid::Uuid::new_v4()
+    );
+    println!("  hostdevctl watch");
+    println!("  hostdevctl status");
+    println!(
+        "  hostdevd scan --sysfs-root {}",
+        demo.config.sysfs_root.display()
+    );
+    println!();
+    println!("Ctrl-C stops the agent and removes the simulated host.");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let result = rt.block_on(hostdevd::daemon::run(demo.config.clone(), None));
+    drop(demo);
+    drop(scratch);
+    result?;
+    Ok(())
 }
 
 /// Flags override the config file's keys of the same name.
@@ -168,6 +224,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Scan(args) => run_scan(args),
         Command::Serve(args) => run_serve(args),
+        Command::Demo(args) => run_demo(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

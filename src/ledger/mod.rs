@@ -167,7 +167,9 @@ impl Ledger {
 
     /// The present instance at an address.
     pub fn record_at(&self, address: PciAddress) -> Option<&DeviceRecord> {
-        self.present.get(&address).and_then(|id| self.records.get(id))
+        self.present
+            .get(&address)
+            .and_then(|id| self.records.get(id))
     }
 
     /// Every record, present and lost, in record-id order.
@@ -328,11 +330,12 @@ impl Ledger {
                 self.check_claimable(rec, consumer, &index)?;
                 rec.id
             }
-            ClaimTarget::Selector(sel) => self
-                .pick(sel, consumer, &index)
-                .ok_or_else(|| LedgerError::NoMatch {
-                    selector: sel.to_string(),
-                })?,
+            ClaimTarget::Selector(sel) => {
+                self.pick(sel, consumer, &index)
+                    .ok_or_else(|| LedgerError::NoMatch {
+                        selector: sel.to_string(),
+                    })?
+            }
         };
         let mut tx = Tx::new(self.host_generation);
         let generation = self.modify(&mut tx, id, |r| {
@@ -543,7 +546,11 @@ impl Ledger {
                 // else the present device.
                 let primary = candidates
                     .iter()
-                    .find(|r| r.claim.as_ref().is_some_and(|c| c.owner.consumer == consumer))
+                    .find(|r| {
+                        r.claim
+                            .as_ref()
+                            .is_some_and(|c| c.owner.consumer == consumer)
+                    })
                     .or_else(|| candidates.iter().find(|r| r.present))
                     .or(candidates.first())
                     .copied();

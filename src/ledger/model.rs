@@ -100,7 +100,9 @@ pub enum DeviceState {
     Lost,
     /// Free itself, but blocked: by a related claim (its PF, one of its VFs, another
     /// member of its IOMMU group) or by a domain that references it without a claim.
-    Unavailable { blocker: Blocker },
+    Unavailable {
+        blocker: Blocker,
+    },
     /// Not in the managed-device selection and unclaimed.
     Unmanaged,
 }

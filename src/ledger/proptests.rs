@@ -12,15 +12,39 @@ use super::*;
 #[derive(Debug, Clone)]
 enum Op {
     /// Claim device `dev`; `stale` uses the actor's remembered generation.
-    Claim { actor: u8, dev: u8, stale: bool },
-    ClaimAny { actor: u8, numa: Option<u32> },
-    Release { actor: u8, dev: u8, stale: bool },
+    Claim {
+        actor: u8,
+        dev: u8,
+        stale: bool,
+    },
+    ClaimAny {
+        actor: u8,
+        numa: Option<u32>,
+    },
+    Release {
+        actor: u8,
+        dev: u8,
+        stale: bool,
+    },
     /// Repeat the actor's last request verbatim.
-    Retry { actor: u8 },
-    Transfer { actor: u8, to: u8, dev: u8 },
-    Vanish { dev: u8 },
-    Return { dev: u8 },
-    Domains { actor: u8, devs: Vec<u8> },
+    Retry {
+        actor: u8,
+    },
+    Transfer {
+        actor: u8,
+        to: u8,
+        dev: u8,
+    },
+    Vanish {
+        dev: u8,
+    },
+    Return {
+        dev: u8,
+    },
+    Domains {
+        actor: u8,
+        devs: Vec<u8>,
+    },
     NoDomains,
 }
 
@@ -272,7 +296,10 @@ impl World {
             prop_assert!(r.generation <= l.host_generation());
             prop_assert!(r.present || r.claim.is_some(), "lost records keep a claim");
             if r.present {
-                prop_assert!(present_addrs.insert(r.address()), "one instance per address");
+                prop_assert!(
+                    present_addrs.insert(r.address()),
+                    "one instance per address"
+                );
             }
         }
         // I1: no PF claimed together with one of its VFs; no two claims in one group.
@@ -282,11 +309,13 @@ impl World {
                 if a.id == b.id {
                     continue;
                 }
-                prop_assert!(b.facts.physfn != Some(a.address()), "PF and VF both claimed");
+                prop_assert!(
+                    b.facts.physfn != Some(a.address()),
+                    "PF and VF both claimed"
+                );
                 if a.present && b.present {
                     prop_assert!(
-                        a.facts.iommu_group.is_none()
-                            || a.facts.iommu_group != b.facts.iommu_group,
+                        a.facts.iommu_group.is_none() || a.facts.iommu_group != b.facts.iommu_group,
                         "two claims in one IOMMU group"
                     );
                 }
@@ -334,7 +363,10 @@ proptest! {
 fn stale_audit_never_frees_a_claim_it_did_not_see() {
     // The seed, compressed: the audit's generation predates the destination claim.
     let mut w = World::new();
-    let audit_view = w.ledger.record_at(addr("0000:3b:02.1")).map(|r| r.generation);
+    let audit_view = w
+        .ledger
+        .record_at(addr("0000:3b:02.1"))
+        .map(|r| r.generation);
     w.step(&Op::Claim {
         actor: 0,
         dev: 2,

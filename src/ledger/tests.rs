@@ -124,7 +124,11 @@ fn claim_then_release_with_fresh_generation() {
     assert_eq!(gen_of(&l, "0000:3b:02.1"), Generation(8));
     let rel = release(&mut l, "0000:3b:02.1", 1, "r2", Generation(8)).expect("release");
     assert_eq!(rel.generation(), Generation(9));
-    assert!(l.record_at(addr("0000:3b:02.1")).expect("present").claim.is_none());
+    assert!(l
+        .record_at(addr("0000:3b:02.1"))
+        .expect("present")
+        .claim
+        .is_none());
 }
 
 #[test]

@@ -4,7 +4,7 @@
 //! different subset, so unused items are expected here.
 #![allow(dead_code, unused_imports)]
 
-pub mod fakesys;
+pub use hostdevd::simhost as fakesys;
 pub mod lspci;
 
 pub use fakesys::{FakeSys, PfLayout};

@@ -1,4 +1,4 @@
-//! A builder for fake sysfs trees with the kernel's real PCI layout, for tests of anything that reads sysfs.
+//! A simulated host: a builder for fake sysfs trees with the kernel's real PCI layout, used by the demo, the tests and the benchmarks.
 //!
 //! The tree is what a kernel shows, so that both hostdevd and `lspci -A linux-sysfs -O
 //! sysfs.path=ROOT/bus/pci` read it:
@@ -28,7 +28,9 @@
 //! let inv = hostdevd::sysfs::scan(tree.sysfs_root(), tree.dev_root(), &names);
 //! ```
 //!
-//! Builder methods take addresses as strings and panic on nonsense (test code only).
+//! This is a fixture, not part of the agent: builder methods take addresses as strings
+//! and panic on nonsense or on an I/O error while writing the tree, which is what its
+//! callers (tests, benchmarks, the demo's fixed host) want. The daemon never calls it.
 //! Thousands of VFs are fine: a 4096-VF tree builds in a few seconds on tmpfs.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -36,7 +38,7 @@ use std::fs;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 
-use hostdevd::pci::PciAddress;
+use crate::pci::PciAddress;
 use tempfile::TempDir;
 
 /// Where a PF's VFs land: VF i has routing id `PF rid + offset + i * stride` (as the

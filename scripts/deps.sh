@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs what hostdevd's demo and tests need on Debian/Ubuntu: Debian packages via
+# apt-get when missing (as root), or prints the exact command to run otherwise.
+set -euo pipefail
+
+need=()
+command -v lspci >/dev/null 2>&1 || need+=(pciutils)
+[ -e /usr/share/misc/pci.ids ] || [ -e /usr/share/hwdata/pci.ids ] || need+=(pci.ids)
+if [ "${1:-}" = "--tests" ]; then
+  python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
+fi
+command -v cc >/dev/null 2>&1 || need+=(gcc)
+
+if [ "${#need[@]}" -eq 0 ]; then
+  exit 0
+fi
+if [ "$(id -u)" -eq 0 ]; then
+  echo "deps: installing ${need[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+else
+  echo "deps: missing Debian packages; run: sudo apt-get install ${need[*]}" >&2
+  exit 1
+fi
