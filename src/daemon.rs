@@ -37,6 +37,8 @@ pub enum DaemonError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot install the signal handlers: {0}")]
+    Signal(#[source] std::io::Error),
     #[error("cannot start the writer thread: {0}")]
     Thread(#[source] std::io::Error),
     #[error("cannot build the reflection service: {0}")]
@@ -212,6 +214,11 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()
         .map_err(|e| DaemonError::Reflection(e.to_string()))?;
+    let streams = service.clone();
+    let shutdown = async move {
+        shutdown.await;
+        streams.stop_streams();
+    };
     tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(reflection_v1)
@@ -225,6 +232,9 @@ pub async fn serve(
 /// The whole daemon: start, bind, notify systemd, serve until SIGTERM/SIGINT; SIGHUP
 /// reloads the managed-device selection from `config_path` and rescans.
 pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<(), DaemonError> {
+    // Take SIGHUP before anything else: its default action would end the daemon.
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .map_err(DaemonError::Signal)?;
     let agent = Agent::start(&cfg).await?;
     let listener = bind_socket(
         &cfg.api.socket,
@@ -243,10 +253,6 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<(), Daemon
     let reload_agent = agent.clone();
     let initial_selection = cfg.selection()?;
     tokio::spawn(async move {
-        let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-        else {
-            return;
-        };
         while hup.recv().await.is_some() {
             let selection = match &config_path {
                 Some(p) => Config::load(p).and_then(|c| c.selection()),

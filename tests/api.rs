@@ -428,7 +428,8 @@ async fn watch_delivers_resumes_and_refuses_unknown_generations() {
         .into_inner();
     let mut replay = Vec::new();
     while replay.len() < 2 {
-        replay.push(resumed.next().await.expect("event").expect("ok"));
+        let ev = resumed.next().await.expect("event").expect("ok");
+        replay.push(ev);
     }
     let ev = replay
         .into_iter()

@@ -88,6 +88,9 @@ pub struct HostDevService {
     /// The latest sysfs inventory, by address (names, netdevs, SR-IOV details).
     inventory: Arc<RwLock<BTreeMap<PciAddress, PciDevice>>>,
     info: Arc<AgentInfo>,
+    /// Set to true when the server shuts down: open watch streams end, so a graceful
+    /// shutdown does not wait forever for them.
+    stopping: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 /// How many watch events may wait for a slow consumer before it is cut off.
@@ -105,7 +108,13 @@ impl HostDevService {
             access,
             inventory,
             info,
+            stopping: Arc::new(tokio::sync::watch::channel(false).0),
         }
+    }
+
+    /// Ends every open watch stream (with UNAVAILABLE) and refuses new ones.
+    pub fn stop_streams(&self) {
+        self.stopping.send_replace(true);
     }
 
     fn inv(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<PciAddress, PciDevice>> {
@@ -398,6 +407,7 @@ impl HostDev for HostDevService {
                 return Err(ApiError::TooOld {
                     from: from.0,
                     oldest: log.oldest().0,
+                    current: view.host_generation.0,
                 }
                 .into());
             };
@@ -405,7 +415,13 @@ impl HostDev for HostDevService {
         };
         let (tx, out) = mpsc::channel::<Result<proto::WatchEvent, Status>>(WATCH_CLIENT_BUFFER);
         let this = self.clone();
-        tokio::spawn(async move {
+        let mut stopping = self.stopping.subscribe();
+        let already = *stopping.borrow();
+        if already {
+            return Err(ApiError::Unavailable("the agent is shutting down".into()).into());
+        }
+        let stop_tx = tx.clone();
+        let feed = async move {
             if let Some(view) = snapshot {
                 let mut evs: Vec<proto::WatchEvent> = {
                     let inv = this.inv();
@@ -456,6 +472,29 @@ impl HostDev for HostDevService {
                         return;
                     }
                     Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        };
+        let stopped = async move {
+            loop {
+                let now = *stopping.borrow_and_update();
+                if now {
+                    return;
+                }
+                if stopping.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = feed => {}
+                _ = stopped => {
+                    let _ = stop_tx
+                        .send(Err(Status::unavailable(
+                            "the agent is shutting down; resume with Watch from the last generation received",
+                        )))
+                        .await;
                 }
             }
         });

@@ -28,8 +28,12 @@ pub enum ApiError {
     Write(#[from] WriteError),
     #[error("{0}")]
     PermissionDenied(String),
-    #[error("watch cannot resume from generation {from}: the oldest replayable is {oldest}; list devices again and watch from the listed host generation")]
-    TooOld { from: u64, oldest: u64 },
+    #[error("watch cannot resume from generation {from}: this agent can replay from {oldest} up to its host generation {current}; list devices again and watch from the listed host generation")]
+    TooOld {
+        from: u64,
+        oldest: u64,
+        current: u64,
+    },
     #[error("{0}")]
     Unavailable(String),
     #[error("{0}")]

@@ -284,7 +284,7 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
     if let Some(info) = info.filter(|_| ours) {
         let facts = [
             ("current_generation", "current generation"),
-            ("owner_consumer_id", "owner"),
+            ("owner_consumer_id", "held by"),
             ("domain_name", "domain"),
             ("oldest_generation", "oldest replayable generation"),
         ];
@@ -453,11 +453,13 @@ fn tree_order(devices: &[proto::Device]) -> Vec<(usize, &proto::Device)> {
             roots.push(d);
         }
     }
-    let key = |d: &proto::Device| -> (u32, Option<PciAddress>, String) {
+    // Address order is VF-index order (VF routing ids grow with the index), and it
+    // also places lost VFs, which have no index any more, where they were.
+    let key = |d: &proto::Device| {
         (
-            d.vf_index.unwrap_or(u32::MAX),
-            d.address.parse().ok(),
+            d.address.parse::<PciAddress>().ok(),
             d.address.clone(),
+            !d.present,
         )
     };
     roots.sort_by_key(|d| {

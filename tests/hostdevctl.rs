@@ -1,0 +1,872 @@
+//! End-to-end tests of the `hostdevctl` CLI against the real `hostdevd serve` binary on a
+//! simulated host: every subcommand's text and JSON output, refusals and exit statuses.
+
+// Tests fail by panicking, with the value in the message.
+#![allow(clippy::unwrap_used)]
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use hostdevd::simhost::{FakeSys, FakeTree};
+use serde_json::Value;
+
+const PF: &str = "0000:3b:00.0";
+const NVME: &str = "0000:00:04.0";
+const INSTANCE: &str = "5f0c2d4e-8a52-4c1b-9d6e-0a1b2c3d4e5f";
+const OTHER: &str = "0b9f7c1e-3d2a-4e5f-8a6b-7c8d9e0f1a2b";
+
+/// A running daemon on its own fake tree, socket and state dir; killed on drop.
+struct Agent {
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+    vfs: Vec<String>,
+    tree: FakeTree,
+    _dir: tempfile::TempDir,
+}
+
+impl Agent {
+    /// One i40e PF with 4 iavf VFs on NUMA node 1, and an NVMe controller (unmanaged).
+    fn start() -> Agent {
+        Self::start_with_writer(nix::unistd::getuid().as_raw())
+    }
+
+    fn start_with_writer(writer_uid: u32) -> Agent {
+        let mut f = FakeSys::new();
+        f.pf(PF, 0x8086, 0x1572, 64, 4)
+            .driver(PF, "i40e")
+            .netdev(PF, "ens1f0")
+            .numa(PF, 1)
+            .iommu_group(PF, 20)
+            .vf_driver(PF, "iavf")
+            .vf_iommu_groups(PF, 21);
+        f.device(NVME, 0x8086, 0x0953)
+            .class(NVME, 0x010802)
+            .driver(NVME, "nvme");
+        let vfs = f.vfs(PF).iter().map(|a| a.to_string()).collect();
+        let tree = f.build();
+        let dir = tempfile::Builder::new()
+            .prefix("hostdevctl")
+            .tempdir()
+            .unwrap();
+        let socket = dir.path().join("hostdevd.sock");
+        let log = dir.path().join("hostdevd.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+            .arg("serve")
+            .arg("--sysfs-root")
+            .arg(tree.sysfs_root())
+            .arg("--dev-root")
+            .arg(tree.dev_root())
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--writer-uid")
+            .arg(writer_uid.to_string())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut agent = Agent {
+            child,
+            socket,
+            log,
+            vfs,
+            tree,
+            _dir: dir,
+        };
+        agent.wait_ready();
+        agent
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("hostdevd exited with {status}:\n{}", self.log_text());
+            }
+            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "hostdevd did not listen on {} in 20 s:\n{}",
+                self.socket.display(),
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Asks the daemon to rescan (SIGHUP) and waits until `done` holds.
+    fn rescan_until(&self, what: &str, done: impl Fn(&Agent) -> bool) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done(self) {
+            assert!(
+                Instant::now() < deadline,
+                "no {what} after SIGHUP:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn vf(&self, i: usize) -> &str {
+        &self.vfs[i]
+    }
+
+    /// Runs hostdevctl against this agent.
+    fn ctl(&self, args: &[&str]) -> Run {
+        ctl_at(&self.socket, args)
+    }
+
+    /// Runs hostdevctl and expects success; returns stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let r = self.ctl(args);
+        assert_eq!(
+            r.code,
+            0,
+            "hostdevctl {args:?} failed: {}\n{}",
+            r.stderr,
+            self.log_text()
+        );
+        r.stdout
+    }
+
+    fn json(&self, args: &[&str]) -> Value {
+        let mut all = vec!["--json"];
+        all.extend_from_slice(args);
+        let out = self.ok(&all);
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
+    }
+
+    fn generation(&self, address: &str) -> u64 {
+        self.json(&["show", address])["device"]["generation"]
+            .as_u64()
+            .unwrap()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[derive(Debug)]
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl From<Output> for Run {
+    fn from(o: Output) -> Run {
+        Run {
+            code: o
+                .status
+                .code()
+                .unwrap_or_else(|| panic!("hostdevctl killed by signal {:?}", o.status.signal())),
+            stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        }
+    }
+}
+
+fn ctl_at(socket: &Path, args: &[&str]) -> Run {
+    let child = Command::new(env!("CARGO_BIN_EXE_hostdevctl"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .env_remove("HOSTDEVD_SOCKET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // No command may hang a test: watch gets --count, everything else answers at once.
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(out) => out.unwrap().into(),
+        Err(_) => {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            panic!("hostdevctl {args:?} did not finish in 30 s");
+        }
+    }
+}
+
+/// The one line hostdevctl prints on stderr for a refusal.
+fn refusal(r: &Run, code: i32) -> String {
+    assert_eq!(r.code, code, "expected exit {code}: {r:?}");
+    let lines: Vec<&str> = r
+        .stderr
+        .lines()
+        .filter(|l| !l.starts_with("hostdevctl: claiming"))
+        .collect();
+    assert_eq!(lines.len(), 1, "expected one error line: {r:?}");
+    assert!(lines[0].starts_with("hostdevctl: "), "{r:?}");
+    lines[0].to_string()
+}
+
+#[test]
+fn list_shows_the_pf_tree_in_text_and_json() {
+    let a = Agent::start();
+    let text = a.ok(&["list"]);
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[0].starts_with("host generation "), "{text}");
+    assert!(lines[1].starts_with("ADDRESS"), "{text}");
+    for col in ["STATE", "GEN", "NUMA", "DRIVER", "OWNER"] {
+        assert!(lines[1].contains(col), "{text}");
+    }
+    // Tree order: the NVMe controller, the PF, then its VFs indented under it.
+    let addr_col: Vec<&str> = lines[2..]
+        .iter()
+        .map(|l| l.split("  ").next().unwrap_or(""))
+        .collect();
+    assert!(lines[2].starts_with(NVME), "{text}");
+    assert!(lines[3].starts_with(PF), "{text}");
+    for i in 0..4 {
+        let l = lines[4 + i];
+        assert!(
+            l.starts_with(&format!("  {}", a.vf(i))),
+            "VF {i} not under its PF:\n{text}"
+        );
+        let cells: Vec<&str> = l.split_whitespace().collect();
+        assert_eq!(&cells[1..5], &["free", cells[2], "1", "iavf"][..], "{l}");
+    }
+    assert_eq!(addr_col.len(), 6, "{text}");
+    assert!(
+        lines[3].contains("unmanaged") && lines[3].contains("i40e"),
+        "{text}"
+    );
+
+    let j = a.json(&["list"]);
+    let host_gen = j["host_generation"].as_u64().unwrap();
+    let devices = j["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 6);
+    assert!(lines[0].contains(&host_gen.to_string()), "{text}");
+    let vf0 = devices.iter().find(|d| d["address"] == a.vf(0)).unwrap();
+    assert_eq!(vf0["state"], "free");
+    assert_eq!(vf0["physfn"], PF);
+    assert_eq!(vf0["vf_index"], 0);
+    assert_eq!(vf0["numa_node"], 1);
+    assert_eq!(vf0["driver"], "iavf");
+    assert_eq!(vf0["managed"], true);
+    assert_eq!(vf0["owner"], Value::Null);
+    let pf = devices.iter().find(|d| d["address"] == PF).unwrap();
+    assert_eq!(pf["sriov"]["total_vfs"], 64);
+    assert_eq!(pf["sriov"]["vfs"].as_array().unwrap().len(), 4);
+    assert_eq!(pf["netdevs"][0], "ens1f0");
+    assert!(devices
+        .iter()
+        .all(|d| d["generation"].as_u64().unwrap() <= host_gen));
+
+    let show = a.ok(&["show", a.vf(2)]);
+    assert!(
+        show.contains(&format!("physfn       {PF} (VF 2)")),
+        "{show}"
+    );
+    assert!(show.contains("state        free"), "{show}");
+    let s = a.json(&["show", a.vf(2)]);
+    assert_eq!(s["device"]["address"], a.vf(2));
+    assert_eq!(s["lost"].as_array().unwrap().len(), 0);
+
+    let status = a.ok(&["status"]);
+    assert!(status.contains("free 4, unmanaged 2"), "{status}");
+    let st = a.json(&["status"]);
+    assert_eq!(st["host_generation"].as_u64(), Some(host_gen));
+    assert_eq!(st["devices_by_state"]["free"], 4);
+    assert_eq!(st["store"]["ok"], true);
+}
+
+#[test]
+fn claim_release_transfer_and_their_refusals() {
+    let a = Agent::start();
+    let vf = a.vf(1).to_string();
+    let listed = a.generation(&vf);
+
+    // Claim with an explicit generation and request id.
+    let out = a.ok(&[
+        "claim",
+        &vf,
+        "--owner",
+        INSTANCE,
+        "--label",
+        "instance-0000002a",
+        "--generation",
+        &listed.to_string(),
+        "--request-id",
+        "boot-1",
+    ]);
+    assert!(
+        out.starts_with(&format!(
+            "claimed {vf} for {INSTANCE} (instance-0000002a) at generation "
+        )),
+        "{out}"
+    );
+    let claimed = a.generation(&vf);
+    assert!(claimed > listed);
+    // A retry with the same request id replays the first answer.
+    let again = a.json(&[
+        "claim",
+        &vf,
+        "--owner",
+        INSTANCE,
+        "--label",
+        "instance-0000002a",
+        "--generation",
+        &listed.to_string(),
+        "--request-id",
+        "boot-1",
+    ]);
+    assert_eq!(again["replayed"], true);
+    assert_eq!(again["generation"].as_u64(), Some(claimed));
+    assert_eq!(again["device"]["owner"]["consumer_id"], INSTANCE);
+
+    // The outcome of the claim is on record.
+    let o = a.ok(&["outcome", "--owner", INSTANCE, "--request-id", "boot-1"]);
+    assert_eq!(
+        o.trim_end().rsplit_once(" (").unwrap().0,
+        format!("claimed {vf} at generation {claimed}")
+    );
+    let oj = a.json(&["outcome", "--owner", INSTANCE, "--request-id", "boot-1"]);
+    assert_eq!(oj["operation"], "claimed");
+    let missing = a.ctl(&["outcome", "--owner", INSTANCE, "--request-id", "never"]);
+    assert!(
+        refusal(&missing, 1).contains("safe to retry"),
+        "{missing:?}"
+    );
+
+    // The table shows the owner and the PF blocked by the claim.
+    let list = a.ok(&["list"]);
+    let row = list
+        .lines()
+        .find(|l| l.trim_start().starts_with(&vf))
+        .unwrap();
+    assert!(
+        row.contains("claimed") && row.contains(INSTANCE) && row.contains("(instance-0000002a)"),
+        "{row}"
+    );
+    let pf_row = list.lines().find(|l| l.starts_with(PF)).unwrap();
+    assert!(
+        pf_row.contains("unavailable") && pf_row.contains(&format!("blocked by {vf}")),
+        "{pf_row}"
+    );
+
+    // A stale audit: release with the generation from before the claim.
+    let stale = a.ctl(&[
+        "release",
+        &vf,
+        "--owner",
+        INSTANCE,
+        "--generation",
+        &listed.to_string(),
+    ]);
+    let line = refusal(&stale, 1);
+    assert!(
+        line.starts_with("hostdevctl: release refused: stale generation"),
+        "{line}"
+    );
+    assert!(
+        line.contains(&format!("current generation is {claimed}")),
+        "{line}"
+    );
+    assert!(line.contains(INSTANCE), "{line}");
+    assert_eq!(
+        a.generation(&vf),
+        claimed,
+        "a refused release changed the device"
+    );
+
+    // The wrong owner, with the right generation.
+    let wrong = a.ctl(&[
+        "release",
+        &vf,
+        "--owner",
+        OTHER,
+        "--generation",
+        &claimed.to_string(),
+    ]);
+    let line = refusal(&wrong, 1);
+    assert!(line.starts_with("hostdevctl: release refused: "), "{line}");
+    assert!(
+        line.contains(&format!("is claimed by {INSTANCE}"))
+            && line.contains(&format!("not by {OTHER}")),
+        "{line}"
+    );
+
+    // Already claimed by someone else.
+    let taken = a.ctl(&[
+        "claim",
+        &vf,
+        "--owner",
+        OTHER,
+        "--generation",
+        &claimed.to_string(),
+    ]);
+    assert!(refusal(&taken, 1).contains("already claimed"), "{taken:?}");
+
+    // Unknown device, unmanaged device, malformed address, bad UUID.
+    let unknown = a.ctl(&["show", "0000:99:00.0"]);
+    assert_eq!(
+        refusal(&unknown, 1),
+        "hostdevctl: show failed: unknown device 0000:99:00.0: no such PCI device is known on this host"
+    );
+    let unknown = a.ctl(&[
+        "release",
+        "0000:99:00.0",
+        "--owner",
+        INSTANCE,
+        "--generation",
+        "1",
+    ]);
+    assert!(
+        refusal(&unknown, 1).contains("unknown device 0000:99:00.0"),
+        "{unknown:?}"
+    );
+    let unmanaged = a.ctl(&["claim", NVME, "--owner", INSTANCE]);
+    assert!(
+        refusal(&unmanaged, 1).contains("not in the managed device selection"),
+        "{unmanaged:?}"
+    );
+    let bad = a.ctl(&["show", "0000:3b:02"]);
+    assert_eq!(bad.code, 2, "{bad:?}");
+    assert!(
+        bad.stderr.contains("0000:3b:02") && bad.stderr.contains("missing '.function'"),
+        "{bad:?}"
+    );
+    let bad = a.ctl(&["claim", &vf, "--owner", "not-a-uuid"]);
+    assert_eq!(bad.code, 2, "{bad:?}");
+
+    // Transfer to the migration consumer, then the old owner's release is refused.
+    let t = a.ok(&[
+        "transfer",
+        &vf,
+        "--from",
+        INSTANCE,
+        "--to",
+        OTHER,
+        "--label",
+        "migration",
+        "--generation",
+        &claimed.to_string(),
+    ]);
+    assert!(
+        t.starts_with(&format!(
+            "transferred {vf} from {INSTANCE} to {OTHER} (migration) at generation "
+        )),
+        "{t}"
+    );
+    let moved = a.generation(&vf);
+    assert!(moved > claimed);
+    let old = a.ctl(&[
+        "release",
+        &vf,
+        "--owner",
+        INSTANCE,
+        "--generation",
+        &moved.to_string(),
+    ]);
+    assert!(
+        refusal(&old, 1).contains(&format!("not by {INSTANCE}")),
+        "{old:?}"
+    );
+    let stale_t = a.ctl(&[
+        "transfer",
+        &vf,
+        "--from",
+        OTHER,
+        "--to",
+        INSTANCE,
+        "--generation",
+        &claimed.to_string(),
+    ]);
+    assert!(
+        refusal(&stale_t, 1).starts_with("hostdevctl: transfer refused: stale generation"),
+        "{stale_t:?}"
+    );
+
+    // The owner releases with the fresh generation.
+    let r = a.json(&[
+        "release",
+        &vf,
+        "--owner",
+        OTHER,
+        "--generation",
+        &moved.to_string(),
+        "--request-id",
+        "rel-1",
+    ]);
+    assert_eq!(r["address"], vf.as_str());
+    assert_eq!(r["replayed"], false);
+    assert_eq!(r["request_id"], "rel-1");
+    let released = r["generation"].as_u64().unwrap();
+    assert!(released > moved);
+    assert_eq!(a.json(&["show", &vf])["device"]["state"], "free");
+    // Releasing again with the same request id is not an error.
+    let again = a.json(&[
+        "release",
+        &vf,
+        "--owner",
+        OTHER,
+        "--generation",
+        &moved.to_string(),
+        "--request-id",
+        "rel-1",
+    ]);
+    assert_eq!(again["replayed"], true);
+
+    // Claim without --generation reads it first and says so on stderr.
+    let r = a.ctl(&["claim", &vf, "--owner", INSTANCE]);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(
+        r.stderr
+            .contains(&format!("at its current generation {released}")),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn claim_by_selector() {
+    let a = Agent::start();
+    let j = a.json(&[
+        "claim", "--select", "--vendor", "8086", "--pf", PF, "--numa", "1", "--owner", INSTANCE,
+    ]);
+    let got = j["device"]["address"].as_str().unwrap().to_string();
+    assert!(a.vfs.contains(&got), "{j}");
+    assert_eq!(j["device"]["state"], "claimed");
+    let none = a.ctl(&["claim", "--select", "--vendor", "15b3", "--owner", INSTANCE]);
+    let line = refusal(&none, 1);
+    assert!(
+        line.starts_with("hostdevctl: claim refused: no free device"),
+        "{line}"
+    );
+    let usage = a.ctl(&["claim", "--vendor", "8086", "--owner", INSTANCE]);
+    assert_eq!(usage.code, 2, "{usage:?}");
+    let usage = a.ctl(&["claim", a.vf(0), "--select", "--owner", INSTANCE]);
+    assert_eq!(usage.code, 2, "{usage:?}");
+}
+
+#[test]
+fn watch_replays_and_reconcile_reports() {
+    let a = Agent::start();
+    let start = a.json(&["list"])["host_generation"].as_u64().unwrap();
+    let (v0, v3) = (a.vf(0).to_string(), a.vf(3).to_string());
+    a.ok(&[
+        "claim",
+        &v0,
+        "--owner",
+        INSTANCE,
+        "--label",
+        "instance-0000002a",
+    ]);
+    let c3 = a.json(&[
+        "claim",
+        &v3,
+        "--owner",
+        OTHER,
+        "--label",
+        "instance-0000002b",
+    ]);
+    let g3 = c3["generation"].as_u64().unwrap();
+    let g0 = a.generation(&v0);
+
+    // Text: one line per event, generation first; the PF is re-reported as unavailable
+    // when its first VF is claimed.
+    let w = a.ok(&["watch", "--from", &start.to_string(), "--count", "3"]);
+    let lines: Vec<&str> = w.lines().collect();
+    assert_eq!(lines.len(), 3, "{w}");
+    assert!(
+        lines.contains(
+            &format!("{g0} changed {v0} claimed owner={INSTANCE}(instance-0000002a)").as_str()
+        ),
+        "{w}"
+    );
+    assert!(
+        lines.contains(
+            &format!("{g0} changed {PF} unavailable owner=- blocked by {v0} (virtual_function)")
+                .as_str()
+        ),
+        "{w}"
+    );
+    assert_eq!(
+        lines[2],
+        format!("{g3} changed {v3} claimed owner={OTHER}(instance-0000002b)"),
+        "{w}"
+    );
+
+    // JSON lines, resuming after the first claim.
+    let w = a.ok(&["--json", "watch", "--from", &g0.to_string(), "--count", "1"]);
+    let ev: Value = serde_json::from_str(w.trim_end()).unwrap();
+    assert_eq!(ev["kind"], "changed");
+    assert_eq!(ev["generation"].as_u64(), Some(g3));
+    assert_eq!(ev["address"], v3.as_str());
+    assert_eq!(ev["device"]["owner"]["consumer_id"], OTHER);
+
+    // A snapshot: one line per device, then its end.
+    let w = a.ok(&["--json", "watch", "--snapshot", "--count", "7"]);
+    let evs: Vec<Value> = w
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(evs[..6].iter().all(|e| e["kind"] == "snapshot"), "{w}");
+    assert_eq!(evs[6]["kind"], "snapshot-end");
+    assert_eq!(evs[6]["generation"].as_u64(), Some(g3));
+
+    // A future generation cannot be resumed.
+    let future = a.ctl(&["watch", "--from", &(g3 + 100).to_string(), "--count", "1"]);
+    assert!(
+        refusal(&future, 1).starts_with("hostdevctl: watch failed: cannot resume"),
+        "{future:?}"
+    );
+
+    // Reconcile: a dry run reports the other instance's VF as an orphan and frees nothing.
+    let snap = g3.to_string();
+    let r = a.ok(&[
+        "reconcile",
+        "--expected",
+        INSTANCE,
+        "--snapshot-generation",
+        &snap,
+    ]);
+    assert!(
+        r.starts_with(&format!(
+            "reconcile (dry run) against snapshot generation {g3}"
+        )),
+        "{r}"
+    );
+    assert!(r.contains(&format!("orphan     {v3} owner {OTHER} (instance-0000002b) generation {g3}; would be freed with --act")), "{r}");
+    assert!(
+        r.contains("1 orphans, 0 strays, 0 lost, 0 changed, 0 protected"),
+        "{r}"
+    );
+    let dry = a.json(&[
+        "reconcile",
+        "--expected",
+        INSTANCE,
+        "--snapshot-generation",
+        &snap,
+        "--dry-run",
+    ]);
+    assert_eq!(dry["acted"], false);
+    assert_eq!(dry["orphans"][0]["device"]["address"], v3.as_str());
+    assert_eq!(a.generation(&v3), g3, "a dry run changed the orphan");
+    // A snapshot older than the claim: reported as changed, never an orphan.
+    let old = a.json(&[
+        "reconcile",
+        "--expected",
+        INSTANCE,
+        "--snapshot-generation",
+        &start.to_string(),
+    ]);
+    assert_eq!(old["orphans"].as_array().unwrap().len(), 0, "{old}");
+    assert!(
+        old["changed"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|d| d["address"] == v3.as_str()),
+        "{old}"
+    );
+    let none = a.json(&["reconcile", "--expect-none", "--snapshot-generation", &snap]);
+    assert_eq!(none["orphans"].as_array().unwrap().len(), 2, "{none}");
+    let both = a.json(&[
+        "reconcile",
+        "--expected",
+        &format!("{INSTANCE},{OTHER}"),
+        "--snapshot-generation",
+        &snap,
+    ]);
+    assert_eq!(both["orphans"].as_array().unwrap().len(), 0, "{both}");
+
+    // --act frees the orphan.
+    let acted = a.json(&[
+        "reconcile",
+        "--expected",
+        INSTANCE,
+        "--snapshot-generation",
+        &snap,
+        "--act",
+    ]);
+    assert_eq!(acted["acted"], true, "{acted}");
+    assert!(
+        acted["orphans"][0]["freed_generation"].as_u64().unwrap() > g3,
+        "{acted}"
+    );
+    assert_eq!(a.json(&["show", &v3])["device"]["state"], "free");
+    assert_eq!(a.json(&["show", &v0])["device"]["state"], "claimed");
+
+    let usage = a.ctl(&["reconcile", "--snapshot-generation", &snap]);
+    assert_eq!(usage.code, 2, "{usage:?}");
+    let usage = a.ctl(&[
+        "reconcile",
+        "--expected",
+        INSTANCE,
+        "--snapshot-generation",
+        &snap,
+        "--act",
+        "--dry-run",
+    ]);
+    assert_eq!(usage.code, 2, "{usage:?}");
+}
+
+#[test]
+fn a_caller_without_write_access_is_refused() {
+    let uid = nix::unistd::getuid().as_raw();
+    let a = Agent::start_with_writer(uid.wrapping_add(1));
+    let r = a.ctl(&["claim", a.vf(0), "--owner", INSTANCE, "--generation", "1"]);
+    let line = refusal(&r, 1);
+    assert!(
+        line.starts_with("hostdevctl: claim refused: permission denied: uid "),
+        "{line}"
+    );
+    // Reads are open to anyone who can connect.
+    a.ok(&["list"]);
+    a.ok(&["reconcile", "--expect-none", "--snapshot-generation", "1"]);
+    let act = a.ctl(&[
+        "reconcile",
+        "--expect-none",
+        "--snapshot-generation",
+        "1",
+        "--act",
+    ]);
+    assert!(refusal(&act, 1).contains("permission denied"), "{act:?}");
+}
+
+#[test]
+fn no_daemon_is_exit_3_naming_the_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("absent.sock");
+    let r = ctl_at(&sock, &["status"]);
+    let line = refusal(&r, 3);
+    assert!(line.contains(&sock.display().to_string()), "{line}");
+    assert!(line.contains("daemon running"), "{line}");
+    // The environment variable names the socket when --socket is absent.
+    let o: Run = Command::new(env!("CARGO_BIN_EXE_hostdevctl"))
+        .arg("list")
+        .env("HOSTDEVD_SOCKET", &sock)
+        .output()
+        .unwrap()
+        .into();
+    assert_eq!(o.code, 3, "{o:?}");
+    assert!(o.stderr.contains(&sock.display().to_string()), "{o:?}");
+    // Usage errors are 2 and need no daemon.
+    let o: Run = Command::new(env!("CARGO_BIN_EXE_hostdevctl"))
+        .arg("frobnicate")
+        .output()
+        .unwrap()
+        .into();
+    assert_eq!(o.code, 2, "{o:?}");
+    let help: Run = Command::new(env!("CARGO_BIN_EXE_hostdevctl"))
+        .args(["claim", "--help"])
+        .output()
+        .unwrap()
+        .into();
+    assert_eq!(help.code, 0);
+    assert!(
+        help.stdout.contains("NOT for controllers"),
+        "{}",
+        help.stdout
+    );
+}
+
+#[test]
+fn a_vanished_claimed_vf_is_shown_lost_until_released() {
+    let a = Agent::start();
+    let vf = a.vf(1).to_string();
+    a.ok(&[
+        "claim",
+        &vf,
+        "--owner",
+        INSTANCE,
+        "--label",
+        "instance-0000002a",
+    ]);
+    a.tree.remove_device(&vf);
+    a.rescan_until("lost claim", |a| {
+        a.json(&["show", &vf])["lost"]
+            .as_array()
+            .is_some_and(|l| !l.is_empty())
+    });
+
+    let list = a.ok(&["list"]);
+    let rows: Vec<&str> = list.lines().collect();
+    let at = rows
+        .iter()
+        .position(|l| l.trim_start().starts_with(&vf))
+        .unwrap();
+    // Still under its PF, in its place between VF 0 and VF 2.
+    assert!(rows[at].starts_with(&format!("  {vf}")), "{list}");
+    assert!(
+        rows[at - 1].starts_with(&format!("  {}", a.vf(0))),
+        "{list}"
+    );
+    assert!(
+        rows[at + 1].starts_with(&format!("  {}", a.vf(2))),
+        "{list}"
+    );
+    assert!(
+        rows[at].contains("lost")
+            && rows[at].contains(INSTANCE)
+            && rows[at].ends_with("gone from sysfs"),
+        "{list}"
+    );
+
+    let show = a.ok(&["show", &vf]);
+    assert!(
+        show.starts_with(&format!("{vf}: no present device (only lost claims)")),
+        "{show}"
+    );
+    assert!(show.contains("lost claim at this address:"), "{show}");
+    let j = a.json(&["show", &vf]);
+    assert_eq!(j["device"], Value::Null);
+    let lost = &j["lost"][0];
+    assert_eq!(lost["state"], "lost");
+    assert_eq!(lost["present"], false);
+    let g = lost["generation"].as_u64().unwrap();
+    assert_eq!(a.json(&["status"])["lost"], 1);
+
+    // Claiming needs a present device; only the owner can release the lost claim.
+    let r = a.ctl(&["claim", &vf, "--owner", OTHER]);
+    assert!(refusal(&r, 1).contains("not present"), "{r:?}");
+    let r = a.ctl(&[
+        "release",
+        &vf,
+        "--owner",
+        OTHER,
+        "--generation",
+        &g.to_string(),
+    ]);
+    assert_eq!(r.code, 1, "{r:?}");
+    a.ok(&[
+        "release",
+        &vf,
+        "--owner",
+        INSTANCE,
+        "--generation",
+        &g.to_string(),
+    ]);
+    let gone = a.ctl(&["show", &vf]);
+    assert!(refusal(&gone, 1).contains("unknown device"), "{gone:?}");
+}
