@@ -103,10 +103,10 @@ pub struct ApiConfig {
     /// Group that owns the socket (readers connect through it). Default: unchanged.
     #[serde(default)]
     pub socket_group: Option<String>,
-    /// uids allowed to claim, release, transfer and act in a reconcile. Default [0].
+    /// uids allowed to claim, release, transfer and act in a reconcile. Default `[0]`.
     #[serde(default = "d_writers")]
     pub writer_uids: Vec<u32>,
-    /// gids (the peer's primary gid) allowed to mutate. Default [].
+    /// gids (the peer's primary gid) allowed to mutate. Default `[]`.
     #[serde(default)]
     pub writer_gids: Vec<u32>,
     /// Watch events kept for resuming watchers. Default 65536.
