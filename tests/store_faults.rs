@@ -298,3 +298,113 @@ fn a_read_only_bind_mount_is_refused_and_left_untouched() {
     let store = Store::open(&source).expect("open the writable original");
     assert_eq!(store.load().expect("load"), snap);
 }
+
+/// Through the writer: claims on a filling disk are refused with a store error, the
+/// published view (the ledger in memory) is exactly what was acknowledged, and claims
+/// work again once space is back.
+#[test]
+fn a_full_disk_rejects_claims_through_the_writer_and_memory_stays_acknowledged() {
+    use hostdevd::ledger::{ClaimRequest, ClaimTarget, DeviceFacts, Ledger, Owner};
+    use hostdevd::pci::{DeviceId, OwnerLabel, PciAddress, VendorId};
+    use hostdevd::writer::{WriteError, Writer};
+
+    require_root("a_full_disk_rejects_claims_through_the_writer_and_memory_stays_acknowledged");
+    let outer = tempfile::tempdir().expect("tempdir");
+    let _m = Mount::tmpfs(outer.path(), "512k");
+    let dir = outer.path().join("state");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let store = Store::open(&dir).expect("open");
+    let (writer, _t) = Writer::start(Ledger::new(), store, 64).expect("writer");
+    let facts: Vec<DeviceFacts> = (0..200u32)
+        .map(|i| DeviceFacts {
+            address: PciAddress::new(0, (i / 32) as u8 + 0x10, (i % 32) as u8, 0).expect("addr"),
+            vendor_id: VendorId(0x8086),
+            device_id: DeviceId(0x154c),
+            driver: None,
+            iommu_group: None,
+            numa_node: None,
+            physfn: None,
+            is_pf: false,
+            physnets: vec![],
+            managed: true,
+        })
+        .collect();
+    rt.block_on(writer.inventory(facts.clone()))
+        .expect("inventory fits");
+    // Fill the rest of the file system.
+    let mut chunk = 0;
+    while std::fs::write(
+        outer.path().join(format!("filler{chunk}")),
+        vec![0u8; 16 << 10],
+    )
+    .is_ok()
+    {
+        chunk += 1;
+    }
+    let mut acked = 0;
+    let mut refused = None;
+    for (i, f) in facts.iter().enumerate() {
+        let before = writer.view();
+        let g = before
+            .device(f.address)
+            .next()
+            .map(|v| v.record.generation)
+            .expect("device");
+        let res = rt.block_on(writer.claim(ClaimRequest {
+            target: ClaimTarget::Address {
+                address: f.address,
+                expected_generation: g,
+            },
+            owner: Owner {
+                consumer: consumer(i as u64 + 1),
+                label: OwnerLabel::try_from(String::new()).expect("label"),
+            },
+            request_id: format!("r{i}").parse().expect("rid"),
+        }));
+        match res {
+            Ok(_) => acked += 1,
+            Err(WriteError::Store(e)) => {
+                assert!(e.is_disk_full(), "{e}");
+                let after = writer.view();
+                assert_eq!(
+                    after.ledger, before.ledger,
+                    "memory unchanged by the refused claim"
+                );
+                refused = Some(f.address);
+                break;
+            }
+            Err(e) => panic!("unexpected {e}"),
+        }
+    }
+    let refused = refused.expect("the disk filled up before 200 claims");
+    let claimed = writer
+        .view()
+        .devices
+        .iter()
+        .filter(|v| v.record.claim.is_some())
+        .count();
+    assert_eq!(claimed, acked);
+    // Space comes back: the same claim now succeeds.
+    for c in 0..chunk {
+        let _ = std::fs::remove_file(outer.path().join(format!("filler{c}")));
+    }
+    let g = writer
+        .view()
+        .device(refused)
+        .next()
+        .map(|v| v.record.generation)
+        .expect("device");
+    rt.block_on(writer.claim(ClaimRequest {
+        target: ClaimTarget::Address {
+            address: refused,
+            expected_generation: g,
+        },
+        owner: Owner {
+            consumer: consumer(9999),
+            label: OwnerLabel::try_from(String::new()).expect("label"),
+        },
+        request_id: "after".parse().expect("rid"),
+    }))
+    .expect("claim after space is back");
+    drop(writer);
+}
