@@ -63,6 +63,18 @@ fn d_watch() -> usize {
 fn d_log() -> String {
     "info".into()
 }
+fn d_true() -> bool {
+    true
+}
+fn d_libvirt_uri() -> String {
+    "qemu:///system".into()
+}
+fn d_poll() -> u64 {
+    2000
+}
+fn d_libvirt_timeout() -> u64 {
+    5000
+}
 
 /// The whole configuration. Field docs are the reference; `packaging/config.toml` repeats
 /// them as comments.
@@ -85,6 +97,8 @@ pub struct Config {
     pub api: ApiConfig,
     #[serde(default)]
     pub log: LogConfig,
+    #[serde(default)]
+    pub libvirt: LibvirtConfig,
     /// The managed-device selection. Empty: every SR-IOV VF is managed.
     #[serde(default)]
     pub devices: Vec<DeviceSpec>,
@@ -112,6 +126,25 @@ pub struct ApiConfig {
     /// Watch events kept for resuming watchers. Default 65536.
     #[serde(default = "d_watch")]
     pub watch_buffer: usize,
+    /// An optional TCP listener, mutual TLS only. Default: none (Unix socket only).
+    #[serde(default)]
+    pub tcp: Option<TcpConfig>,
+}
+
+/// The optional TCP listener. Every field is required: there is no TCP without mutual
+/// TLS. Clients must present a certificate signed by `client_ca`; such clients may
+/// mutate (the certificate is their credential, as the uid is on the Unix socket).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TcpConfig {
+    /// Address and port to listen on, e.g. "127.0.0.1:7443" or "[::]:7443".
+    pub listen: std::net::SocketAddr,
+    /// PEM server certificate (chain).
+    pub cert: PathBuf,
+    /// PEM private key of the server certificate.
+    pub key: PathBuf,
+    /// PEM CA certificate(s) that client certificates must chain to.
+    pub client_ca: PathBuf,
 }
 
 impl Default for ApiConfig {
@@ -123,6 +156,7 @@ impl Default for ApiConfig {
             writer_uids: d_writers(),
             writer_gids: Vec::new(),
             watch_buffer: d_watch(),
+            tcp: None,
         }
     }
 }
@@ -139,6 +173,41 @@ pub struct LogConfig {
 impl Default for LogConfig {
     fn default() -> Self {
         LogConfig { filter: d_log() }
+    }
+}
+
+/// Where the domains come from. A device that a libvirt domain references is attached and
+/// never freed; before any free the agent lists the domains afresh, and refuses the free
+/// (UNAVAILABLE) while libvirt does not answer.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LibvirtConfig {
+    /// Whether to ask libvirt at all. With false no domain is ever seen, so nothing is
+    /// attached and frees are checked only by generation and VFIO holders (for hosts
+    /// whose VMs libvirt does not run). Default true.
+    #[serde(default = "d_true")]
+    pub enabled: bool,
+    /// The libvirt connection URI. Default "qemu:///system".
+    #[serde(default = "d_libvirt_uri")]
+    pub uri: String,
+    /// How often the domain list is polled to keep views current, in milliseconds (a
+    /// free always queries afresh regardless). Default 2000.
+    #[serde(default = "d_poll")]
+    pub poll_interval_ms: u64,
+    /// How long a free waits for libvirt's answer before refusing, in milliseconds.
+    /// Default 5000.
+    #[serde(default = "d_libvirt_timeout")]
+    pub timeout_ms: u64,
+}
+
+impl Default for LibvirtConfig {
+    fn default() -> Self {
+        LibvirtConfig {
+            enabled: d_true(),
+            uri: d_libvirt_uri(),
+            poll_interval_ms: d_poll(),
+            timeout_ms: d_libvirt_timeout(),
+        }
     }
 }
 
@@ -174,6 +243,7 @@ impl Default for Config {
             state_dir: d_state(),
             api: ApiConfig::default(),
             log: LogConfig::default(),
+            libvirt: LibvirtConfig::default(),
             devices: Vec::new(),
         }
     }
@@ -204,6 +274,11 @@ impl Config {
         })?;
         cfg.selection()?;
         cfg.socket_mode()?;
+        if cfg.libvirt.poll_interval_ms == 0 || cfg.libvirt.timeout_ms == 0 {
+            return Err(ConfigError::Invalid(
+                "libvirt.poll_interval_ms and libvirt.timeout_ms must be at least 1".into(),
+            ));
+        }
         Ok(cfg)
     }
 
@@ -449,6 +524,11 @@ mod tests {
             ("[[devices]]\naddress = \"0000:3b:*\"", "address pattern"),
             ("[[devices]]\nphysnets = [\"\"]", "physical network"),
             ("[api]\nsocket_mode = \"999\"", "socket_mode"),
+            ("[api.tcp]\nlisten = \"127.0.0.1:7443\"", "missing field"),
+            (
+                "[api.tcp]\nlisten = \"nowhere\"\ncert = \"c\"\nkey = \"k\"\nclient_ca = \"ca\"",
+                "listen",
+            ),
         ] {
             let err = Config::parse(text).expect_err(text);
             assert!(err.to_string().contains(needle), "{text}: {err}");
@@ -463,5 +543,28 @@ mod tests {
         let p: AddressPattern = "*:*:02.1".parse().expect("pattern");
         assert!(p.matches("0001:ff:02.1".parse().expect("a")));
         assert!("0000:3b:20.*".parse::<AddressPattern>().is_err());
+    }
+
+    #[test]
+    fn libvirt_section() {
+        let c = Config::parse("").expect("defaults");
+        assert!(c.libvirt.enabled);
+        assert_eq!(c.libvirt.uri, "qemu:///system");
+        assert_eq!(c.libvirt.poll_interval_ms, 2000);
+        let c = Config::parse(
+            "[libvirt]\nuri = \"test:///default\"\nenabled = false\npoll_interval_ms = 50\n",
+        )
+        .expect("libvirt");
+        assert_eq!(
+            (c.libvirt.uri.as_str(), c.libvirt.enabled),
+            ("test:///default", false)
+        );
+        for (text, needle) in [
+            ("[libvirt]\nurl = \"x\"", "unknown field"),
+            ("[libvirt]\npoll_interval_ms = 0", "poll_interval_ms"),
+        ] {
+            let err = Config::parse(text).expect_err(text);
+            assert!(err.to_string().contains(needle), "{text}: {err}");
+        }
     }
 }

@@ -11,6 +11,7 @@ use std::time::Instant;
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 
+use crate::api::guard::FreeGuard;
 use crate::api::proto::host_dev_server::HostDevServer;
 use crate::api::{proto, Access, AgentInfo, HealthInfo, HostDevService};
 use crate::config::{Config, ConfigError, Selection};
@@ -37,6 +38,12 @@ pub enum DaemonError {
         #[source]
         source: std::io::Error,
     },
+    #[error("TCP listener: {detail}")]
+    Tls {
+        detail: String,
+        #[source]
+        source: Option<std::io::Error>,
+    },
     #[error("cannot install the signal handlers: {0}")]
     Signal(#[source] std::io::Error),
     #[error("cannot start the writer thread: {0}")]
@@ -56,6 +63,9 @@ pub struct Agent {
     sysfs_root: PathBuf,
     dev_root: PathBuf,
     names: Arc<PciNames>,
+    guard: Arc<FreeGuard>,
+    /// Keeps the libvirt poller running while any clone of the agent lives.
+    _poller: Option<Arc<crate::domains::Poller>>,
 }
 
 fn boot_id(proc_root: &Path) -> String {
@@ -104,15 +114,57 @@ impl Agent {
                 boot_id: boot,
                 libvirt: RwLock::new(HealthInfo {
                     ok: false,
-                    detail: "libvirt is not connected in this build".into(),
+                    detail: "libvirt has not been asked yet".into(),
                 }),
             }),
             sysfs_root: cfg.sysfs_root.clone(),
             dev_root: cfg.dev_root.clone(),
             names,
+            guard: Arc::new(FreeGuard::from_config(cfg)),
+            _poller: None,
         };
         agent.rescan(&selection).await?;
-        Ok(agent)
+        agent.start_libvirt(cfg).await
+    }
+
+    /// Lists the domains once before serving (a failure is reported, not fatal: frees
+    /// are refused until libvirt answers), then starts the poller.
+    async fn start_libvirt(mut self, cfg: &Config) -> Result<Agent, DaemonError> {
+        let Some(lv) = self.guard.libvirt.clone() else {
+            crate::domains::set_health(
+                &self.info.libvirt,
+                true,
+                "disabled in config ([libvirt] enabled = false): no domain is tracked; frees are checked by generation and VFIO holders only".into(),
+            );
+            return Ok(self);
+        };
+        let started = Instant::now();
+        match lv.list_fresh(self.guard.timeout).await {
+            Ok(list) => {
+                let detail = crate::domains::healthy_detail(lv.uri(), &list);
+                self.writer.domains(list).await?;
+                tracing::info!(took_ms = started.elapsed().as_millis() as u64, "{detail}");
+                crate::domains::set_health(&self.info.libvirt, true, detail);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "libvirt did not answer at start; frees are refused until it does");
+                crate::domains::set_health(&self.info.libvirt, false, e.to_string());
+            }
+        }
+        let poller = crate::domains::spawn_poller(
+            lv,
+            self.writer.clone(),
+            self.info.clone(),
+            self.guard.order.clone(),
+            crate::domains::PollSettings {
+                interval: std::time::Duration::from_millis(cfg.libvirt.poll_interval_ms),
+                max_backoff: std::time::Duration::from_secs(30),
+            },
+            tokio::runtime::Handle::current(),
+        )
+        .map_err(DaemonError::Thread)?;
+        self._poller = Some(Arc::new(poller));
+        Ok(self)
     }
 
     /// A full scan, applied to the ledger (off the async threads).
@@ -150,6 +202,7 @@ impl Agent {
             access,
             self.inventory.clone(),
             self.info.clone(),
+            self.guard.clone(),
         )
     }
 }
@@ -202,6 +255,24 @@ pub async fn serve(
     service: HostDevService,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), DaemonError> {
+    let streams = service.clone();
+    let shutdown = async move {
+        shutdown.await;
+        streams.stop_streams();
+    };
+    routes(tonic::transport::Server::builder(), service)
+        .await?
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
+}
+
+/// Every service the agent serves on a listener: the API, grpc.health.v1 and server
+/// reflection (v1 and v1alpha, for older tools).
+pub(crate) async fn routes(
+    mut builder: tonic::transport::Server,
+    service: HostDevService,
+) -> Result<tonic::transport::server::Router, DaemonError> {
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<HostDevServer<HostDevService>>().await;
     let reflection_v1 = tonic_reflection::server::Builder::configure()
@@ -214,19 +285,11 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()
         .map_err(|e| DaemonError::Reflection(e.to_string()))?;
-    let streams = service.clone();
-    let shutdown = async move {
-        shutdown.await;
-        streams.stop_streams();
-    };
-    tonic::transport::Server::builder()
+    Ok(builder
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(HostDevServer::new(service).max_decoding_message_size(4 << 20))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
-        .await?;
-    Ok(())
+        .add_service(HostDevServer::new(service).max_decoding_message_size(4 << 20)))
 }
 
 /// The whole daemon: start, bind, notify systemd, serve until SIGTERM/SIGINT; SIGHUP
@@ -270,7 +333,35 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<(), Daemon
         }
     });
     let socket = cfg.api.socket.clone();
-    serve(listener, service, shutdown_signal()).await?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let tcp_task = match &cfg.api.tcp {
+        Some(tcp) => {
+            let tls = crate::tcp::tls_config(tcp)?;
+            let tcp_listener = crate::tcp::bind(tcp).await?;
+            tracing::info!(listen = %tcp.listen, "serving over TCP with mutual TLS");
+            let mut rx = stop_rx.clone();
+            let svc = service.clone();
+            Some(tokio::spawn(async move {
+                crate::tcp::serve_tls(tcp_listener, tls, svc, async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                })
+                .await
+            }))
+        }
+        None => None,
+    };
+    drop(stop_rx);
+    let stop = async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    };
+    serve(listener, service, stop).await?;
+    if let Some(t) = tcp_task {
+        match t.await {
+            Ok(r) => r?,
+            Err(e) => tracing::error!(error = %e, "TCP listener task failed"),
+        }
+    }
     let _ = std::fs::remove_file(&socket);
     tracing::info!("stopped");
     Ok(())

@@ -53,6 +53,9 @@ pub fn build(base: &Path, vfs: u32) -> Demo {
         ..Config::default()
     };
     config.api.socket = socket.clone();
+    // The test driver runs in-process: an empty host (its one sample domain references
+    // no PCI device), so the demo needs no libvirtd.
+    config.libvirt.uri = "test:///default".into();
     config.api.socket_mode = "0600".into();
     config.api.writer_uids = vec![nix::unistd::getuid().as_raw()];
     config.devices = DEMO_PFS

@@ -15,7 +15,11 @@
 //!   ledger, commits each batch once (group commit), publishes views and watch events.
 //! - [`api`]: the gRPC service `hostdev.v1.HostDev`, the caller check, the error map.
 //! - [`client`]: connecting a `HostDev` client to the agent's Unix socket.
+//! - [`tcp`]: the optional TCP listener, mutual TLS only.
 //! - [`config`]: the TOML configuration and the managed-device selection.
+//! - [`domains`]: libvirt: the domains on this host and the PCI addresses they
+//!   reference (domain XML), polled to keep views current, queried afresh before a free.
+//! - [`vfio`]: who holds a VFIO group node open (a scan of the proc tree).
 //! - [`simhost`]: a simulated host (fake sysfs tree) for the demo, tests and benchmarks.
 //! - [`demo`]: the simulated hypervisor that `hostdevd demo` serves.
 //! - [`daemon`]: startup order, serving on the Unix socket, signals, readiness, demo.
@@ -28,9 +32,12 @@ pub mod client;
 pub mod config;
 pub mod daemon;
 pub mod demo;
+pub mod domains;
 pub mod ledger;
 pub mod pci;
 pub mod simhost;
 pub mod store;
 pub mod sysfs;
+pub mod tcp;
+pub mod vfio;
 pub mod writer;

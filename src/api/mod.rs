@@ -2,6 +2,7 @@
 //! wiring of each RPC to the writer (mutations) or the published view (reads).
 
 pub mod convert;
+pub mod guard;
 pub mod status;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -34,7 +35,8 @@ pub mod proto {
 
 use proto::host_dev_server::HostDev;
 
-/// Who may change state: peers whose uid or primary gid is listed (SO_PEERCRED).
+/// Who may change state: Unix-socket peers whose uid or primary gid is listed
+/// (SO_PEERCRED), and TCP clients that passed mutual TLS.
 #[derive(Debug, Clone, Default)]
 pub struct Access {
     pub writer_uids: Vec<u32>,
@@ -58,8 +60,11 @@ impl Access {
                 self.writer_uids,
                 self.writer_gids
             ))),
+            // Over TCP the handshake already required a certificate signed by the
+            // configured CA; that certificate is the caller's credential.
+            None if req.peer_certs().is_some_and(|c| !c.is_empty()) => Ok(()),
             None => Err(ApiError::PermissionDenied(format!(
-                "{what} refused: the caller's credentials are unknown (only Unix-socket peers may mutate)"
+                "{what} refused: the caller's credentials are unknown (a Unix-socket peer in writer_uids/writer_gids, or a TLS client certificate, is required)"
             ))),
         }
     }
@@ -88,6 +93,8 @@ pub struct HostDevService {
     /// The latest sysfs inventory, by address (names, netdevs, SR-IOV details).
     inventory: Arc<RwLock<BTreeMap<PciAddress, PciDevice>>>,
     info: Arc<AgentInfo>,
+    /// The fresh libvirt and VFIO checks made before every free.
+    guard: Arc<guard::FreeGuard>,
     /// Set to true when the server shuts down: open watch streams end, so a graceful
     /// shutdown does not wait forever for them.
     stopping: Arc<tokio::sync::watch::Sender<bool>>,
@@ -102,12 +109,14 @@ impl HostDevService {
         access: Access,
         inventory: Arc<RwLock<BTreeMap<PciAddress, PciDevice>>>,
         info: Arc<AgentInfo>,
+        guard: Arc<guard::FreeGuard>,
     ) -> Self {
         HostDevService {
             writer,
             access,
             inventory,
             info,
+            guard,
             stopping: Arc::new(tokio::sync::watch::channel(false).0),
         }
     }
@@ -133,6 +142,126 @@ impl HostDevService {
             .find(|v| v.record.present)
             .map(|v| device_to_proto(v, inv.get(&address)));
         found
+    }
+
+    /// The VFIO group nodes that would show the device in use: the inventory's node, and
+    /// the nodes of its IOMMU group even when the inventory has not seen a vfio-pci bind
+    /// yet (a node nobody holds costs nothing to check).
+    fn group_nodes(&self, address: PciAddress) -> Vec<std::path::PathBuf> {
+        let inv = self.inv();
+        let Some(dev) = inv.get(&address) else {
+            return Vec::new();
+        };
+        let mut nodes: Vec<std::path::PathBuf> = dev.vfio_group.iter().cloned().collect();
+        if let Some(g) = dev.iommu_group {
+            let vfio = self.guard.dev_root.join("vfio");
+            for n in [vfio.join(g.to_string()), vfio.join(format!("noiommu-{g}"))] {
+                if !nodes.contains(&n) {
+                    nodes.push(n);
+                }
+            }
+        }
+        nodes
+    }
+
+    /// The fresh checks before freeing `address`: libvirt's domains listed and applied
+    /// (the ledger then refuses an attached device itself), and no VFIO holder. Returns the
+    /// order lock, to be held until the free is decided.
+    async fn check_free(&self, address: PciAddress) -> Result<guard::OrderGuard, ApiError> {
+        let order = self.guard.refresh(&self.writer).await.map_err(|source| {
+            ApiError::LibvirtUnreachable {
+                what: address.to_string(),
+                source: Box::new(source),
+            }
+        })?;
+        let nodes = self.group_nodes(address);
+        let held =
+            self.guard
+                .holders(nodes.clone())
+                .await
+                .map_err(|source| ApiError::HoldersUnknown {
+                    what: address.to_string(),
+                    source: Box::new(source),
+                })?;
+        for node in nodes {
+            if let Some(holder) = held.get(&node).and_then(|h| h.first()) {
+                return Err(ApiError::VfioHeld {
+                    address,
+                    group: node,
+                    holder: Box::new(holder.clone()),
+                });
+            }
+        }
+        Ok(order)
+    }
+
+    /// Moves orphans whose VFIO group is held open to `protected`, and says why each
+    /// protected device is kept.
+    async fn protect_held(
+        &self,
+        report: &mut crate::ledger::AuditReport,
+    ) -> Result<Vec<proto::Protection>, ApiError> {
+        let mut protections: Vec<proto::Protection> = report
+            .protected
+            .iter()
+            .map(|rec| proto::Protection {
+                address: rec.address().to_string(),
+                reason: match &rec.attached {
+                    Some(d) => format!(
+                        "attached to libvirt domain {} ({}, {})",
+                        d.name,
+                        d.uuid,
+                        if d.running { "running" } else { "defined" }
+                    ),
+                    None => "attached".into(),
+                },
+                domain: rec.attached.as_ref().map(convert::domain_to_proto),
+                holder_pid: 0,
+                holder_command: String::new(),
+            })
+            .collect();
+        let nodes: Vec<(PciAddress, Vec<std::path::PathBuf>)> = report
+            .orphans
+            .iter()
+            .map(|rec| (rec.address(), self.group_nodes(rec.address())))
+            .collect();
+        let all: Vec<std::path::PathBuf> = nodes.iter().flat_map(|(_, n)| n.clone()).collect();
+        let held = self
+            .guard
+            .holders(all)
+            .await
+            .map_err(|source| ApiError::HoldersUnknown {
+                what: "the orphans".into(),
+                source: Box::new(source),
+            })?;
+        let orphans = std::mem::take(&mut report.orphans);
+        for (rec, (_, rec_nodes)) in orphans.into_iter().zip(nodes) {
+            let holder = rec_nodes
+                .iter()
+                .find_map(|n| held.get(n).and_then(|h| h.first()).map(|h| (n, h)));
+            match holder {
+                Some((node, h)) => {
+                    protections.push(proto::Protection {
+                        address: rec.address().to_string(),
+                        reason: format!(
+                            "its VFIO group {} is held open by {}",
+                            node.display(),
+                            h.describe()
+                        ),
+                        domain: h.domain_uuid.map(|u| proto::Domain {
+                            uuid: u.to_string(),
+                            name: h.domain_name.clone().unwrap_or_default(),
+                            running: true,
+                        }),
+                        holder_pid: h.pid,
+                        holder_command: h.command.clone(),
+                    });
+                    report.protected.push(rec);
+                }
+                None => report.orphans.push(rec),
+            }
+        }
+        Ok(protections)
     }
 
     fn event_to_proto(&self, e: &Event) -> proto::WatchEvent {
@@ -263,6 +392,24 @@ impl HostDev for HostDevService {
             request_id: convert::request_id(&r.request_id)?,
             generation: Generation(r.generation),
         };
+        // A retry of a recorded request replays its first answer (I7) and frees nothing
+        // new; a device nobody holds has nothing to free: the ledger answers both.
+        let replay = self
+            .writer
+            .view()
+            .ledger
+            .request(rel.consumer, &rel.request_id)
+            .is_some();
+        let claimed = self
+            .writer
+            .view()
+            .device(rel.address)
+            .any(|v| v.record.claim.is_some());
+        let _order = if replay || !claimed {
+            None
+        } else {
+            Some(self.check_free(rel.address).await?)
+        };
         let applied = self.writer.release(rel).await.map_err(ApiError::from)?;
         Ok(Response::new(proto::ReleaseResponse {
             address: applied.outcome.address().to_string(),
@@ -320,10 +467,24 @@ impl HostDev for HostDevService {
         } else {
             None
         };
+        // An acting audit lists the domains afresh first and holds the order lock until
+        // its frees are decided, so the ledger audits against every domain defined now
+        // (the evacuated VM of the seed race included).
+        let _order = if r.act {
+            Some(self.guard.refresh(&self.writer).await.map_err(|source| {
+                ApiError::LibvirtUnreachable {
+                    what: "the orphans".into(),
+                    source: Box::new(source),
+                }
+            })?)
+        } else {
+            None
+        };
         let view = self.writer.view();
-        let report = view
+        let mut report = view
             .ledger
             .audit(&expected, Generation(r.snapshot_generation));
+        let protections = self.protect_held(&mut report).await?;
         let to_views = |recs: &[crate::ledger::DeviceRecord]| -> Vec<proto::Device> {
             let inv = self.inv();
             recs.iter()
@@ -377,6 +538,7 @@ impl HostDev for HostDevService {
             changed: to_views(&report.changed),
             protected: to_views(&report.protected),
             acted: r.act,
+            protections,
         }))
     }
 

@@ -6,8 +6,10 @@ use std::collections::HashMap;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
+use crate::domains::DomainsError;
 use crate::ledger::LedgerError;
-use crate::pci::IdError;
+use crate::pci::{IdError, PciAddress};
+use crate::vfio::{Holder, VfioError};
 use crate::writer::WriteError;
 
 /// The ErrorInfo domain of every error this API returns.
@@ -38,6 +40,28 @@ pub enum ApiError {
     Unavailable(String),
     #[error("{0}")]
     NotFound(String),
+    /// libvirt did not answer the fresh domain list a free needs.
+    #[error("cannot prove {what} unused: {source}")]
+    LibvirtUnreachable {
+        /// The device's address, or "the orphans" for an acting reconcile.
+        what: String,
+        #[source]
+        source: Box<DomainsError>,
+    },
+    /// A process holds the device's VFIO group open.
+    #[error("{address} is in use: its VFIO group {} is held open by {}; nothing was changed", group.display(), holder.describe())]
+    VfioHeld {
+        address: PciAddress,
+        group: std::path::PathBuf,
+        holder: Box<Holder>,
+    },
+    /// The proc tree could not be scanned for VFIO holders.
+    #[error("cannot prove {what} unused: {source}")]
+    HoldersUnknown {
+        what: String,
+        #[source]
+        source: Box<VfioError>,
+    },
 }
 
 impl ApiError {
@@ -156,6 +180,41 @@ pub fn to_status(e: &ApiError) -> Status {
         ApiError::NotFound(_) => {
             let d = ErrorDetails::with_error_info("NOT_FOUND", ERROR_DOMAIN, HashMap::new());
             Status::with_error_details(Code::NotFound, msg, d)
+        }
+        ApiError::LibvirtUnreachable { what, .. } => {
+            let meta = HashMap::from([("checking".to_string(), what.clone())]);
+            let d = ErrorDetails::with_error_info("LIBVIRT_UNREACHABLE", ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::Unavailable, msg, d)
+        }
+        ApiError::VfioHeld {
+            address,
+            group,
+            holder,
+        } => {
+            let mut meta = HashMap::from([
+                ("address".to_string(), address.to_string()),
+                ("vfio_group".to_string(), group.display().to_string()),
+                ("holder_pid".to_string(), holder.pid.to_string()),
+                ("holder_command".to_string(), holder.command.clone()),
+            ]);
+            if let Some(n) = &holder.domain_name {
+                meta.insert("domain_name".into(), n.clone());
+            }
+            if let Some(u) = &holder.domain_uuid {
+                meta.insert("domain_uuid".into(), u.to_string());
+            }
+            let mut d = ErrorDetails::with_error_info("VFIO_GROUP_IN_USE", ERROR_DOMAIN, meta);
+            d.add_precondition_failure_violation(
+                "VFIO_GROUP_IN_USE",
+                address.to_string(),
+                msg.clone(),
+            );
+            Status::with_error_details(Code::FailedPrecondition, msg, d)
+        }
+        ApiError::HoldersUnknown { what, .. } => {
+            let meta = HashMap::from([("checking".to_string(), what.clone())]);
+            let d = ErrorDetails::with_error_info("VFIO_HOLDERS_UNKNOWN", ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::Unavailable, msg, d)
         }
     }
 }

@@ -1,0 +1,330 @@
+//! libvirt: the domains defined on this host (running or not) and the host PCI
+//! addresses each references, read through the `virt` crate, and the background poller
+//! that keeps the writer's domain set current and reports libvirt's health.
+//!
+//! Every call here blocks (libvirt's API is synchronous), so callers run it on a plain
+//! thread or `spawn_blocking`, never on an async worker. The poller only keeps views and
+//! `GetStatus` current: a free never trusts it, it queries afresh (see `api::guard`).
+//! Lifecycle events are not subscribed to; polling at `poll_interval_ms` is the
+//! mechanism, and the check at free time is always a fresh full query.
+
+pub mod xml;
+
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use virt::connect::Connect;
+use virt::error::ErrorNumber;
+
+use crate::api::HealthInfo;
+use crate::ledger::{DomainDevices, DomainRef};
+use crate::writer::{WriteError, Writer};
+pub use xml::{pci_addresses, XmlError};
+
+/// Why the domains could not be listed.
+#[derive(Debug, thiserror::Error)]
+pub enum DomainsError {
+    #[error("libvirt at {uri} unreachable: {source}")]
+    Unreachable {
+        uri: String,
+        #[source]
+        source: virt::error::Error,
+    },
+    #[error("libvirt at {uri} unreachable: {what} failed: {source}")]
+    Call {
+        uri: String,
+        what: &'static str,
+        #[source]
+        source: virt::error::Error,
+    },
+    #[error("libvirt at {uri} unreachable: no answer within {ms} ms")]
+    Timeout { uri: String, ms: u128 },
+    #[error("cannot read the XML of domain {name} ({uuid}) from libvirt at {uri}: {source}")]
+    Xml {
+        uri: String,
+        name: String,
+        uuid: uuid::Uuid,
+        #[source]
+        source: XmlError,
+    },
+    #[error("the libvirt query thread failed: {0}")]
+    Thread(String),
+}
+
+/// A libvirt connection by URI, opened on first use and reopened after a failure.
+pub struct Libvirt {
+    uri: String,
+    conn: Mutex<Option<Connect>>,
+}
+
+impl std::fmt::Debug for Libvirt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Libvirt").field("uri", &self.uri).finish()
+    }
+}
+
+/// libvirt's default error handler prints every error to stderr; errors are returned
+/// and logged here instead.
+fn quiet_libvirt() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(virt::error::clear_error_callback);
+}
+
+impl Libvirt {
+    pub fn new(uri: impl Into<String>) -> Libvirt {
+        quiet_libvirt();
+        Libvirt {
+            uri: uri.into(),
+            conn: Mutex::new(None),
+        }
+    }
+
+    pub fn uri(&self) -> &str {
+        &self.uri
+    }
+
+    fn cached(&self) -> Option<Connect> {
+        match self.conn.lock() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    fn set(&self, c: Option<Connect>) {
+        match self.conn.lock() {
+            Ok(mut g) => *g = c,
+            Err(p) => *p.into_inner() = c,
+        }
+    }
+
+    /// A fresh full list of the domains defined on the host, with the PCI addresses each
+    /// references in its live or its persistent definition (blocking). A cached
+    /// connection that fails is dropped and one new connection is tried at once, so a
+    /// libvirtd restart between two calls costs no refusal.
+    pub fn list(&self) -> Result<Vec<DomainDevices>, DomainsError> {
+        if let Some(c) = self.cached() {
+            match list_on(&c, &self.uri) {
+                Ok(v) => return Ok(v),
+                Err(e @ DomainsError::Xml { .. }) => return Err(e),
+                Err(e) => {
+                    tracing::debug!(error = %e, "libvirt connection failed; reconnecting");
+                    self.set(None);
+                }
+            }
+        }
+        let c = Connect::open(Some(&self.uri)).map_err(|source| DomainsError::Unreachable {
+            uri: self.uri.clone(),
+            source,
+        })?;
+        let v = list_on(&c, &self.uri)?;
+        self.set(Some(c));
+        Ok(v)
+    }
+
+    /// [`Libvirt::list`] on a blocking thread, bounded by `timeout`: a hung libvirtd
+    /// reads as unreachable rather than stalling the caller.
+    pub async fn list_fresh(
+        self: &Arc<Self>,
+        timeout: Duration,
+    ) -> Result<Vec<DomainDevices>, DomainsError> {
+        let this = self.clone();
+        let task = tokio::task::spawn_blocking(move || this.list());
+        match tokio::time::timeout(timeout, task).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => Err(DomainsError::Thread(e.to_string())),
+            Err(_) => Err(DomainsError::Timeout {
+                uri: self.uri.clone(),
+                ms: timeout.as_millis(),
+            }),
+        }
+    }
+}
+
+fn list_on(c: &Connect, uri: &str) -> Result<Vec<DomainDevices>, DomainsError> {
+    let call = |what| {
+        move |source| DomainsError::Call {
+            uri: uri.to_string(),
+            what,
+            source,
+        }
+    };
+    // Flags 0: every domain, active and inactive, persistent and transient.
+    let doms = c.list_all_domains(0).map_err(call("listing domains"))?;
+    let mut out = Vec::with_capacity(doms.len());
+    for d in doms {
+        match describe(&d, uri) {
+            Ok(dd) => out.push(dd),
+            // Undefined between the list and this call: it no longer references anything.
+            Err(DomainsError::Call { source, .. }) if is_no_domain(&source) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    out.sort_by(|a, b| a.domain.cmp(&b.domain));
+    Ok(out)
+}
+
+fn is_no_domain(e: &virt::error::Error) -> bool {
+    matches!(e.code(), virt::enumutil::Enum::Known(ErrorNumber::NoDomain))
+}
+
+fn describe(d: &virt::domain::Domain, uri: &str) -> Result<DomainDevices, DomainsError> {
+    let call = |what| {
+        move |source| DomainsError::Call {
+            uri: uri.to_string(),
+            what,
+            source,
+        }
+    };
+    let uuid = d.uuid().map_err(call("reading a domain's UUID"))?;
+    let name = d.name().map_err(call("reading a domain's name"))?;
+    let running = d.is_active().map_err(call("reading a domain's state"))?;
+    let xml_err = |source| DomainsError::Xml {
+        uri: uri.to_string(),
+        name: name.clone(),
+        uuid,
+        source,
+    };
+    let live = d.xml_desc(0).map_err(call("reading a domain's XML"))?;
+    let mut addresses = pci_addresses(&live).map_err(xml_err)?;
+    if running {
+        // A running domain's next boot may use devices its live definition does not
+        // (edited config), and either one makes the device referenced (I3).
+        let persistent = d
+            .xml_desc(virt::sys::VIR_DOMAIN_XML_INACTIVE)
+            .map_err(call("reading a domain's persistent XML"))?;
+        addresses.extend(pci_addresses(&persistent).map_err(xml_err)?);
+        addresses.sort();
+        addresses.dedup();
+    }
+    Ok(DomainDevices {
+        domain: DomainRef {
+            uuid,
+            name,
+            running,
+        },
+        addresses,
+    })
+}
+
+/// Sets a health slot.
+pub fn set_health(slot: &RwLock<HealthInfo>, ok: bool, detail: String) {
+    let h = HealthInfo { ok, detail };
+    match slot.write() {
+        Ok(mut g) => *g = h,
+        Err(p) => *p.into_inner() = h,
+    }
+}
+
+/// A one-line health summary of a successful listing.
+pub fn healthy_detail(uri: &str, domains: &[DomainDevices]) -> String {
+    let refs: usize = domains.iter().map(|d| d.addresses.len()).sum();
+    let running = domains.iter().filter(|d| d.domain.running).count();
+    format!(
+        "connected to {uri}: {} domains ({running} running), {refs} PCI references",
+        domains.len()
+    )
+}
+
+/// How the poller runs.
+#[derive(Debug, Clone)]
+pub struct PollSettings {
+    pub interval: Duration,
+    /// The longest wait between reconnect attempts (backoff doubles up to this).
+    pub max_backoff: Duration,
+}
+
+/// The running poller; dropping it (or [`Poller::stop`]) ends the thread.
+#[derive(Debug)]
+pub struct Poller {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Poller {
+    /// Stops the poller and waits for its thread.
+    pub fn stop(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        self.stop.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Poller {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+/// Starts the poller thread: lists the domains every `interval` and applies them with
+/// `writer.domains`, under `order` (the lock a fresh free-time check also takes, so an
+/// older poll result can never be applied after a fresher one). On failure it keeps the
+/// last domain set, marks libvirt unhealthy, and retries with a doubling backoff.
+pub fn spawn_poller(
+    libvirt: Arc<Libvirt>,
+    writer: Writer,
+    health: Arc<crate::api::AgentInfo>,
+    order: Arc<tokio::sync::Mutex<()>>,
+    settings: PollSettings,
+    rt: tokio::runtime::Handle,
+) -> std::io::Result<Poller> {
+    let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+    let thread = std::thread::Builder::new()
+        .name("hostdevd-libvirt".into())
+        .spawn(move || {
+            let mut wait = settings.interval;
+            let mut was_ok = None;
+            loop {
+                // The agent listed the domains once before serving; poll after a pause.
+                match stop_rx.recv_timeout(wait) {
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                    _ => return,
+                }
+                let started = Instant::now();
+                let result = {
+                    let _order = order.blocking_lock();
+                    match libvirt.list() {
+                        Ok(list) => {
+                            let detail = healthy_detail(libvirt.uri(), &list);
+                            match rt.block_on(writer.domains(list)) {
+                                Ok(()) => Ok(detail),
+                                Err(WriteError::ShuttingDown) => return,
+                                Err(e) => Err(format!("applying the domains failed: {e}")),
+                            }
+                        }
+                        Err(e) => Err(e.to_string()),
+                    }
+                };
+                match result {
+                    Ok(detail) => {
+                        if was_ok != Some(true) {
+                            tracing::info!(uri = %libvirt.uri(), took_ms = started.elapsed().as_millis() as u64, "{detail}");
+                        }
+                        set_health(&health.libvirt, true, detail);
+                        was_ok = Some(true);
+                        wait = settings.interval;
+                    }
+                    Err(e) => {
+                        if was_ok != Some(false) {
+                            tracing::warn!(uri = %libvirt.uri(), error = %e, "libvirt poll failed; frees are refused until it answers");
+                        }
+                        wait = (wait * 2).min(settings.max_backoff.max(settings.interval));
+                        set_health(
+                            &health.libvirt,
+                            false,
+                            format!("{e}; retrying in {} ms", wait.as_millis()),
+                        );
+                        was_ok = Some(false);
+                    }
+                }
+            }
+        })?;
+    Ok(Poller {
+        stop: Some(stop_tx),
+        thread: Some(thread),
+    })
+}

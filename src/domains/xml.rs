@@ -1,0 +1,219 @@
+//! Domain XML → the host PCI addresses a domain references: `<hostdev mode='subsystem'
+//! type='pci'>` sources and `<interface type='hostdev'>` sources (also an interface's
+//! `<actual type='hostdev'>`, which is how a network of hostdev pool forwards shows up).
+//!
+//! Pure: text in, addresses out. The guest-side `<address type='pci'>` that is a direct
+//! child of `<hostdev>` or `<interface>` is where the device appears *inside* the VM and
+//! is deliberately ignored; only `<source><address>` names a host device.
+
+use roxmltree::{Document, Node};
+
+use crate::pci::PciAddress;
+
+/// Why a domain's XML could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum XmlError {
+    #[error("the domain XML is not well-formed: {0}")]
+    Syntax(#[from] roxmltree::Error),
+    #[error("the domain XML's root is <{0}>, not <domain>")]
+    NotDomain(String),
+    #[error("a host PCI source address has {attr}={value:?}: {reason}")]
+    BadAddress {
+        attr: &'static str,
+        value: String,
+        reason: &'static str,
+    },
+}
+
+/// Every host PCI address the domain XML references, sorted, without duplicates.
+pub fn pci_addresses(xml: &str) -> Result<Vec<PciAddress>, XmlError> {
+    let doc = Document::parse(xml)?;
+    let root = doc.root_element();
+    if root.tag_name().name() != "domain" {
+        return Err(XmlError::NotDomain(root.tag_name().name().to_string()));
+    }
+    let mut out = Vec::new();
+    for devices in root.children().filter(|n| is(n, "devices")) {
+        for dev in devices.children().filter(Node::is_element) {
+            let sources: Vec<Node> = match dev.tag_name().name() {
+                "hostdev" if attr(&dev, "mode") != Some("capabilities") => {
+                    // mode defaults to subsystem; only type pci names a PCI function.
+                    if attr(&dev, "type") == Some("pci") {
+                        children(&dev, "source")
+                    } else {
+                        Vec::new()
+                    }
+                }
+                "interface" => {
+                    let mut s = Vec::new();
+                    if attr(&dev, "type") == Some("hostdev") {
+                        s.extend(children(&dev, "source"));
+                    }
+                    for actual in children(&dev, "actual") {
+                        if attr(&actual, "type") == Some("hostdev") {
+                            s.extend(children(&actual, "source"));
+                        }
+                    }
+                    s
+                }
+                _ => Vec::new(),
+            };
+            for source in sources {
+                for a in children(&source, "address") {
+                    // An interface source's address says type='pci'; a hostdev's may
+                    // omit it. Any other type (usb, ...) is not a PCI function.
+                    if attr(&a, "type").is_some_and(|t| t != "pci") {
+                        continue;
+                    }
+                    out.push(address(&a)?);
+                }
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+fn is(n: &Node, name: &str) -> bool {
+    n.is_element() && n.tag_name().name() == name
+}
+
+fn attr<'a>(n: &Node<'a, '_>, name: &str) -> Option<&'a str> {
+    n.attribute(name)
+}
+
+fn children<'a, 'i>(n: &Node<'a, 'i>, name: &str) -> Vec<Node<'a, 'i>> {
+    n.children().filter(|c| is(c, name)).collect()
+}
+
+fn address(a: &Node) -> Result<PciAddress, XmlError> {
+    let domain = match attr(a, "domain") {
+        Some(v) => number("domain", v, u64::from(u32::MAX))?,
+        None => 0,
+    };
+    let required = |name: &'static str, max: u64| -> Result<u64, XmlError> {
+        let v = attr(a, name).ok_or(XmlError::BadAddress {
+            attr: name,
+            value: String::new(),
+            reason: "the attribute is missing",
+        })?;
+        number(name, v, max)
+    };
+    let bus = required("bus", 0xff)?;
+    let slot = required("slot", 0x1f)?;
+    let function = required("function", 7)?;
+    // Each value was bounded above, so the narrowing conversions are exact.
+    PciAddress::new(domain as u32, bus as u8, slot as u8, function as u8).ok_or(
+        XmlError::BadAddress {
+            attr: "slot",
+            value: slot.to_string(),
+            reason: "out of range",
+        },
+    )
+}
+
+/// libvirt reads these attributes like strtoul with base 0: "0x" hex, a leading "0"
+/// octal, otherwise decimal.
+fn number(attr: &'static str, v: &str, max: u64) -> Result<u64, XmlError> {
+    let bad = |reason| XmlError::BadAddress {
+        attr,
+        value: v.to_string(),
+        reason,
+    };
+    let t = v.trim();
+    let parsed = if let Some(h) = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        u64::from_str_radix(h, 16)
+    } else if t.len() > 1 && t.starts_with('0') {
+        u64::from_str_radix(&t[1..], 8)
+    } else {
+        t.parse::<u64>()
+    };
+    let n = parsed.map_err(|_| bad("not a number"))?;
+    if n > max {
+        return Err(bad("out of range"));
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn a(s: &str) -> PciAddress {
+        s.parse().expect("address")
+    }
+
+    #[test]
+    fn hostdevs_and_hostdev_interfaces() {
+        let xml = r#"<domain type='kvm'>
+  <name>instance-0000002a</name>
+  <devices>
+    <hostdev mode='subsystem' type='pci' managed='yes'>
+      <driver name='vfio'/>
+      <source><address domain='0x0000' bus='0x3b' slot='0x02' function='0x1'/></source>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x05' function='0x0'/>
+    </hostdev>
+    <interface type='hostdev' managed='yes'>
+      <mac address='52:54:00:6d:90:02'/>
+      <source><address type='pci' domain='0x0000' bus='0x86' slot='0x10' function='0x2'/></source>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x06' function='0x0'/>
+    </interface>
+    <interface type='network'>
+      <source network='hostdev-pool'/>
+      <actual type='hostdev'>
+        <source><address type='pci' domain='0x0000' bus='0x86' slot='0x10' function='0x3'/></source>
+      </actual>
+    </interface>
+    <interface type='bridge'><source bridge='br0'/></interface>
+    <hostdev mode='subsystem' type='usb'>
+      <source><vendor id='0x1234'/><product id='0xbeef'/><address bus='1' device='2'/></source>
+    </hostdev>
+    <hostdev mode='subsystem' type='mdev' model='vfio-pci'>
+      <source><address uuid='c2177883-f1bb-47f0-914d-32a22e3a8804'/></source>
+    </hostdev>
+    <hostdev type='pci'>
+      <source><address bus='59' slot='2' function='1'/></source>
+    </hostdev>
+    <disk type='file'><source file='/x'/><address type='pci' bus='0x3b' slot='0x02' function='0x7'/></disk>
+  </devices>
+</domain>"#;
+        assert_eq!(
+            pci_addresses(xml).expect("parse"),
+            vec![a("0000:3b:02.1"), a("0000:86:10.2"), a("0000:86:10.3")]
+        );
+    }
+
+    #[test]
+    fn numbers_like_libvirt() {
+        assert_eq!(number("bus", "0x3b", 0xff).expect("hex"), 0x3b);
+        assert_eq!(number("bus", "59", 0xff).expect("dec"), 59);
+        assert_eq!(number("bus", "073", 0xff).expect("oct"), 0o73);
+        assert_eq!(number("bus", "0", 0xff).expect("zero"), 0);
+        assert!(number("bus", "0x100", 0xff).is_err());
+        assert!(number("bus", "zz", 0xff).is_err());
+        let xml = "<domain><devices><hostdev mode='subsystem' type='pci'><source><address domain='0x10000' bus='0xe1' slot='0x00' function='0x0'/></source></hostdev></devices></domain>";
+        assert_eq!(pci_addresses(xml).expect("vmd"), vec![a("10000:e1:00.0")]);
+    }
+
+    #[test]
+    fn refusals_name_the_problem() {
+        assert!(matches!(
+            pci_addresses("<domain>"),
+            Err(XmlError::Syntax(_))
+        ));
+        assert!(matches!(
+            pci_addresses("<network/>"),
+            Err(XmlError::NotDomain(n)) if n == "network"
+        ));
+        let xml = "<domain><devices><hostdev mode='subsystem' type='pci'><source><address bus='0x3b' slot='0x20' function='0x0'/></source></hostdev></devices></domain>";
+        let e = pci_addresses(xml).expect_err("slot too big");
+        assert!(e.to_string().contains("slot"), "{e}");
+        let xml = "<domain><devices><interface type='hostdev'><source><address type='pci' slot='0x02' function='0x0'/></source></interface></devices></domain>";
+        let e = pci_addresses(xml).expect_err("no bus");
+        assert!(e.to_string().contains("bus"), "{e}");
+        assert!(pci_addresses("<domain><name>x</name></domain>")
+            .expect("no devices")
+            .is_empty());
+    }
+}

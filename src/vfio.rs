@@ -1,0 +1,273 @@
+//! Who holds a VFIO group open: a scan of a proc tree's file descriptors for links to a
+//! group node (`<dev_root>/vfio/N`), naming each holder and, for QEMU, its domain.
+//!
+//! Why: a VFIO group can be opened by one process at a time, so an open group node means
+//! the device is in use whatever any database says (I3). The scan only reads links and
+//! small files under the proc root; it never opens the group node itself, because holding
+//! it open for even a moment would make a starting QEMU fail with EBUSY.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Why the holders of a group could not be determined.
+#[derive(Debug, thiserror::Error)]
+pub enum VfioError {
+    /// Without the process list nothing proves a group unused, so this is an error and
+    /// never an empty answer.
+    #[error("cannot list processes under {path}: {source}")]
+    ProcRoot {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A process holding a VFIO group open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    pub pid: u32,
+    /// The kernel's short command name (`<pid>/comm`); empty if it could not be read.
+    pub command: String,
+    /// The command line, one entry per argument; empty if it could not be read.
+    pub cmdline: Vec<String>,
+    /// The domain QEMU was started for, from `-uuid` and `-name` when present.
+    pub domain_uuid: Option<uuid::Uuid>,
+    pub domain_name: Option<String>,
+}
+
+impl Holder {
+    /// "pid 4242 (qemu-system-x86, domain instance-0000002a)": for messages.
+    pub fn describe(&self) -> String {
+        let mut s = format!("pid {}", self.pid);
+        let mut parts = Vec::new();
+        if !self.command.is_empty() {
+            parts.push(self.command.clone());
+        }
+        match (&self.domain_name, &self.domain_uuid) {
+            (Some(n), Some(u)) => parts.push(format!("domain {n} {u}")),
+            (Some(n), None) => parts.push(format!("domain {n}")),
+            (None, Some(u)) => parts.push(format!("domain {u}")),
+            (None, None) => {}
+        }
+        if !parts.is_empty() {
+            s.push_str(&format!(" ({})", parts.join(", ")));
+        }
+        s
+    }
+}
+
+/// The processes under `proc_root` with a file descriptor linked to `group_node`.
+pub fn holders(proc_root: &Path, group_node: &Path) -> Result<Vec<Holder>, VfioError> {
+    let mut by_node = holders_of(proc_root, &[group_node])?;
+    Ok(by_node.remove(group_node).unwrap_or_default())
+}
+
+/// One pass over the proc tree for several group nodes (an audit checks many devices):
+/// the holders of each node that has any, keyed by the node as given.
+pub fn holders_of(
+    proc_root: &Path,
+    group_nodes: &[&Path],
+) -> Result<BTreeMap<PathBuf, Vec<Holder>>, VfioError> {
+    let mut out: BTreeMap<PathBuf, Vec<Holder>> = BTreeMap::new();
+    if group_nodes.is_empty() {
+        return Ok(out);
+    }
+    // The kernel reports an fd's target as a resolved absolute path, so compare against
+    // both the node as configured and its resolved form (a dev root behind a symlink).
+    let wanted: Vec<(&Path, Option<PathBuf>)> = group_nodes
+        .iter()
+        .map(|n| (*n, std::fs::canonicalize(n).ok()))
+        .collect();
+    let entries = std::fs::read_dir(proc_root).map_err(|source| VfioError::ProcRoot {
+        path: proc_root.to_path_buf(),
+        source,
+    })?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let dir = entry.path();
+        // A process may exit at any moment, and another user's fds are unreadable: both
+        // are skipped, never fatal.
+        let Ok(fds) = std::fs::read_dir(dir.join("fd")) else {
+            continue;
+        };
+        let mut held: Vec<&Path> = Vec::new();
+        for fd in fds.flatten() {
+            let Ok(target) = std::fs::read_link(fd.path()) else {
+                continue;
+            };
+            for (node, resolved) in &wanted {
+                if (target == *node || resolved.as_deref() == Some(target.as_path()))
+                    && !held.contains(node)
+                {
+                    held.push(node);
+                }
+            }
+        }
+        if held.is_empty() {
+            continue;
+        }
+        let holder = describe_process(pid, &dir);
+        for node in held {
+            out.entry(node.to_path_buf())
+                .or_default()
+                .push(holder.clone());
+        }
+    }
+    for list in out.values_mut() {
+        list.sort_by_key(|h| h.pid);
+    }
+    Ok(out)
+}
+
+fn describe_process(pid: u32, dir: &Path) -> Holder {
+    let command = std::fs::read(dir.join("comm"))
+        .map(|b| String::from_utf8_lossy(&b).trim_end().to_string())
+        .unwrap_or_default();
+    let cmdline: Vec<String> = std::fs::read(dir.join("cmdline"))
+        .map(|b| {
+            b.split(|c| *c == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    let (domain_uuid, domain_name) = qemu_domain(&cmdline);
+    Holder {
+        pid,
+        command,
+        cmdline,
+        domain_uuid,
+        domain_name,
+    }
+}
+
+/// QEMU's `-uuid U` and `-name N` (libvirt writes `-name guest=N,debug-threads=on`,
+/// with `,,` escaping a comma in the name).
+pub fn qemu_domain(cmdline: &[String]) -> (Option<uuid::Uuid>, Option<String>) {
+    let mut uuid = None;
+    let mut name = None;
+    let mut args = cmdline.iter();
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "-uuid" => uuid = args.next().and_then(|u| u.parse().ok()),
+            "-name" => name = args.next().and_then(|n| qemu_name(n)),
+            _ => {}
+        }
+    }
+    (uuid, name)
+}
+
+fn qemu_name(opt: &str) -> Option<String> {
+    // Split on single commas; ",," is a literal comma.
+    let mut parts = Vec::new();
+    let mut cur = String::new();
+    let mut chars = opt.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == ',' {
+            if chars.peek() == Some(&',') {
+                chars.next();
+                cur.push(',');
+            } else {
+                parts.push(std::mem::take(&mut cur));
+            }
+        } else {
+            cur.push(c);
+        }
+    }
+    parts.push(cur);
+    let first = parts.first()?;
+    let found = parts
+        .iter()
+        .find_map(|p| p.strip_prefix("guest=").map(str::to_string))
+        .or_else(|| (!first.contains('=')).then(|| first.clone()))?;
+    (!found.is_empty()).then_some(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    fn args(s: &[&str]) -> Vec<String> {
+        s.iter().map(|a| a.to_string()).collect()
+    }
+
+    #[test]
+    fn qemu_names_and_uuids() {
+        let u = "5f0c2d4e-8a52-4c1b-9d6e-0a1b2c3d4e5f";
+        let (uuid, name) = qemu_domain(&args(&[
+            "/usr/bin/qemu-system-x86_64",
+            "-name",
+            "guest=instance-0000002a,debug-threads=on",
+            "-uuid",
+            u,
+        ]));
+        assert_eq!(uuid.map(|u| u.to_string()).as_deref(), Some(u));
+        assert_eq!(name.as_deref(), Some("instance-0000002a"));
+        assert_eq!(
+            qemu_domain(&args(&["qemu", "-name", "a,,b,process=x"])).1,
+            Some("a,b".into())
+        );
+        assert_eq!(qemu_domain(&args(&["qemu", "-name"])), (None, None));
+        assert_eq!(qemu_domain(&args(&["qemu", "-uuid", "nope"])), (None, None));
+        assert_eq!(qemu_domain(&args(&["qemu", "-name", "process=x"])).1, None);
+    }
+
+    #[test]
+    fn finds_holders_and_tolerates_junk() {
+        let t = tempfile::tempdir().expect("tmp");
+        let proc_root = t.path().join("proc");
+        let node = t.path().join("dev/vfio/7");
+        let other = t.path().join("dev/vfio/8");
+        std::fs::create_dir_all(node.parent().expect("parent")).expect("mkdir");
+        std::fs::write(&node, "").expect("node");
+        std::fs::write(&other, "").expect("node");
+        let proc_dir = |pid: &str| {
+            let d = proc_root.join(pid);
+            std::fs::create_dir_all(d.join("fd")).expect("mkdir");
+            d
+        };
+        let q = proc_dir("4242");
+        std::fs::write(q.join("comm"), "qemu-system-x86\n").expect("comm");
+        std::fs::write(
+            q.join("cmdline"),
+            b"qemu-system-x86_64\0-name\0guest=vm1,debug-threads=on\0-uuid\x005f0c2d4e-8a52-4c1b-9d6e-0a1b2c3d4e5f\0",
+        )
+        .expect("cmdline");
+        symlink("/dev/null", q.join("fd/0")).expect("link");
+        symlink(&node, q.join("fd/23")).expect("link");
+        symlink(&node, q.join("fd/24")).expect("link");
+        // A process without comm/cmdline (it exited mid-scan) holding the other node.
+        let z = proc_dir("17");
+        symlink(&other, z.join("fd/3")).expect("link");
+        // A process whose fd directory is gone, a non-pid entry, a dangling link.
+        std::fs::create_dir_all(proc_root.join("99")).expect("mkdir");
+        std::fs::create_dir_all(proc_root.join("self/fd")).expect("mkdir");
+        symlink(&node, proc_root.join("self/fd/1")).expect("link");
+        let d = proc_dir("5");
+        symlink("/nonexistent/x", d.join("fd/1")).expect("link");
+
+        let h = holders(&proc_root, &node).expect("scan");
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert_eq!(h[0].pid, 4242);
+        assert_eq!(h[0].command, "qemu-system-x86");
+        assert_eq!(h[0].domain_name.as_deref(), Some("vm1"));
+        assert_eq!(
+            h[0].describe(),
+            "pid 4242 (qemu-system-x86, domain vm1 5f0c2d4e-8a52-4c1b-9d6e-0a1b2c3d4e5f)"
+        );
+        let h = holders(&proc_root, &other).expect("scan");
+        assert_eq!(h.len(), 1);
+        assert_eq!((h[0].pid, h[0].command.as_str()), (17, ""));
+        assert_eq!(h[0].describe(), "pid 17");
+        let unused = t.path().join("dev/vfio/9");
+        assert!(holders(&proc_root, &unused).expect("scan").is_empty());
+        let many = holders_of(&proc_root, &[&node, &other, &unused]).expect("scan");
+        assert_eq!(many.len(), 2);
+        let err = holders(&t.path().join("no-proc"), &node).expect_err("missing root");
+        assert!(err.to_string().contains("no-proc"), "{err}");
+    }
+}

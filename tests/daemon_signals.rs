@@ -1,0 +1,120 @@
+//! The daemon's signals, on the real binary: SIGHUP reloads the managed-device selection
+//! (a broken config is refused and the old selection stays), SIGTERM drains and exits
+//! cleanly, removing the socket.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hostdevd::api::proto;
+use hostdevd::simhost::FakeSys;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Daemon {
+    fn signal(&self, s: Signal) {
+        let pid = i32::try_from(self.0.id()).expect("pid fits");
+        kill(Pid::from_raw(pid), s).expect("signal the daemon");
+    }
+}
+
+fn config(tree: &hostdevd::simhost::FakeTree, dir: &Path, pfs: &[&str]) -> String {
+    let mut s = format!(
+        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n",
+        tree.sysfs_root(),
+        tree.dev_root(),
+        dir.join("state"),
+        dir.join("hostdevd.sock"),
+    );
+    for pf in pfs {
+        s.push_str(&format!("[[devices]]\npf_name = \"{pf}\"\nvf = true\n"));
+    }
+    s
+}
+
+async fn managed(socket: &Path) -> Vec<String> {
+    let mut c = hostdevd::client::connect(socket).await.expect("connect");
+    let list = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner();
+    list.devices
+        .into_iter()
+        .filter(|d| d.managed)
+        .map(|d| d.address)
+        .collect()
+}
+
+async fn wait_for(what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_selection_and_sigterm_stops_cleanly() {
+    let mut f = FakeSys::new();
+    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
+        .netdev("0000:3b:00.0", "ens1f0");
+    f.pf("0000:86:00.0", 0x8086, 0x1572, 8, 2)
+        .netdev("0000:86:00.0", "ens2f0");
+    let tree = f.build();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg_path = dir.path().join("config.toml");
+    std::fs::write(&cfg_path, config(&tree, dir.path(), &["ens1f0"])).expect("config");
+    let socket = dir.path().join("hostdevd.sock");
+    let mut daemon = Daemon(
+        Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+            .args(["serve", "--config"])
+            .arg(&cfg_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start hostdevd"),
+    );
+    wait_for("the socket", async || {
+        hostdevd::client::connect(&socket).await.is_ok()
+    })
+    .await;
+    let first = managed(&socket).await;
+    assert_eq!(first.len(), 2, "only ens1f0's VFs: {first:?}");
+    assert!(first.iter().all(|a| a.starts_with("0000:3b:")));
+
+    // A broken config on reload is refused; the selection stays.
+    std::fs::write(&cfg_path, "[[devices]]\nvendor = \"8086\"\n").expect("broken config");
+    daemon.signal(Signal::SIGHUP);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(managed(&socket).await, first);
+
+    // A good one is applied without a restart.
+    std::fs::write(&cfg_path, config(&tree, dir.path(), &["ens1f0", "ens2f0"])).expect("config");
+    daemon.signal(Signal::SIGHUP);
+    wait_for("the reloaded selection", async || {
+        managed(&socket).await.len() == 4
+    })
+    .await;
+
+    daemon.signal(Signal::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = daemon.0.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "daemon did not stop on SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "exit status {status}");
+    assert!(!socket.exists(), "socket removed on a clean stop");
+}

@@ -1,0 +1,143 @@
+//! The packaged default config (`packaging/config.toml`, installed as
+//! /etc/hostdevd/config.toml) against `src/config.rs`: it parses, the defaults it states
+//! are the real defaults, and every key of every config struct is in it.
+//!
+//! The file lists settings commented out as `#key = value` (and section headers as
+//! `#[section]`), prose as `# text`. Uncommenting every setting must give a valid config,
+//! so a renamed or retyped key is caught here and not on a hypervisor at startup.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use hostdevd::config::{ApiConfig, Config, LogConfig};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn packaged() -> String {
+    let p = root().join("packaging/config.toml");
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
+}
+
+/// A commented-out setting or header: `#key = ...`, `#[x]`, `#[[x]]` (no space after #).
+fn is_commented_setting(line: &str) -> bool {
+    line.strip_prefix('#')
+        .and_then(|r| r.chars().next())
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '[')
+}
+
+fn uncomment_all(text: &str) -> String {
+    text.lines()
+        .map(|l| if is_commented_setting(l) { &l[1..] } else { l })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Keys named in the file, set or commented out: `key` of `key = ...` and each part of
+/// `[a.b]` / `[[a]]` headers.
+fn keys_in(text: &str) -> BTreeSet<String> {
+    let mut keys = BTreeSet::new();
+    for line in uncomment_all(text).lines() {
+        let l = line.trim();
+        if l.starts_with('#') || l.is_empty() {
+            continue;
+        }
+        if let Some(h) = l.strip_prefix('[') {
+            for part in h.trim_matches(|c| c == '[' || c == ']').split('.') {
+                keys.insert(part.trim().to_string());
+            }
+        } else if let Some((k, _)) = l.split_once('=') {
+            keys.insert(k.trim().to_string());
+        }
+    }
+    keys
+}
+
+/// Field names of every `Deserialize` struct in a Rust source file (a plain text scan:
+/// `pub struct Name {` after a derive naming Deserialize, then `pub field:` lines).
+fn deserialize_fields(src: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut derive_seen = false;
+    let mut current: Option<String> = None;
+    for line in src.lines() {
+        let l = line.trim();
+        if let Some(name) = &current {
+            if l == "}" {
+                current = None;
+            } else if let Some(rest) = l.strip_prefix("pub ") {
+                if let Some((field, _)) = rest.split_once(':') {
+                    out.push((name.clone(), field.trim().to_string()));
+                }
+            }
+            continue;
+        }
+        if l.starts_with("#[derive(") && l.contains("Deserialize") {
+            derive_seen = true;
+        } else if let Some(rest) = l.strip_prefix("pub struct ") {
+            if derive_seen && rest.ends_with('{') {
+                current = Some(rest.trim_end_matches('{').trim().to_string());
+            }
+            derive_seen = false;
+        } else if !l.starts_with("#[") && !l.starts_with("///") && !l.is_empty() {
+            derive_seen = false;
+        }
+    }
+    out
+}
+
+#[test]
+fn packaged_config_parses_as_shipped() {
+    let cfg = Config::parse(&packaged()).expect("packaging/config.toml must parse");
+    // What the package changes from the built-in defaults: the socket's group only.
+    let mut want = Config::default();
+    want.api.socket_group = Some("hostdevd".into());
+    assert_eq!(
+        cfg, want,
+        "packaging/config.toml sets something besides socket_group"
+    );
+}
+
+#[test]
+fn every_commented_setting_is_valid() {
+    let text = uncomment_all(&packaged());
+    let cfg = Config::parse(&text)
+        .unwrap_or_else(|e| panic!("packaging/config.toml with every setting uncommented: {e}"));
+    // The examples are examples; every other stated value is the real default.
+    let d = Config::default();
+    assert_eq!(cfg.sysfs_root, d.sysfs_root);
+    assert_eq!(cfg.dev_root, d.dev_root);
+    assert_eq!(cfg.proc_root, d.proc_root);
+    assert_eq!(cfg.state_dir, d.state_dir);
+    let a = ApiConfig::default();
+    assert_eq!(cfg.api.socket, a.socket);
+    assert_eq!(cfg.api.socket_mode, a.socket_mode);
+    assert_eq!(cfg.api.writer_uids, a.writer_uids);
+    assert_eq!(cfg.api.writer_gids, a.writer_gids);
+    assert_eq!(cfg.api.watch_buffer, a.watch_buffer);
+    assert!(cfg.api.tcp.is_some(), "the [api.tcp] example is listed");
+    assert_eq!(cfg.log, LogConfig::default());
+    assert_eq!(cfg.devices.len(), 1, "one [[devices]] example");
+}
+
+#[test]
+fn every_config_key_is_documented() {
+    let src_path: &Path = &root().join("src/config.rs");
+    let src = std::fs::read_to_string(src_path).expect("read src/config.rs");
+    let fields = deserialize_fields(&src);
+    assert!(
+        fields.len() >= 15,
+        "the scan of src/config.rs found only {fields:?}; has its layout changed?"
+    );
+    let keys = keys_in(&packaged());
+    let missing: Vec<String> = fields
+        .iter()
+        .filter(|(_, f)| !keys.contains(f))
+        .map(|(s, f)| format!("{s}.{f}"))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "packaging/config.toml does not list {missing:?}: add each as `#key = default` \
+         with a comment"
+    );
+}

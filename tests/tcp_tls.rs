@@ -1,0 +1,188 @@
+//! The optional TCP listener: the real daemon with mutual TLS, certificates made in the
+//! test. A client with a certificate from the configured CA may list and claim; a client
+//! without a certificate, or with one from another CA, never reaches an RPC.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::simhost::FakeSys;
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+struct Pem {
+    cert: String,
+    key: String,
+}
+
+fn ca(name: &str) -> (Pem, Issuer<'static, KeyPair>) {
+    let mut p = CertificateParams::new(Vec::<String>::new()).expect("ca params");
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    p.distinguished_name.push(DnType::CommonName, name);
+    let key = KeyPair::generate().expect("ca key");
+    let cert = p.self_signed(&key).expect("ca cert");
+    let pem = Pem {
+        cert: cert.pem(),
+        key: key.serialize_pem(),
+    };
+    (pem, Issuer::new(p, key))
+}
+
+fn leaf(names: &[&str], cn: &str, issuer: &Issuer<'static, KeyPair>) -> Pem {
+    let mut p = CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        .expect("leaf params");
+    p.distinguished_name.push(DnType::CommonName, cn);
+    let key = KeyPair::generate().expect("leaf key");
+    let cert = p.signed_by(&key, issuer).expect("sign leaf");
+    Pem {
+        cert: cert.pem(),
+        key: key.serialize_pem(),
+    }
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
+    l.local_addr().expect("addr").port()
+}
+
+async fn connect(
+    port: u16,
+    ca: &Pem,
+    client: Option<&Pem>,
+) -> Result<HostDevClient<Channel>, String> {
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&ca.cert))
+        .domain_name("localhost");
+    if let Some(c) = client {
+        tls = tls.identity(Identity::from_pem(&c.cert, &c.key));
+    }
+    let channel = Channel::from_shared(format!("https://127.0.0.1:{port}"))
+        .map_err(|e| e.to_string())?
+        .tls_config(tls)
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| format!("{e:?}"))?;
+    Ok(HostDevClient::new(channel))
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).expect("write file");
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_requires_a_client_certificate_from_the_configured_ca() {
+    let mut f = FakeSys::new();
+    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
+        .vf_iommu_groups("0000:3b:00.0", 50);
+    let tree = f.build();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (ca_pem, issuer) = ca("hostdevd test CA");
+    let server = leaf(&["localhost"], "hostdevd", &issuer);
+    let client = leaf(&[], "nova-compute", &issuer);
+    let (_, rogue_issuer) = ca("someone else");
+    let rogue = leaf(&[], "intruder", &rogue_issuer);
+    let port = free_port();
+    let cfg = format!(
+        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n[api.tcp]\nlisten = \"127.0.0.1:{port}\"\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n",
+        tree.sysfs_root(),
+        tree.dev_root(),
+        dir.path().join("state"),
+        dir.path().join("hostdevd.sock"),
+        write(dir.path(), "server.pem", &server.cert),
+        write(dir.path(), "server.key", &server.key),
+        write(dir.path(), "ca.pem", &ca_pem.cert),
+    );
+    let cfg_path = write(dir.path(), "config.toml", &cfg);
+    let _daemon = Daemon(
+        Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+            .args(["serve", "--config"])
+            .arg(&cfg_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start hostdevd"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut c = loop {
+        match connect(port, &ca_pem, Some(&client)).await {
+            Ok(c) => break c,
+            Err(e) if Instant::now() > deadline => panic!("daemon never served TLS: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    let list = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list over mTLS")
+        .into_inner();
+    let vf = list
+        .devices
+        .iter()
+        .find(|d| d.state == proto::DeviceState::Free as i32)
+        .expect("a free VF")
+        .clone();
+    let claimed = c
+        .claim(proto::ClaimRequest {
+            owner: Some(proto::Owner {
+                consumer_id: "00000000-0000-0000-0000-00000000002a".into(),
+                label: "instance-0000002a".into(),
+            }),
+            request_id: "tcp-1".into(),
+            target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+                address: vf.address.clone(),
+                expected_generation: vf.generation,
+            })),
+        })
+        .await
+        .expect("a CA-signed client may mutate")
+        .into_inner();
+    assert!(claimed.generation > vf.generation);
+
+    // No client certificate: the handshake (or the first call) fails; no RPC runs.
+    match connect(port, &ca_pem, None).await {
+        Err(_) => {}
+        Ok(mut anon) => {
+            let r = anon.list_devices(proto::ListDevicesRequest {}).await;
+            assert!(r.is_err(), "a client without a certificate was served");
+        }
+    }
+    // A certificate from another CA: refused the same way.
+    match connect(port, &ca_pem, Some(&rogue)).await {
+        Err(_) => {}
+        Ok(mut r) => {
+            let res = r.list_devices(proto::ListDevicesRequest {}).await;
+            assert!(
+                res.is_err(),
+                "a client with a foreign certificate was served"
+            );
+        }
+    }
+    // The claim made over TCP is still the only one.
+    let after = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner();
+    let claimed_now = after.devices.iter().filter(|d| d.owner.is_some()).count();
+    assert_eq!(claimed_now, 1);
+}
+
+#[test]
+fn tcp_without_tls_files_is_refused_at_config_time() {
+    let err = hostdevd::config::Config::parse("[api.tcp]\nlisten = \"127.0.0.1:7443\"\n")
+        .expect_err("TCP without TLS");
+    assert!(err.to_string().contains("missing field"), "{err}");
+}
