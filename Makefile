@@ -1,7 +1,8 @@
 # hostdevd: the two commands a newcomer needs, plus the pieces they are made of.
 #   make demo   run the agent on a simulated host
 #   make test   the whole test suite (what CI runs)
-.PHONY: demo test deps test-deps fmt clippy unit python doc
+#   make package  the .deb and .rpm, into target/packages/
+.PHONY: demo test deps test-deps fmt clippy unit python doc package packaging
 
 demo: deps
 	cargo run --quiet --bin hostdevd -- demo
@@ -27,5 +28,13 @@ doc:
 python:
 	./tests/python/run.sh
 
-test: test-deps fmt clippy unit doc python
+# The .deb and .rpm, into target/packages/ (see packaging/README.md).
+package: deps
+	./scripts/package.sh
+
+# Build, inspect, lint, install, upgrade and purge the packages (root; CI runs as root).
+packaging:
+	./tests/packaging/run.sh
+
+test: test-deps fmt clippy unit doc python packaging
 	@echo "make test: all suites passed"

@@ -8,6 +8,14 @@ command -v lspci >/dev/null 2>&1 || need+=(pciutils)
 [ -e /usr/share/misc/pci.ids ] || [ -e /usr/share/hwdata/pci.ids ] || need+=(pci.ids)
 if [ "${1:-}" = "--tests" ]; then
   python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
+  # The packaging suite (tests/packaging/run.sh): build, inspect, lint and install the
+  # .deb (libvirt0 is its runtime dependency), query the .rpm.
+  command -v rpm >/dev/null 2>&1 || need+=(rpm)
+  command -v lintian >/dev/null 2>&1 || need+=(lintian)
+  command -v strip >/dev/null 2>&1 || need+=(binutils)
+  command -v dpkg-shlibdeps >/dev/null 2>&1 || need+=(dpkg-dev)
+  command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
+  dpkg -s libvirt0 >/dev/null 2>&1 || need+=(libvirt0)
 fi
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 

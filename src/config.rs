@@ -98,6 +98,8 @@ pub struct Config {
     #[serde(default)]
     pub log: LogConfig,
     #[serde(default)]
+    pub metrics: MetricsConfig,
+    #[serde(default)]
     pub libvirt: LibvirtConfig,
     /// The managed-device selection. Empty: every SR-IOV VF is managed.
     #[serde(default)]
@@ -159,6 +161,17 @@ impl Default for ApiConfig {
             tcp: None,
         }
     }
+}
+
+/// The Prometheus metrics listener.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Address to serve `GET /metrics` on, e.g. "127.0.0.1:9464". Default: off.
+    pub listen: Option<std::net::SocketAddr>,
+    /// Allow a non-loopback `listen` address. Default false.
+    #[serde(default)]
+    pub allow_remote: bool,
 }
 
 /// Logging.
@@ -243,6 +256,7 @@ impl Default for Config {
             state_dir: d_state(),
             api: ApiConfig::default(),
             log: LogConfig::default(),
+            metrics: MetricsConfig::default(),
             libvirt: LibvirtConfig::default(),
             devices: Vec::new(),
         }
@@ -274,6 +288,13 @@ impl Config {
         })?;
         cfg.selection()?;
         cfg.socket_mode()?;
+        if let Some(addr) = cfg.metrics.listen {
+            if !addr.ip().is_loopback() && !cfg.metrics.allow_remote {
+                return Err(ConfigError::Invalid(format!(
+                    "metrics.listen {addr} is not a loopback address; set metrics.allow_remote = true to expose metrics beyond this host"
+                )));
+            }
+        }
         if cfg.libvirt.poll_interval_ms == 0 || cfg.libvirt.timeout_ms == 0 {
             return Err(ConfigError::Invalid(
                 "libvirt.poll_interval_ms and libvirt.timeout_ms must be at least 1".into(),
@@ -525,6 +546,7 @@ mod tests {
             ("[[devices]]\nphysnets = [\"\"]", "physical network"),
             ("[api]\nsocket_mode = \"999\"", "socket_mode"),
             ("[api.tcp]\nlisten = \"127.0.0.1:7443\"", "missing field"),
+            ("[metrics]\nlisten = \"0.0.0.0:9464\"", "allow_remote"),
             (
                 "[api.tcp]\nlisten = \"nowhere\"\ncert = \"c\"\nkey = \"k\"\nclient_ca = \"ca\"",
                 "listen",

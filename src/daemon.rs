@@ -38,6 +38,12 @@ pub enum DaemonError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot serve metrics on {addr}: {source}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("TCP listener: {detail}")]
     Tls {
         detail: String,
@@ -308,6 +314,36 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<(), Daemon
         writer_uids: cfg.api.writer_uids.clone(),
         writer_gids: cfg.api.writer_gids.clone(),
     });
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    if let Some(addr) = cfg.metrics.listen {
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| DaemonError::Metrics { addr, source })?;
+        let info = agent.info.clone();
+        // "Up" means libvirt answered; a disabled connection is not up, however healthy
+        // the agent considers itself without it.
+        let enabled = cfg.libvirt.enabled;
+        let up = move || {
+            enabled
+                && match info.libvirt.read() {
+                    Ok(g) => g.ok,
+                    Err(p) => p.into_inner().ok,
+                }
+        };
+        let mut rx = stop_rx.clone();
+        let writer = agent.writer.clone();
+        tracing::info!(listen = %addr, "serving metrics");
+        tokio::spawn(async move {
+            let stop = async move {
+                let _ = rx.wait_for(|s| *s).await;
+            };
+            if let Err(e) =
+                crate::metrics::serve(l, writer.metrics().clone(), writer, up, stop).await
+            {
+                tracing::error!(error = %e, "metrics listener failed");
+            }
+        });
+    }
     tracing::info!(socket = %cfg.api.socket.display(), "serving");
     // READY only now: store loaded, first scan applied, socket bound.
     if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
@@ -333,7 +369,6 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<(), Daemon
         }
     });
     let socket = cfg.api.socket.clone();
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let tcp_task = match &cfg.api.tcp {
         Some(tcp) => {
             let tls = crate::tcp::tls_config(tcp)?;

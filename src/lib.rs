@@ -16,6 +16,7 @@
 //! - [`api`]: the gRPC service `hostdev.v1.HostDev`, the caller check, the error map.
 //! - [`client`]: connecting a `HostDev` client to the agent's Unix socket.
 //! - [`tcp`]: the optional TCP listener, mutual TLS only.
+//! - [`metrics`]: Prometheus counters and gauges on an optional HTTP listener.
 //! - [`config`]: the TOML configuration and the managed-device selection.
 //! - [`domains`]: libvirt: the domains on this host and the PCI addresses they
 //!   reference (domain XML), polled to keep views current, queried afresh before a free.
@@ -34,6 +35,7 @@ pub mod daemon;
 pub mod demo;
 pub mod domains;
 pub mod ledger;
+pub mod metrics;
 pub mod pci;
 pub mod simhost;
 pub mod store;

@@ -19,6 +19,7 @@ use crate::ledger::{
     ChangeSet, ClaimRequest, DeviceFacts, DeviceState, DeviceView, DomainDevices, Ledger,
     LedgerError, Outcome, RecordId, ReleaseRequest, Stray, TransferRequest,
 };
+use crate::metrics::{Metrics, Op};
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 use crate::store::{Store, StoreError};
 
@@ -176,6 +177,7 @@ pub struct Writer {
     events: Arc<Mutex<EventLog>>,
     /// The last commit's error, cleared by the next successful commit.
     store_error: Arc<Mutex<Option<String>>>,
+    metrics: Arc<Metrics>,
 }
 
 fn now_unix() -> u64 {
@@ -200,7 +202,9 @@ impl Writer {
             ledger.host_generation(),
         )));
         let store_error = Arc::new(Mutex::new(None));
+        let metrics = Metrics::new();
         let mut worker = Worker {
+            metrics: metrics.clone(),
             ledger,
             store,
             rx,
@@ -217,6 +221,7 @@ impl Writer {
                 view,
                 events,
                 store_error,
+                metrics,
             },
             handle,
         ))
@@ -234,6 +239,11 @@ impl Writer {
 
     pub fn events(&self) -> &Arc<Mutex<EventLog>> {
         &self.events
+    }
+
+    /// The agent's counters (requests, rejections, commit latency).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
     }
 
     /// `None` when the last commit succeeded, else its error.
@@ -295,7 +305,7 @@ fn make_view(ledger: &Ledger) -> View {
 
 /// A decided command waiting for its batch to commit.
 enum Pending {
-    Applied(Reply<Applied>, Result<Applied, LedgerError>),
+    Applied(Reply<Applied>, Op, Result<Applied, LedgerError>),
     Unit(Reply<()>),
     Orphans(
         Reply<Vec<Result<Applied, LedgerError>>>,
@@ -310,6 +320,7 @@ struct Worker {
     view: Arc<RwLock<Arc<View>>>,
     events: Arc<Mutex<EventLog>>,
     store_error: Arc<Mutex<Option<String>>>,
+    metrics: Arc<Metrics>,
 }
 
 impl Worker {
@@ -342,15 +353,21 @@ impl Worker {
             Applied { outcome, replayed }
         };
         match cmd {
-            Command::Claim(req, reply) => {
-                Pending::Applied(reply, self.ledger.claim(&req, now).map(&mut keep))
-            }
-            Command::Release(req, reply) => {
-                Pending::Applied(reply, self.ledger.release(&req, now).map(&mut keep))
-            }
-            Command::Transfer(req, reply) => {
-                Pending::Applied(reply, self.ledger.transfer(&req, now).map(&mut keep))
-            }
+            Command::Claim(req, reply) => Pending::Applied(
+                reply,
+                Op::Claim,
+                self.ledger.claim(&req, now).map(&mut keep),
+            ),
+            Command::Release(req, reply) => Pending::Applied(
+                reply,
+                Op::Release,
+                self.ledger.release(&req, now).map(&mut keep),
+            ),
+            Command::Transfer(req, reply) => Pending::Applied(
+                reply,
+                Op::Transfer,
+                self.ledger.transfer(&req, now).map(&mut keep),
+            ),
             Command::FreeOrphans(list, request_id, reply) => {
                 let results = list
                     .into_iter()
@@ -397,7 +414,10 @@ impl Worker {
         let committed = if durable.is_empty() {
             Ok(())
         } else {
-            self.store.commit(&durable)
+            let started = std::time::Instant::now();
+            let r = self.store.commit(&durable);
+            self.metrics.commit(started.elapsed(), r.is_ok());
+            r
         };
         self.set_store_error(committed.as_ref().err().map(|e| e.to_string()));
         match committed {
@@ -407,7 +427,11 @@ impl Worker {
                 }
                 for p in pending {
                     match p {
-                        Pending::Applied(r, res) => {
+                        Pending::Applied(r, op, res) => {
+                            match &res {
+                                Ok(a) => self.metrics.applied(op, a.replayed),
+                                Err(e) => self.metrics.rejected(e.reason()),
+                            }
                             let _ = r.send(res.map_err(WriteError::from));
                         }
                         Pending::Unit(r) => {
@@ -428,10 +452,11 @@ impl Worker {
                 for p in pending {
                     // A request the ledger rejected changed nothing: its own answer stands.
                     match p {
-                        Pending::Applied(r, Err(le)) => {
+                        Pending::Applied(r, _, Err(le)) => {
+                            self.metrics.rejected(le.reason());
                             let _ = r.send(Err(WriteError::Ledger(le)));
                         }
-                        Pending::Applied(r, Ok(_)) => {
+                        Pending::Applied(r, _, Ok(_)) => {
                             let _ = r.send(Err(WriteError::Store(e.clone())));
                         }
                         Pending::Unit(r) => {

@@ -72,6 +72,8 @@ async fn start(vfs: u32) -> Server {
     cfg.dev_root = tree.dev_root().to_path_buf();
     cfg.state_dir = state.path().join("state");
     cfg.api.socket = socket.clone();
+    // In-process test driver: no libvirtd, and no domain references a VF.
+    cfg.libvirt.uri = "test:///default".into();
     let agent = Agent::start(&cfg).await.expect("agent start");
     let listener = bind_socket(&socket, 0o666, None).expect("bind");
     let service = agent.service(Access {

@@ -65,6 +65,9 @@ impl Agent {
             .arg(&socket)
             .arg("--writer-uid")
             .arg(writer_uid.to_string())
+            // In-process test driver: no libvirtd, and no domain references a VF.
+            .arg("--libvirt-uri")
+            .arg("test:///default")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()

@@ -9,7 +9,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use hostdevd::config::{ApiConfig, Config, LogConfig};
+use hostdevd::config::{ApiConfig, Config, LibvirtConfig, LogConfig};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -117,6 +117,12 @@ fn every_commented_setting_is_valid() {
     assert_eq!(cfg.api.watch_buffer, a.watch_buffer);
     assert!(cfg.api.tcp.is_some(), "the [api.tcp] example is listed");
     assert_eq!(cfg.log, LogConfig::default());
+    assert_eq!(cfg.libvirt, LibvirtConfig::default());
+    assert!(
+        cfg.metrics.listen.is_some(),
+        "the [metrics] listen example is listed"
+    );
+    assert!(!cfg.metrics.allow_remote);
     assert_eq!(cfg.devices.len(), 1, "one [[devices]] example");
 }
 

@@ -114,6 +114,12 @@ struct ServeArgs {
     /// A gid allowed to mutate (repeatable; replaces the config's list).
     #[arg(long = "writer-gid", value_name = "GID")]
     writer_gids: Vec<u32>,
+    /// The libvirt URI (`[libvirt] uri`), e.g. test:///default.
+    #[arg(long, value_name = "URI")]
+    libvirt_uri: Option<String>,
+    /// Do not ask libvirt (`[libvirt] enabled = false`).
+    #[arg(long, conflicts_with = "libvirt_uri")]
+    no_libvirt: bool,
 }
 
 fn load_config(args: &ServeArgs) -> anyhow::Result<(Config, Option<PathBuf>)> {
@@ -155,12 +161,20 @@ fn load_config(args: &ServeArgs) -> anyhow::Result<(Config, Option<PathBuf>)> {
     if !args.writer_gids.is_empty() {
         cfg.api.writer_gids = args.writer_gids.clone();
     }
+    if let Some(v) = &args.libvirt_uri {
+        cfg.libvirt.uri = v.clone();
+        cfg.libvirt.enabled = true;
+    }
+    if args.no_libvirt {
+        cfg.libvirt.enabled = false;
+    }
     cfg.socket_mode()?;
     Ok((cfg, path))
 }
 
 fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     let (cfg, path) = load_config(args)?;
+    init_logging(&cfg.log.filter);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -186,13 +200,21 @@ struct ScanArgs {
     json: bool,
 }
 
+/// Logs to stderr, filtered by `RUST_LOG` or else `default` (the config's `log.filter`
+/// for `serve`). Under systemd (JOURNAL_STREAM set) lines carry no colours and no
+/// timestamps: journald adds its own, and escape codes would clutter `journalctl`.
 fn init_logging(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt()
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(default))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    if std::env::var_os("JOURNAL_STREAM").is_some() {
+        builder.with_ansi(false).without_time().init();
+    } else {
+        builder.init();
+    }
 }
 
 fn run_scan(args: &ScanArgs) -> anyhow::Result<()> {
@@ -217,10 +239,12 @@ fn run_scan(args: &ScanArgs) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(match cli.command {
-        Command::Scan(_) => "warn",
-        _ => "info",
-    });
+    match cli.command {
+        Command::Scan(_) => init_logging("warn"),
+        Command::Demo(_) => init_logging("info"),
+        // `serve` reads its filter from the config first.
+        Command::Serve(_) => {}
+    }
     let result = match &cli.command {
         Command::Scan(args) => run_scan(args),
         Command::Serve(args) => run_serve(args),

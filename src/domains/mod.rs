@@ -45,7 +45,7 @@ pub enum DomainsError {
         name: String,
         uuid: uuid::Uuid,
         #[source]
-        source: XmlError,
+        source: Box<XmlError>,
     },
     #[error("the libvirt query thread failed: {0}")]
     Thread(String),
@@ -182,7 +182,7 @@ fn describe(d: &virt::domain::Domain, uri: &str) -> Result<DomainDevices, Domain
         uri: uri.to_string(),
         name: name.clone(),
         uuid,
-        source,
+        source: Box::new(source),
     };
     let live = d.xml_desc(0).map_err(call("reading a domain's XML"))?;
     let mut addresses = pci_addresses(&live).map_err(xml_err)?;

@@ -174,6 +174,7 @@ class Agent:
         self.log = base / "hostdevd.log"
         self.proc = None
         self.channel = None
+        self.libvirt_uri = "test:///default"
 
     def start(self):
         self.log_file = open(self.log, "wb")
@@ -186,6 +187,8 @@ class Agent:
                 "--state-dir", str(self.state),
                 "--socket", str(self.socket),
                 "--writer-uid", str(os.getuid()),
+                # In-process test driver: no libvirtd; a test may name a host file.
+                "--libvirt-uri", self.libvirt_uri,
             ],
             stdout=self.log_file,
             stderr=subprocess.STDOUT,

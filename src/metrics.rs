@@ -1,0 +1,265 @@
+//! Prometheus metrics: counters kept by the writer, gauges read from the published view,
+//! rendered in the text exposition format on an optional HTTP listener.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::ledger::DeviceState;
+use crate::writer::Writer;
+
+/// Upper bounds (seconds) of the store commit latency histogram.
+const COMMIT_BUCKETS: [f64; 12] = [
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
+
+/// Counters and the commit histogram. Cheap to update from the writer thread.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    claims: AtomicU64,
+    releases: AtomicU64,
+    transfers: AtomicU64,
+    replays: AtomicU64,
+    rejections: Mutex<BTreeMap<&'static str, u64>>,
+    commits: AtomicU64,
+    commit_failures: AtomicU64,
+    commit_buckets: [AtomicU64; COMMIT_BUCKETS.len()],
+    commit_sum_us: AtomicU64,
+    uevents: AtomicU64,
+}
+
+/// What a request did, for counting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Claim,
+    Release,
+    Transfer,
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Metrics> {
+        Arc::new(Metrics::default())
+    }
+
+    /// A request that changed the ledger (or was replayed from the request log).
+    pub fn applied(&self, op: Op, replayed: bool) {
+        if replayed {
+            self.replays.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let c = match op {
+            Op::Claim => &self.claims,
+            Op::Release => &self.releases,
+            Op::Transfer => &self.transfers,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request the agent refused, by machine-readable reason.
+    pub fn rejected(&self, reason: &'static str) {
+        let mut g = match self.rejections.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        *g.entry(reason).or_default() += 1;
+    }
+
+    /// One store commit and how long it took.
+    pub fn commit(&self, took: Duration, ok: bool) {
+        if !ok {
+            self.commit_failures.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.commits.fetch_add(1, Ordering::Relaxed);
+        let secs = took.as_secs_f64();
+        for (i, b) in COMMIT_BUCKETS.iter().enumerate() {
+            if secs <= *b {
+                self.commit_buckets[i].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        self.commit_sum_us.fetch_add(us, Ordering::Relaxed);
+    }
+
+    /// One kernel uevent handled.
+    pub fn uevent(&self) {
+        self.uevents.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// Renders every metric in the Prometheus text format.
+pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
+    let view = writer.view();
+    let mut out = String::new();
+    let mut by_state: BTreeMap<&'static str, u64> = [
+        "free",
+        "claimed",
+        "attached",
+        "lost",
+        "unavailable",
+        "unmanaged",
+    ]
+    .into_iter()
+    .map(|s| (s, 0))
+    .collect();
+    for v in &view.devices {
+        *by_state.entry(v.state.name()).or_default() += 1;
+    }
+    header(
+        &mut out,
+        "hostdevd_devices",
+        "gauge",
+        "Devices by ownership state.",
+    );
+    for (s, n) in &by_state {
+        let _ = writeln!(out, "hostdevd_devices{{state=\"{s}\"}} {n}");
+    }
+    header(
+        &mut out,
+        "hostdevd_host_generation",
+        "gauge",
+        "The host-wide generation counter.",
+    );
+    let _ = writeln!(out, "hostdevd_host_generation {}", view.host_generation);
+    header(
+        &mut out,
+        "hostdevd_strays",
+        "gauge",
+        "Domains referencing devices without holding their claim.",
+    );
+    let _ = writeln!(out, "hostdevd_strays {}", view.strays.len());
+    header(
+        &mut out,
+        "hostdevd_lost_devices",
+        "gauge",
+        "Claims whose device is gone from sysfs.",
+    );
+    let lost = view
+        .devices
+        .iter()
+        .filter(|v| v.state == DeviceState::Lost)
+        .count();
+    let _ = writeln!(out, "hostdevd_lost_devices {lost}");
+    header(
+        &mut out,
+        "hostdevd_requests_total",
+        "counter",
+        "Mutating requests applied, by operation (replays counted apart).",
+    );
+    for (op, c) in [
+        ("claim", &m.claims),
+        ("release", &m.releases),
+        ("transfer", &m.transfers),
+        ("replay", &m.replays),
+    ] {
+        let _ = writeln!(
+            out,
+            "hostdevd_requests_total{{op=\"{op}\"}} {}",
+            c.load(Ordering::Relaxed)
+        );
+    }
+    header(
+        &mut out,
+        "hostdevd_rejections_total",
+        "counter",
+        "Requests refused by the ledger, by reason.",
+    );
+    {
+        let g = match m.rejections.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        for (r, n) in g.iter() {
+            let _ = writeln!(out, "hostdevd_rejections_total{{reason=\"{r}\"}} {n}");
+        }
+    }
+    header(
+        &mut out,
+        "hostdevd_store_commit_seconds",
+        "histogram",
+        "Latency of durable store commits (one per batch).",
+    );
+    for (i, b) in COMMIT_BUCKETS.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "hostdevd_store_commit_seconds_bucket{{le=\"{b}\"}} {}",
+            m.commit_buckets[i].load(Ordering::Relaxed)
+        );
+    }
+    let count = m.commits.load(Ordering::Relaxed);
+    let _ = writeln!(
+        out,
+        "hostdevd_store_commit_seconds_bucket{{le=\"+Inf\"}} {count}"
+    );
+    let _ = writeln!(
+        out,
+        "hostdevd_store_commit_seconds_sum {}",
+        m.commit_sum_us.load(Ordering::Relaxed) as f64 / 1e6
+    );
+    let _ = writeln!(out, "hostdevd_store_commit_seconds_count {count}");
+    header(
+        &mut out,
+        "hostdevd_store_commit_failures_total",
+        "counter",
+        "Store commits that failed (the batch was undone).",
+    );
+    let _ = writeln!(
+        out,
+        "hostdevd_store_commit_failures_total {}",
+        m.commit_failures.load(Ordering::Relaxed)
+    );
+    header(
+        &mut out,
+        "hostdevd_libvirt_up",
+        "gauge",
+        "1 when libvirt answered the last query.",
+    );
+    let _ = writeln!(out, "hostdevd_libvirt_up {}", u8::from(libvirt_up));
+    header(
+        &mut out,
+        "hostdevd_uevents_total",
+        "counter",
+        "Kernel uevents handled.",
+    );
+    let _ = writeln!(
+        out,
+        "hostdevd_uevents_total {}",
+        m.uevents.load(Ordering::Relaxed)
+    );
+    out
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    writer: Writer,
+    libvirt_up: impl Fn() -> bool + Clone + Send + Sync + 'static,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let (m, w, up) = (metrics.clone(), writer.clone(), libvirt_up.clone());
+            async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "text/plain; version=0.0.4; charset=utf-8",
+                    )],
+                    render(&m, &w, up()),
+                )
+            }
+        }),
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}

@@ -1,0 +1,605 @@
+//! Ownership tied to libvirt domains and VFIO holders, against real libvirt (its
+//! in-process `test:///` driver) and a fake proc tree: attach and detach, strays, the
+//! fresh query before a free, libvirt unreachable, VFIO holders, and the real daemon
+//! binary over a `test:///PATH/host.xml` host file.
+//!
+//! The test driver's `test:///default` state is shared by every connection in this
+//! process, so each test uses its own PCI bus and its own domain names.
+
+use std::collections::HashMap;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::api::Access;
+use hostdevd::config::Config;
+use hostdevd::daemon::{bind_socket, serve, Agent};
+use hostdevd::simhost::{FakeSys, FakeTree};
+use tonic::transport::Channel;
+use tonic::Code;
+use tonic_types::StatusExt;
+use virt::connect::Connect;
+
+const INSTALL: &str = "apt-get install libvirt0 libvirt-dev";
+
+/// A connection to the in-process test driver, or a loud failure naming the packages.
+fn test_driver() -> Connect {
+    Connect::open(Some("test:///default")).unwrap_or_else(|e| {
+        panic!("libvirt's test driver cannot be opened ({e}); install libvirt: {INSTALL}")
+    })
+}
+
+struct Host {
+    tree: FakeTree,
+    vfs: Vec<String>,
+    pf: String,
+}
+
+/// A PF on `bus` with 4 VFs (own IOMMU groups from `group`); VF0 is bound to vfio-pci
+/// and has its group node.
+fn host(bus: u8, group: u32) -> Host {
+    let pf = format!("0000:{bus:02x}:00.0");
+    let mut f = FakeSys::new();
+    f.pf(&pf, 0x8086, 0x1572, 64, 4)
+        .driver(&pf, "i40e")
+        .netdev(&pf, &format!("ens{bus}f0"))
+        .iommu_group(&pf, group - 1)
+        .vf_iommu_groups(&pf, group)
+        .vf_driver(&pf, "iavf");
+    let vfs: Vec<String> = f.vfs(&pf).iter().map(|a| a.to_string()).collect();
+    f.driver(&vfs[0], "vfio-pci");
+    let tree = f.build();
+    tree.vfio_node(group);
+    Host { tree, vfs, pf }
+}
+
+struct Server {
+    socket: PathBuf,
+    _state: tempfile::TempDir,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Server {
+    async fn client(&self) -> HostDevClient<Channel> {
+        hostdevd::client::connect(&self.socket)
+            .await
+            .expect("connect to the test server")
+    }
+
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            t.await.expect("server task");
+        }
+    }
+}
+
+async fn start(h: &Host, proc_root: &Path, libvirt: &str, poll_ms: u64) -> Server {
+    let state = tempfile::tempdir().expect("state dir");
+    let socket = state.path().join("hostdevd.sock");
+    let mut cfg = Config::parse("[[devices]]\naddress = \"*:*:*.*\"\n").expect("config");
+    cfg.sysfs_root = h.tree.sysfs_root().to_path_buf();
+    cfg.dev_root = h.tree.dev_root().to_path_buf();
+    cfg.proc_root = proc_root.to_path_buf();
+    cfg.state_dir = state.path().join("state");
+    cfg.api.socket = socket.clone();
+    if libvirt.is_empty() {
+        cfg.libvirt.enabled = false;
+    } else {
+        cfg.libvirt.uri = libvirt.into();
+    }
+    cfg.libvirt.poll_interval_ms = poll_ms;
+    cfg.libvirt.timeout_ms = 3000;
+    let agent = Agent::start(&cfg).await.expect("agent start");
+    let listener = bind_socket(&socket, 0o600, None).expect("bind");
+    let service = agent.service(Access {
+        writer_uids: vec![nix::unistd::getuid().as_raw()],
+        writer_gids: vec![],
+    });
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        serve(listener, service, async {
+            let _ = rx.await;
+        })
+        .await
+        .expect("serve");
+        drop(agent);
+    });
+    Server {
+        socket,
+        _state: state,
+        stop: Some(tx),
+        task: Some(task),
+    }
+}
+
+fn uuid(n: u128) -> String {
+    uuid::Uuid::from_u128(n).to_string()
+}
+
+fn owner(n: u128) -> proto::Owner {
+    proto::Owner {
+        consumer_id: uuid(n),
+        label: format!("instance-{n:08x}"),
+    }
+}
+
+/// Test-driver domain XML referencing `hostdevs` as `<hostdev>` and `ifaces` as
+/// `<interface type='hostdev'>`.
+fn domain_xml(name: &str, id: u128, hostdevs: &[&str], ifaces: &[&str]) -> String {
+    let addr = |a: &str, ty: &str| {
+        let (d, rest) = a.split_once(':').expect("domain");
+        let (b, rest) = rest.split_once(':').expect("bus");
+        let (s, f) = rest.split_once('.').expect("slot");
+        format!("<address {ty}domain='0x{d}' bus='0x{b}' slot='0x{s}' function='0x{f}'/>")
+    };
+    let mut devs = String::new();
+    for a in hostdevs {
+        devs += &format!(
+            "<hostdev mode='subsystem' type='pci' managed='yes'><source>{}</source></hostdev>",
+            addr(a, "")
+        );
+    }
+    for a in ifaces {
+        devs += &format!(
+            "<interface type='hostdev' managed='yes'><source>{}</source></interface>",
+            addr(a, "type='pci' ")
+        );
+    }
+    format!(
+        "<domain type='test'><name>{name}</name><uuid>{}</uuid><memory>1048576</memory><os><type>hvm</type></os><devices>{devs}</devices></domain>",
+        uuid(id)
+    )
+}
+
+async fn device(c: &mut HostDevClient<Channel>, a: &str) -> proto::Device {
+    c.get_device(proto::GetDeviceRequest { address: a.into() })
+        .await
+        .expect("get device")
+        .into_inner()
+        .device
+        .expect("present")
+}
+
+async fn claim(c: &mut HostDevClient<Channel>, a: &str, who: u128) -> proto::ClaimResponse {
+    let g = device(c, a).await.generation;
+    c.claim(proto::ClaimRequest {
+        owner: Some(owner(who)),
+        request_id: uuid::Uuid::new_v4().to_string(),
+        target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+            address: a.into(),
+            expected_generation: g,
+        })),
+    })
+    .await
+    .expect("claim")
+    .into_inner()
+}
+
+async fn release(
+    c: &mut HostDevClient<Channel>,
+    a: &str,
+    who: u128,
+    g: u64,
+) -> Result<proto::ReleaseResponse, tonic::Status> {
+    c.release(proto::ReleaseRequest {
+        address: a.into(),
+        owner: Some(owner(who)),
+        request_id: uuid::Uuid::new_v4().to_string(),
+        generation: g,
+    })
+    .await
+    .map(|r| r.into_inner())
+}
+
+async fn reconcile(
+    c: &mut HostDevClient<Channel>,
+    expected: &[u128],
+    act: bool,
+) -> Result<proto::ReconcileResponse, tonic::Status> {
+    let snapshot = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .host_generation;
+    c.reconcile(proto::ReconcileRequest {
+        expected_consumer_ids: expected.iter().map(|n| uuid(*n)).collect(),
+        snapshot_generation: snapshot,
+        act,
+        request_id: uuid::Uuid::new_v4().to_string(),
+    })
+    .await
+    .map(|r| r.into_inner())
+}
+
+fn info(s: &tonic::Status) -> (String, HashMap<String, String>) {
+    let i = s.get_details_error_info().expect("ErrorInfo detail");
+    (i.reason, i.metadata)
+}
+
+const ATTACHED: i32 = proto::DeviceState::Attached as i32;
+const CLAIMED: i32 = proto::DeviceState::Claimed as i32;
+const FREE: i32 = proto::DeviceState::Free as i32;
+
+/// The fresh query before a free, with the poller effectively off (an hour's interval):
+/// whatever the agent's last view, Release decides with libvirt's domains of right now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_queries_libvirt_afresh_attach_and_detach() {
+    let lv = test_driver();
+    let h = host(0x3b, 110);
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let s = start(&h, proc_dir.path(), "test:///default", 3_600_000).await;
+    let mut c = s.client().await;
+    let vf = h.vfs[1].as_str();
+    let claimed = claim(&mut c, vf, 0x3b01).await;
+    assert_eq!(claimed.device.as_ref().map(|d| d.state), Some(CLAIMED));
+
+    // A domain (not the owner) starts using the VF after the controller's last look.
+    let dom = lv
+        .define_domain_xml(&domain_xml("fresh-3b-a", 0x3b0a, &[vf], &[]))
+        .expect("define");
+    dom.create().expect("start");
+    let t = Instant::now();
+    let err = release(&mut c, vf, 0x3b01, claimed.generation)
+        .await
+        .expect_err("a device a running domain references must not be freed");
+    let fresh_ms = t.elapsed().as_millis();
+    // Applying the fresh list gave the device a new generation: the stale one is refused.
+    assert_eq!(err.code(), Code::Aborted, "{err:?}");
+    let d = device(&mut c, vf).await;
+    assert_eq!(d.state, ATTACHED);
+    assert!(d.generation > claimed.generation);
+    let dom_info = d.attached_domain.clone().expect("domain named");
+    assert_eq!(
+        (dom_info.name.as_str(), dom_info.running),
+        ("fresh-3b-a", true)
+    );
+    // With the current generation: refused because attached, naming the domain.
+    let err = release(&mut c, vf, 0x3b01, d.generation)
+        .await
+        .expect_err("attached");
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    let (reason, meta) = info(&err);
+    assert_eq!(reason, "ATTACHED");
+    assert_eq!(meta["domain_name"], "fresh-3b-a");
+    assert!(err.message().contains("fresh-3b-a"), "{}", err.message());
+    assert_eq!(device(&mut c, vf).await.generation, d.generation);
+
+    // The domain stops and is undefined: back to claimed (new generation), never free.
+    dom.destroy().expect("destroy");
+    dom.undefine().expect("undefine");
+    let err = release(&mut c, vf, 0x3b01, d.generation)
+        .await
+        .expect_err("stale after the detach");
+    assert_eq!(err.code(), Code::Aborted);
+    let back = device(&mut c, vf).await;
+    assert_eq!(back.state, CLAIMED);
+    assert!(back.generation > d.generation && back.attached_domain.is_none());
+    let r = release(&mut c, vf, 0x3b01, back.generation)
+        .await
+        .expect("the owner frees it");
+    assert_eq!(device(&mut c, vf).await.state, FREE);
+    assert!(r.generation > back.generation);
+    eprintln!("fresh libvirt query + refused release: {fresh_ms} ms");
+    s.stop().await;
+}
+
+/// The poller keeps views current: a defined (not running) domain that is the owner
+/// attaches its claim, an `<interface type='hostdev'>` of an unclaimed VF is a stray,
+/// GetStatus shows libvirt healthy, and an acting audit protects the attached claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poller_attaches_reports_strays_and_audit_protects() {
+    let lv = test_driver();
+    let h = host(0x3c, 120);
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let s = start(&h, proc_dir.path(), "test:///default", 50).await;
+    let mut c = s.client().await;
+    let (vf1, vf2) = (h.vfs[1].as_str(), h.vfs[2].as_str());
+    let claimed = claim(&mut c, vf1, 0x3c01).await;
+    let _dom = lv
+        .define_domain_xml(&domain_xml("instance-3c01", 0x3c01, &[], &[vf1, vf2]))
+        .expect("define");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let d = loop {
+        let d = device(&mut c, vf1).await;
+        if d.state == ATTACHED || Instant::now() > deadline {
+            break d;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(d.state, ATTACHED, "the poller never attached {vf1}: {d:?}");
+    assert!(d.generation > claimed.generation);
+    let dom = d.attached_domain.expect("domain");
+    assert_eq!((dom.name.as_str(), dom.running), ("instance-3c01", false));
+
+    let list = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner();
+    let stray = list
+        .strays
+        .iter()
+        .find(|s| s.address == vf2)
+        .expect("the unclaimed VF the domain uses is a stray");
+    assert_eq!(
+        stray.domain.as_ref().map(|d| d.name.as_str()),
+        Some("instance-3c01")
+    );
+    assert!(stray.known_device && stray.claimed_by.is_none());
+    let status = c
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner();
+    let health = status.libvirt.expect("libvirt health");
+    assert!(
+        health.ok && health.detail.contains("test:///default"),
+        "{health:?}"
+    );
+    assert!(status.strays >= 1);
+
+    // An audit that believes nobody lives here frees nothing attached, and says why.
+    let rep = reconcile(&mut c, &[], true).await.expect("reconcile");
+    assert!(rep.acted && rep.orphans.is_empty(), "{rep:?}");
+    assert!(rep.strays.iter().any(|s| s.address == vf2));
+    assert_eq!(
+        rep.protected
+            .iter()
+            .map(|d| d.address.as_str())
+            .collect::<Vec<_>>(),
+        vec![vf1]
+    );
+    assert!(
+        rep.protections[0].reason.contains("instance-3c01"),
+        "{:?}",
+        rep.protections
+    );
+    assert_eq!(device(&mut c, vf1).await.state, ATTACHED);
+    _dom.undefine().expect("undefine");
+    s.stop().await;
+}
+
+/// libvirt unreachable: a claimed device is not freed (UNAVAILABLE, nothing changes);
+/// with libvirt disabled in config the status says so and frees go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_libvirt_refuses_frees_and_disabled_says_so() {
+    let _lv = test_driver();
+    let h = host(0x3d, 130);
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let uri = format!("test://{}/missing-host.xml", proc_dir.path().display());
+    let s = start(&h, proc_dir.path(), &uri, 3_600_000).await;
+    let mut c = s.client().await;
+    let vf = h.vfs[1].as_str();
+    let claimed = claim(&mut c, vf, 0x3d01).await;
+    let err = release(&mut c, vf, 0x3d01, claimed.generation)
+        .await
+        .expect_err("libvirt cannot be asked");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert_eq!(info(&err).0, "LIBVIRT_UNREACHABLE");
+    assert!(
+        err.message()
+            .starts_with(&format!("cannot prove {vf} unused: libvirt at {uri} unreachable")),
+        "{}",
+        err.message()
+    );
+    let d = device(&mut c, vf).await;
+    assert_eq!((d.state, d.generation), (CLAIMED, claimed.generation));
+    let err = reconcile(&mut c, &[], true).await.expect_err("no acting audit");
+    assert_eq!(err.code(), Code::Unavailable);
+    assert_eq!(device(&mut c, vf).await.state, CLAIMED);
+    let status = c
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner();
+    assert!(!status.libvirt.expect("health").ok);
+    s.stop().await;
+
+    let s = start(&h, proc_dir.path(), "", 3_600_000).await;
+    let mut c = s.client().await;
+    let status = c
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner();
+    let health = status.libvirt.expect("health");
+    assert!(health.detail.contains("disabled"), "{health:?}");
+    let g = device(&mut c, vf).await.generation;
+    release(&mut c, vf, 0x3d01, g)
+        .await
+        .expect("without libvirt, the generation and VFIO checks decide");
+    s.stop().await;
+}
+
+/// A fake proc tree with a QEMU holding the VF's VFIO group: Release is refused naming
+/// the process, an audit protects it; once the process is gone the release succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vfio_holder_blocks_the_free_until_it_exits() {
+    let _lv = test_driver();
+    let h = host(0x3e, 140);
+    let vf = h.vfs[0].as_str();
+    let node = h.tree.dev_root().join("vfio/140");
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let p = proc_dir.path().join("4242");
+    std::fs::create_dir_all(p.join("fd")).expect("fd dir");
+    std::fs::write(p.join("comm"), "qemu-system-x86\n").expect("comm");
+    std::fs::write(
+        p.join("cmdline"),
+        format!(
+            "/usr/bin/qemu-system-x86_64\0-name\0guest=instance-3e01,debug-threads=on\0-uuid\0{}\0",
+            uuid(0x3e01)
+        ),
+    )
+    .expect("cmdline");
+    symlink("/dev/null", p.join("fd/0")).expect("fd 0");
+    symlink(&node, p.join("fd/27")).expect("fd 27");
+    let s = start(&h, proc_dir.path(), "test:///default", 3_600_000).await;
+    let mut c = s.client().await;
+    let d = device(&mut c, vf).await;
+    assert_eq!(d.vfio_group, node.display().to_string());
+    let claimed = claim(&mut c, vf, 0x3e01).await;
+
+    let err = release(&mut c, vf, 0x3e01, claimed.generation)
+        .await
+        .expect_err("held open");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    let (reason, meta) = info(&err);
+    assert_eq!(reason, "VFIO_GROUP_IN_USE");
+    assert_eq!(meta["holder_pid"], "4242");
+    assert_eq!(meta["holder_command"], "qemu-system-x86");
+    assert_eq!(meta["domain_name"], "instance-3e01");
+    assert!(err.message().contains("pid 4242"), "{}", err.message());
+
+    let rep = reconcile(&mut c, &[], true).await.expect("reconcile");
+    assert!(rep.orphans.is_empty(), "{rep:?}");
+    assert_eq!(rep.protected.len(), 1);
+    let p0 = &rep.protections[0];
+    assert_eq!((p0.address.as_str(), p0.holder_pid), (vf, 4242));
+    assert!(p0.reason.contains("qemu-system-x86"), "{}", p0.reason);
+    assert_eq!(device(&mut c, vf).await.generation, claimed.generation);
+
+    // QEMU exits (its proc entry vanishes): the free goes through.
+    std::fs::remove_dir_all(&p).expect("process gone");
+    release(&mut c, vf, 0x3e01, claimed.generation)
+        .await
+        .expect("nobody holds the group any more");
+    assert_eq!(device(&mut c, vf).await.state, FREE);
+    s.stop().await;
+}
+
+/// The real daemon binary over a `test:///PATH/host.xml` that pre-defines a running
+/// domain: attached on claim by its own UUID, strays reported, a foreign claim refused
+/// naming the domain, an acting audit with a wrong owner list frees nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn daemon_binary_with_a_host_file() {
+    let _lv = test_driver();
+    let h = host(0x3f, 150);
+    let dir = tempfile::tempdir().expect("dir");
+    let (vf1, vf2, vf3) = (h.vfs[1].as_str(), h.vfs[2].as_str(), h.vfs[3].as_str());
+    let host_xml = dir.path().join("host.xml");
+    let dom = domain_xml("instance-3f01", 0x3f01, &[vf1], &[vf2]);
+    let stopped = domain_xml("stopped-3f02", 0x3f02, &[vf3], &[]).replace(
+        "</devices>",
+        "</devices><test:runstate>5</test:runstate>",
+    );
+    std::fs::write(
+        &host_xml,
+        format!("<node xmlns:test='http://libvirt.org/schemas/domain/test/1.0'>{dom}{stopped}</node>"),
+    )
+    .expect("host.xml");
+    let socket = dir.path().join("hostdevd.sock");
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "sysfs_root = {:?}\ndev_root = {:?}\nproc_root = {:?}\nstate_dir = {:?}\n\
+             [api]\nsocket = {:?}\nsocket_mode = \"0600\"\nwriter_uids = [{}]\n\
+             [libvirt]\nuri = \"test://{}\"\npoll_interval_ms = 100\n\
+             [[devices]]\naddress = \"*:*:*.*\"\n",
+            h.tree.sysfs_root(),
+            h.tree.dev_root(),
+            dir.path().join("proc"),
+            dir.path().join("state"),
+            socket,
+            nix::unistd::getuid().as_raw(),
+            host_xml.display()
+        ),
+    )
+    .expect("config");
+    let log = dir.path().join("hostdevd.log");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("spawn hostdevd");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !socket.exists() {
+        if let Ok(Some(st)) = child.try_wait() {
+            panic!(
+                "hostdevd exited with {st}:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        assert!(Instant::now() < deadline, "hostdevd did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut c = hostdevd::client::connect(&socket).await.expect("connect");
+    let list = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner();
+    let strays: Vec<(&str, &str)> = list
+        .strays
+        .iter()
+        .map(|s| {
+            (
+                s.address.as_str(),
+                s.domain.as_ref().map(|d| d.name.as_str()).unwrap_or(""),
+            )
+        })
+        .collect();
+    assert!(strays.contains(&(vf1, "instance-3f01")), "{strays:?}");
+    assert!(strays.contains(&(vf2, "instance-3f01")), "{strays:?}");
+    assert!(strays.contains(&(vf3, "stopped-3f02")), "{strays:?}");
+
+    // Another consumer may not take a VF a domain uses.
+    let g = device(&mut c, vf1).await.generation;
+    let err = c
+        .claim(proto::ClaimRequest {
+            owner: Some(owner(0x3f99)),
+            request_id: uuid::Uuid::new_v4().to_string(),
+            target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+                address: vf1.into(),
+                expected_generation: g,
+            })),
+        })
+        .await
+        .expect_err("in use by a domain");
+    assert_eq!(info(&err).0, "IN_USE_BY_DOMAIN");
+    assert_eq!(info(&err).1["domain_name"], "instance-3f01");
+
+    // The domain's own instance adopts it: attached at once.
+    let mine = claim(&mut c, vf1, 0x3f01).await;
+    let d = mine.device.expect("device");
+    assert_eq!(d.state, ATTACHED);
+    let err = release(&mut c, vf1, 0x3f01, mine.generation)
+        .await
+        .expect_err("attached");
+    assert_eq!(info(&err).0, "ATTACHED");
+    assert_eq!(info(&err).1["domain_name"], "instance-3f01");
+    let rep = reconcile(&mut c, &[0x3f99], true)
+        .await
+        .expect("reconcile");
+    assert!(rep.orphans.is_empty() && rep.protected.len() == 1, "{rep:?}");
+    assert!(rep.protections[0].reason.contains("instance-3f01"));
+    assert_eq!(device(&mut c, vf1).await.state, ATTACHED);
+    let status = c
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner();
+    let health = status.libvirt.expect("health");
+    assert!(health.ok, "{health:?}");
+    assert!(health.detail.contains("2 domains (1 running)"), "{health:?}");
+    let _ = &h.pf;
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let st = child.wait().expect("wait");
+    assert!(
+        st.success(),
+        "{st}: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+}

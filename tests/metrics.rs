@@ -1,0 +1,140 @@
+//! Prometheus metrics, scraped over HTTP from the real daemon binary after real claims
+//! and a real rejection.
+
+use std::io::{Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hostdevd::api::proto;
+use hostdevd::simhost::FakeSys;
+
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn scrape(port: u16) -> std::io::Result<String> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    Ok(out)
+}
+
+fn value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l[series.len()..].trim().parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_states_requests_rejections_and_commits() {
+    let mut f = FakeSys::new();
+    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 3)
+        .vf_iommu_groups("0000:3b:00.0", 50);
+    let tree = f.build();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("probe port")
+        .port();
+    let socket = dir.path().join("hostdevd.sock");
+    let cfg = format!(
+        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n[libvirt]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n",
+        tree.sysfs_root(),
+        tree.dev_root(),
+        dir.path().join("state"),
+        socket,
+    );
+    let cfg_path = dir.path().join("config.toml");
+    std::fs::write(&cfg_path, cfg).expect("config");
+    let _d = Daemon(
+        Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+            .args(["serve", "--config"])
+            .arg(&cfg_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start hostdevd"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut c = loop {
+        match hostdevd::client::connect(&socket).await {
+            Ok(c) => break c,
+            Err(e) if Instant::now() > deadline => panic!("daemon did not start: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    let before = scrape(port).expect("scrape");
+    assert!(before.starts_with("HTTP/1.1 200"), "{before}");
+    assert_eq!(
+        value(&before, "hostdevd_devices{state=\"free\"}"),
+        Some(3.0)
+    );
+    assert_eq!(
+        value(&before, "hostdevd_devices{state=\"claimed\"}"),
+        Some(0.0)
+    );
+
+    let list = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner();
+    let vf = list
+        .devices
+        .iter()
+        .find(|d| d.state == proto::DeviceState::Free as i32)
+        .expect("free vf")
+        .clone();
+    let claim = |g: u64, r: &str| proto::ClaimRequest {
+        owner: Some(proto::Owner {
+            consumer_id: "00000000-0000-0000-0000-000000000001".into(),
+            label: String::new(),
+        }),
+        request_id: r.into(),
+        target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+            address: vf.address.clone(),
+            expected_generation: g,
+        })),
+    };
+    c.claim(claim(vf.generation, "m1")).await.expect("claim");
+    c.claim(claim(vf.generation, "m2"))
+        .await
+        .expect_err("stale generation");
+
+    let after = scrape(port).expect("scrape");
+    assert_eq!(
+        value(&after, "hostdevd_devices{state=\"claimed\"}"),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&after, "hostdevd_requests_total{op=\"claim\"}"),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(
+            &after,
+            "hostdevd_rejections_total{reason=\"STALE_GENERATION\"}"
+        ),
+        Some(1.0)
+    );
+    let commits = value(&after, "hostdevd_store_commit_seconds_count").expect("histogram count");
+    assert!(commits >= 2.0, "inventory and claim commits: {commits}");
+    assert_eq!(value(&after, "hostdevd_libvirt_up"), Some(0.0));
+    assert!(after.contains("# TYPE hostdevd_store_commit_seconds histogram"));
+}
+
+#[test]
+fn metrics_stay_on_loopback_unless_allowed() {
+    let err = hostdevd::config::Config::parse("[metrics]\nlisten = \"0.0.0.0:9464\"\n")
+        .expect_err("remote metrics without allow_remote");
+    assert!(err.to_string().contains("allow_remote"), "{err}");
+    hostdevd::config::Config::parse("[metrics]\nlisten = \"0.0.0.0:9464\"\nallow_remote = true\n")
+        .expect("allowed explicitly");
+}
