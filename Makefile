@@ -1,8 +1,9 @@
 # hostdevd: the two commands a newcomer needs, plus the pieces they are made of.
 #   make demo   run the agent on a simulated host
 #   make test   the whole test suite (what CI runs)
+#   make bench  the performance harness (writes BENCHMARKS.md)
 #   make package  the .deb and .rpm, into target/packages/
-.PHONY: demo test deps test-deps fmt clippy unit python doc package packaging
+.PHONY: demo test deps test-deps fmt clippy unit python doc bench package packaging
 
 demo: deps
 	cargo run --quiet --bin hostdevd -- demo
@@ -38,3 +39,9 @@ packaging:
 
 test: test-deps fmt clippy unit doc python packaging
 	@echo "make test: all suites passed"
+
+# The performance harness: end-to-end ratios (writes BENCHMARKS.md), then the criterion
+# micro-benchmarks.
+bench: deps
+	cargo bench --bench e2e
+	cargo bench --bench micro

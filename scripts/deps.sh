@@ -18,6 +18,11 @@ if [ "${1:-}" = "--tests" ]; then
   dpkg -s libvirt0 >/dev/null 2>&1 || need+=(libvirt0)
 fi
 command -v cc >/dev/null 2>&1 || need+=(gcc)
+# libvirt: headers and pkg-config file to build the virt crate (libvirt-dev pulls in
+# libvirt0, the runtime library, whose in-process test:/// driver the demo and tests use).
+command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+pkg-config --exists libvirt 2>/dev/null || need+=(libvirt-dev)
+ls /usr/lib/*/libvirt.so.0 >/dev/null 2>&1 || need+=(libvirt0)
 
 if [ "${#need[@]}" -eq 0 ]; then
   exit 0

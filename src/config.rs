@@ -139,7 +139,7 @@ pub struct ApiConfig {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TcpConfig {
-    /// Address and port to listen on, e.g. "127.0.0.1:7443" or "[::]:7443".
+    /// Address and port to listen on, e.g. `127.0.0.1:7443` or `[::]:7443`.
     pub listen: std::net::SocketAddr,
     /// PEM server certificate (chain).
     pub cert: PathBuf,

@@ -237,7 +237,8 @@ mod tests {
             b"qemu-system-x86_64\0-name\0guest=vm1,debug-threads=on\0-uuid\x005f0c2d4e-8a52-4c1b-9d6e-0a1b2c3d4e5f\0",
         )
         .expect("cmdline");
-        symlink("/dev/null", q.join("fd/0")).expect("link");
+        // An unrelated open file.
+        symlink(t.path().join("log"), q.join("fd/0")).expect("link");
         symlink(&node, q.join("fd/23")).expect("link");
         symlink(&node, q.join("fd/24")).expect("link");
         // A process without comm/cmdline (it exited mid-scan) holding the other node.

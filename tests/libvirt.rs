@@ -383,14 +383,17 @@ async fn unreachable_libvirt_refuses_frees_and_disabled_says_so() {
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
     assert_eq!(info(&err).0, "LIBVIRT_UNREACHABLE");
     assert!(
-        err.message()
-            .starts_with(&format!("cannot prove {vf} unused: libvirt at {uri} unreachable")),
+        err.message().starts_with(&format!(
+            "cannot prove {vf} unused: libvirt at {uri} unreachable"
+        )),
         "{}",
         err.message()
     );
     let d = device(&mut c, vf).await;
     assert_eq!((d.state, d.generation), (CLAIMED, claimed.generation));
-    let err = reconcile(&mut c, &[], true).await.expect_err("no acting audit");
+    let err = reconcile(&mut c, &[], true)
+        .await
+        .expect_err("no acting audit");
     assert_eq!(err.code(), Code::Unavailable);
     assert_eq!(device(&mut c, vf).await.state, CLAIMED);
     let status = c
@@ -410,7 +413,7 @@ async fn unreachable_libvirt_refuses_frees_and_disabled_says_so() {
         .into_inner();
     let health = status.libvirt.expect("health");
     assert!(health.detail.contains("disabled"), "{health:?}");
-    let g = device(&mut c, vf).await.generation;
+    let g = claim(&mut c, vf, 0x3d01).await.generation;
     release(&mut c, vf, 0x3d01, g)
         .await
         .expect("without libvirt, the generation and VFIO checks decide");
@@ -437,7 +440,8 @@ async fn vfio_holder_blocks_the_free_until_it_exits() {
         ),
     )
     .expect("cmdline");
-    symlink("/dev/null", p.join("fd/0")).expect("fd 0");
+    // An unrelated open file.
+    symlink(proc_dir.path().join("log"), p.join("fd/0")).expect("fd 0");
     symlink(&node, p.join("fd/27")).expect("fd 27");
     let s = start(&h, proc_dir.path(), "test:///default", 3_600_000).await;
     let mut c = s.client().await;
@@ -484,13 +488,13 @@ async fn daemon_binary_with_a_host_file() {
     let (vf1, vf2, vf3) = (h.vfs[1].as_str(), h.vfs[2].as_str(), h.vfs[3].as_str());
     let host_xml = dir.path().join("host.xml");
     let dom = domain_xml("instance-3f01", 0x3f01, &[vf1], &[vf2]);
-    let stopped = domain_xml("stopped-3f02", 0x3f02, &[vf3], &[]).replace(
-        "</devices>",
-        "</devices><test:runstate>5</test:runstate>",
-    );
+    let stopped = domain_xml("stopped-3f02", 0x3f02, &[vf3], &[])
+        .replace("</devices>", "</devices><test:runstate>5</test:runstate>");
     std::fs::write(
         &host_xml,
-        format!("<node xmlns:test='http://libvirt.org/schemas/domain/test/1.0'>{dom}{stopped}</node>"),
+        format!(
+            "<node xmlns:test='http://libvirt.org/schemas/domain/test/1.0'>{dom}{stopped}</node>"
+        ),
     )
     .expect("host.xml");
     let socket = dir.path().join("hostdevd.sock");
@@ -575,10 +579,11 @@ async fn daemon_binary_with_a_host_file() {
         .expect_err("attached");
     assert_eq!(info(&err).0, "ATTACHED");
     assert_eq!(info(&err).1["domain_name"], "instance-3f01");
-    let rep = reconcile(&mut c, &[0x3f99], true)
-        .await
-        .expect("reconcile");
-    assert!(rep.orphans.is_empty() && rep.protected.len() == 1, "{rep:?}");
+    let rep = reconcile(&mut c, &[0x3f99], true).await.expect("reconcile");
+    assert!(
+        rep.orphans.is_empty() && rep.protected.len() == 1,
+        "{rep:?}"
+    );
     assert!(rep.protections[0].reason.contains("instance-3f01"));
     assert_eq!(device(&mut c, vf1).await.state, ATTACHED);
     let status = c
@@ -588,7 +593,10 @@ async fn daemon_binary_with_a_host_file() {
         .into_inner();
     let health = status.libvirt.expect("health");
     assert!(health.ok, "{health:?}");
-    assert!(health.detail.contains("2 domains (1 running)"), "{health:?}");
+    assert!(
+        health.detail.contains("2 domains (1 running)"),
+        "{health:?}"
+    );
     let _ = &h.pf;
 
     nix::sys::signal::kill(

@@ -277,7 +277,11 @@ pub fn spawn_poller(
         .name("hostdevd-libvirt".into())
         .spawn(move || {
             let mut wait = settings.interval;
-            let mut was_ok = None;
+            // Log transitions only; the agent logged the first listing itself.
+            let mut was_ok = Some(match health.libvirt.read() {
+                Ok(g) => g.ok,
+                Err(p) => p.into_inner().ok,
+            });
             loop {
                 // The agent listed the domains once before serving; poll after a pause.
                 match stop_rx.recv_timeout(wait) {

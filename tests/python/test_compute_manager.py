@@ -513,3 +513,64 @@ def test_health_and_reflection(agent, pb):
         files = [descriptor_pb2.FileDescriptorProto.FromString(b) for b in described.file_descriptor_response.file_descriptor_proto]
         hostdev = [f for f in files if f.package == "hostdev.v1"]
         assert hostdev and "HostDev" in {svc.name for svc in hostdev[0].service}, f"{version}: {files}"
+
+
+def test_evacuated_instance_running_here_is_never_freed(pb):
+    """The seed race end to end: the evacuated instance's domain already runs on this
+    host (a libvirt test-driver host file) while the audit, with a fresh snapshot but an
+    owner list assembled from stale reads, reconciles with act=true. Nothing is freed,
+    and the report names the domain."""
+    msgs, stubs = pb
+    base = Path(tempfile.mkdtemp(prefix="hostdevd-py-"))
+    vf = VFS[1]
+    bus, slot_fn = vf[5:7], vf[8:]
+    slot, fn = slot_fn.split(".")
+    host_xml = base / "host.xml"
+    host_xml.write_text(
+        "<node xmlns:test='http://libvirt.org/schemas/domain/test/1.0'>"
+        "<domain type='test'><name>instance-0000002a</name>"
+        f"<uuid>{INSTANCE}</uuid><memory>1048576</memory><os><type>hvm</type></os><devices>"
+        "<interface type='hostdev' managed='yes'><source>"
+        f"<address type='pci' domain='0x0000' bus='0x{bus}' slot='0x{slot}' function='0x{fn}'/>"
+        "</source></interface></devices></domain></node>"
+    )
+    a = Agent(base)
+    a.libvirt_uri = f"test://{host_xml}"
+    try:
+        a.start()
+        stub = stubs.HostDevStub(a.channel)
+        # The evacuation claimed the VF for the instance on this (destination) host.
+        _, devs = devices_by_address(stub, msgs)
+        c = claim(stub, msgs, vf, devs[vf].generation)
+        assert c.device.state == msgs.DEVICE_STATE_ATTACHED
+        assert c.device.attached_domain.name == "instance-0000002a"
+        assert c.device.attached_domain.running
+
+        # The audit: a fresh snapshot, but the instance is in neither list it read.
+        snapshot, _ = devices_by_address(stub, msgs)
+        rep = stub.Reconcile(
+            msgs.ReconcileRequest(
+                expected_consumer_ids=[OTHER_INSTANCE],
+                snapshot_generation=snapshot.host_generation,
+                act=True,
+                request_id=str(uuid.uuid4()),
+            ),
+            timeout=10,
+        )
+        assert rep.acted
+        assert not rep.orphans, rep
+        assert [d.address for d in rep.protected] == [vf]
+        assert rep.protections[0].domain.name == "instance-0000002a"
+        assert "instance-0000002a" in rep.protections[0].reason
+        now = stub.GetDevice(msgs.GetDeviceRequest(address=vf), timeout=10).device
+        assert now.state == msgs.DEVICE_STATE_ATTACHED and now.generation == c.generation
+
+        # Even a Release with the current generation is refused, naming the domain.
+        with pytest.raises(grpc.RpcError) as e:
+            release(stub, msgs, vf, c.generation)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        info = error_info(e.value)
+        assert info.reason == "ATTACHED" and info.metadata["domain_name"] == "instance-0000002a"
+    finally:
+        a.stop()
+        shutil.rmtree(base, ignore_errors=True)

@@ -1,0 +1,124 @@
+//! In-process micro-benchmarks (criterion): address parsing, ledger decisions, and one
+//! durable store commit.
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use hostdevd::ledger::{ClaimRequest, ClaimTarget, DeviceFacts, Ledger, Owner, ReleaseRequest};
+use hostdevd::pci::{ConsumerId, DeviceId, OwnerLabel, PciAddress, VendorId};
+use hostdevd::store::Store;
+
+fn facts(n: u32) -> Vec<DeviceFacts> {
+    (0..n)
+        .map(|i| DeviceFacts {
+            address: PciAddress::new(
+                0,
+                (i / 256) as u8 + 0x10,
+                ((i / 8) % 32) as u8,
+                (i % 8) as u8,
+            )
+            .expect("address"),
+            vendor_id: VendorId(0x8086),
+            device_id: DeviceId(0x154c),
+            driver: Some("iavf".into()),
+            iommu_group: Some(1000 + i),
+            numa_node: Some(i % 2),
+            physfn: None,
+            is_pf: false,
+            physnets: vec![],
+            managed: true,
+        })
+        .collect()
+}
+
+fn owner() -> Owner {
+    Owner {
+        consumer: ConsumerId(uuid::Uuid::from_u128(42)),
+        label: OwnerLabel::try_from(String::new()).expect("label"),
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    c.bench_function("parse PCI address", |b| {
+        b.iter(|| black_box("0000:3b:02.1").parse::<PciAddress>())
+    });
+
+    let mut ledger = Ledger::new();
+    ledger.apply_inventory(facts(4096));
+    let addr = PciAddress::new(0, 0x17, 3, 1).expect("address");
+    let mut n = 0u64;
+    c.bench_function("ledger claim+release, 4096 devices", |b| {
+        b.iter(|| {
+            n += 1;
+            let g = ledger.record_at(addr).expect("present").generation;
+            let (o, _) = ledger
+                .claim(
+                    &ClaimRequest {
+                        target: ClaimTarget::Address {
+                            address: addr,
+                            expected_generation: g,
+                        },
+                        owner: owner(),
+                        request_id: format!("c{n}").parse().expect("rid"),
+                    },
+                    n,
+                )
+                .expect("claim");
+            ledger
+                .release(
+                    &ReleaseRequest {
+                        address: addr,
+                        consumer: owner().consumer,
+                        request_id: format!("r{n}").parse().expect("rid"),
+                        generation: o.generation(),
+                    },
+                    n,
+                )
+                .expect("release")
+        })
+    });
+
+    c.bench_function("ledger views (list), 4096 devices", |b| {
+        b.iter(|| black_box(ledger.views().len()))
+    });
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut store = Store::open(dir.path()).expect("store");
+    let mut l2 = Ledger::new();
+    store
+        .commit(&[l2.apply_inventory(facts(64))])
+        .expect("inventory");
+    let a2 = PciAddress::new(0, 0x10, 0, 1).expect("address");
+    let mut k = 0u64;
+    c.bench_function("store commit (claim, fsync), on the temp dir's disk", |b| {
+        b.iter(|| {
+            k += 1;
+            let g = l2.record_at(a2).expect("present").generation;
+            let req = ClaimRequest {
+                target: ClaimTarget::Address {
+                    address: a2,
+                    expected_generation: g,
+                },
+                owner: owner(),
+                request_id: format!("s{k}").parse().expect("rid"),
+            };
+            let (o, cs) = l2.claim(&req, k).expect("claim");
+            store.commit(&[cs]).expect("commit");
+            let (_, cs) = l2
+                .release(
+                    &ReleaseRequest {
+                        address: a2,
+                        consumer: owner().consumer,
+                        request_id: format!("t{k}").parse().expect("rid"),
+                        generation: o.generation(),
+                    },
+                    k,
+                )
+                .expect("release");
+            store.commit(&[cs]).expect("commit");
+        })
+    });
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
