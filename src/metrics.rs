@@ -109,8 +109,8 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
     .into_iter()
     .map(|s| (s, 0))
     .collect();
-    for v in &view.devices {
-        *by_state.entry(v.state.name()).or_default() += 1;
+    for st in view.states().values() {
+        *by_state.entry(st.name()).or_default() += 1;
     }
     header(
         &mut out,
@@ -142,9 +142,9 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         "Claims whose device is gone from sysfs.",
     );
     let lost = view
-        .devices
-        .iter()
-        .filter(|v| v.state == DeviceState::Lost)
+        .states()
+        .values()
+        .filter(|s| **s == DeviceState::Lost)
         .count();
     let _ = writeln!(out, "hostdevd_lost_devices {lost}");
     header(

@@ -97,19 +97,60 @@ impl Event {
 }
 
 /// A consistent read view, published after every commit.
-#[derive(Debug, Clone, Default)]
+///
+/// Publishing one costs O(devices) for the derived states only: the ledger is a
+/// structurally shared clone, and the per-device list is built on first read.
+#[derive(Debug, Default)]
 pub struct View {
     pub host_generation: Generation,
-    /// Every record with its derived state, by address (present first, then lost).
-    pub devices: Vec<DeviceView>,
     pub strays: Vec<Stray>,
-    /// Requests by key, for outcome retrieval after a disconnect.
+    /// The committed ledger (records, request log), shared with the writer's copy.
     pub ledger: Ledger,
+    states: BTreeMap<RecordId, DeviceState>,
+    devices: std::sync::OnceLock<Vec<DeviceView>>,
 }
 
 impl View {
+    fn new(ledger: &Ledger) -> View {
+        View {
+            host_generation: ledger.host_generation(),
+            strays: ledger.strays(),
+            states: ledger.states(),
+            ledger: ledger.clone(),
+            devices: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Every record with its derived state, by address (present first, then lost).
+    pub fn devices(&self) -> &[DeviceView] {
+        self.devices.get_or_init(|| {
+            let mut out: Vec<DeviceView> = self
+                .ledger
+                .records()
+                .filter_map(|r| {
+                    self.states.get(&r.id).map(|s| DeviceView {
+                        record: r.clone(),
+                        state: s.clone(),
+                    })
+                })
+                .collect();
+            out.sort_by_key(|v| (v.record.address(), !v.record.present, v.record.id));
+            out
+        })
+    }
+
+    /// Every record's derived state, by record id.
+    pub fn states(&self) -> &BTreeMap<RecordId, DeviceState> {
+        &self.states
+    }
+
+    /// The derived state of a record in this view.
+    pub fn state(&self, id: RecordId) -> Option<&DeviceState> {
+        self.states.get(&id)
+    }
+
     pub fn device(&self, address: PciAddress) -> impl Iterator<Item = &DeviceView> {
-        self.devices
+        self.devices()
             .iter()
             .filter(move |v| v.record.address() == address)
     }
@@ -295,12 +336,7 @@ impl Writer {
 }
 
 fn make_view(ledger: &Ledger) -> View {
-    View {
-        host_generation: ledger.host_generation(),
-        devices: ledger.views(),
-        strays: ledger.strays(),
-        ledger: ledger.clone(),
-    }
+    View::new(ledger)
 }
 
 /// A decided command waiting for its batch to commit.
@@ -483,11 +519,6 @@ impl Worker {
     /// of a relative (stamped with the batch's host generation).
     fn publish(&mut self, before: &View, changes: &[ChangeSet]) {
         let view = make_view(&self.ledger);
-        let old_state: BTreeMap<RecordId, (&DeviceState, Generation)> = before
-            .devices
-            .iter()
-            .map(|v| (v.record.id, (&v.state, v.record.generation)))
-            .collect();
         let mut written: BTreeSet<RecordId> = BTreeSet::new();
         let mut events = Vec::new();
         for cs in changes {
@@ -502,27 +533,54 @@ impl Worker {
                 });
             }
         }
-        for v in &view.devices {
-            let old = old_state.get(&v.record.id);
-            if written.contains(&v.record.id) {
+        let old_gen = |id: &RecordId| {
+            before
+                .ledger
+                .record(*id)
+                .map(|r| r.generation)
+                .unwrap_or_default()
+        };
+        for (id, state) in &view.states {
+            let changed = written.contains(id);
+            if !changed && before.states.get(id).is_none_or(|old| old == state) {
+                continue;
+            }
+            let Some(record) = view.ledger.record(*id) else {
+                continue;
+            };
+            let v = DeviceView {
+                record: record.clone(),
+                state: state.clone(),
+            };
+            if changed {
                 tracing::info!(
                     device = %v.record.address(),
                     state = v.state.name(),
                     owner = %v.record.claim.as_ref().map(|c| c.owner.to_string()).unwrap_or_default(),
-                    old_generation = %old.map(|o| o.1).unwrap_or_default(),
+                    old_generation = %old_gen(id),
                     new_generation = %v.record.generation,
                     "device changed"
                 );
                 events.push(Event::Changed {
                     generation: v.record.generation,
-                    view: Box::new(v.clone()),
+                    view: Box::new(v),
                 });
-            } else if old.is_some_and(|(s, _)| **s != v.state) {
+            } else if before.states.contains_key(id) {
                 events.push(Event::Changed {
                     generation: view.host_generation,
-                    view: Box::new(v.clone()),
+                    view: Box::new(v),
                 });
             }
+        }
+        for s in view.strays.iter().filter(|s| !before.strays.contains(s)) {
+            tracing::warn!(
+                device = %s.address,
+                domain = %s.domain.name,
+                domain_uuid = %s.domain.uuid,
+                claimed_by = %s.claimed_by.as_ref().map(|o| o.to_string()).unwrap_or_else(|| "nobody".into()),
+                known_device = s.known_device,
+                "stray: a domain uses a device without holding its claim"
+            );
         }
         events.sort_by_key(|e| e.generation());
         let view = Arc::new(view);

@@ -299,7 +299,7 @@ async fn claim_retried_after_timeout_is_one_claim() {
     let claims = h
         .writer
         .view()
-        .devices
+        .devices()
         .iter()
         .filter(|v| v.record.claim.is_some())
         .count();

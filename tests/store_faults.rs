@@ -379,7 +379,7 @@ fn a_full_disk_rejects_claims_through_the_writer_and_memory_stays_acknowledged()
     let refused = refused.expect("the disk filled up before 200 claims");
     let claimed = writer
         .view()
-        .devices
+        .devices()
         .iter()
         .filter(|v| v.record.claim.is_some())
         .count();

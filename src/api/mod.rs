@@ -301,7 +301,7 @@ impl HostDev for HostDevService {
         Ok(Response::new(proto::ListDevicesResponse {
             host_generation: view.host_generation.0,
             devices: view
-                .devices
+                .devices()
                 .iter()
                 .map(|v| device_to_proto(v, inv.get(&v.record.address())))
                 .collect(),
@@ -490,7 +490,10 @@ impl HostDev for HostDevService {
             recs.iter()
                 .map(|rec| {
                     let v = crate::ledger::DeviceView {
-                        state: view.ledger.state_of(rec),
+                        state: view
+                            .state(rec.id)
+                            .cloned()
+                            .unwrap_or_else(|| view.ledger.state_of(rec)),
                         record: rec.clone(),
                     };
                     device_to_proto(&v, inv.get(&rec.address()))
@@ -587,7 +590,7 @@ impl HostDev for HostDevService {
             if let Some(view) = snapshot {
                 let mut evs: Vec<proto::WatchEvent> = {
                     let inv = this.inv();
-                    view.devices
+                    view.devices()
                         .iter()
                         .map(|v| proto::WatchEvent {
                             kind: proto::WatchEventKind::Snapshot as i32,
@@ -698,9 +701,9 @@ impl HostDev for HostDevService {
         let view = self.writer.view();
         let mut by_state: std::collections::HashMap<String, u32> = Default::default();
         let mut lost = 0;
-        for v in &view.devices {
-            *by_state.entry(v.state.name().to_string()).or_default() += 1;
-            if v.state == DeviceState::Lost {
+        for st in view.states().values() {
+            *by_state.entry(st.name().to_string()).or_default() += 1;
+            if *st == DeviceState::Lost {
                 lost += 1;
             }
         }

@@ -92,13 +92,16 @@ pub struct DeviceView {
 }
 
 /// The ownership ledger.
+///
+/// The maps are persistent (structurally shared), so a clone for a published read view
+/// costs O(1) and a change copies only the path to the changed entry.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Ledger {
     host_generation: Generation,
-    records: BTreeMap<RecordId, DeviceRecord>,
+    records: imbl::OrdMap<RecordId, DeviceRecord>,
     /// The present instance at each address.
-    present: BTreeMap<PciAddress, RecordId>,
-    requests: BTreeMap<RequestKey, RequestEntry>,
+    present: imbl::OrdMap<PciAddress, RecordId>,
+    requests: imbl::OrdMap<RequestKey, RequestEntry>,
     /// Domains on the host and what they reference.
     domains: Vec<DomainDevices>,
     /// Derived from `domains`: which domains reference each address.
@@ -203,6 +206,20 @@ impl Ledger {
             .collect();
         out.sort_by_key(|v| (v.record.address(), !v.record.present, v.record.id));
         out
+    }
+
+    /// The derived state of every record, with one blocking index (O(records)).
+    pub fn states(&self) -> BTreeMap<RecordId, DeviceState> {
+        let index = BlockIndex::build(self);
+        self.records
+            .values()
+            .map(|r| (r.id, self.state_with(r, &index)))
+            .collect()
+    }
+
+    /// One record by id (present or lost).
+    pub fn record(&self, id: RecordId) -> Option<&DeviceRecord> {
+        self.records.get(&id)
     }
 
     /// The derived state of one record.

@@ -107,8 +107,11 @@ grep -q 'libvirt0' "$work/deb-depends" || fail "the .deb does not depend on libv
 grep -q 'libc6' "$work/deb-depends" || fail "the .deb has no shared-library dependencies (libc6): $(cat "$work/deb-depends")"
 dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles >"$work/deb-conffiles"
 grep -qx '/etc/hostdevd/config.toml' "$work/deb-conffiles" || fail "config.toml is not a conffile"
+# (Listings go to files first: grep -q in a pipeline would end it early, and pipefail
+# would count the writer's SIGPIPE as a failure.)
+dpkg-deb --ctrl-tarfile "$deb" | tar -t >"$work/deb-control-list"
 for s in postinst postrm prerm; do
-  dpkg-deb --ctrl-tarfile "$deb" | tar -t | grep -qx "./$s" || fail "the .deb has no $s"
+  grep -qx "./$s" "$work/deb-control-list" || fail "the .deb has no $s"
 done
 dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./postinst >"$work/postinst"
 grep -q 'deb-systemd-helper enable' "$work/postinst" || fail "postinst does not enable the unit"
@@ -207,7 +210,7 @@ done
 [ -L /etc/systemd/system/multi-user.target.wants/hostdevd.service ] ||
   fail "the unit is not enabled (no multi-user.target.wants link)"
 man -w hostdevd >/dev/null 2>&1 || [ -f /usr/share/man/man8/hostdevd.8.gz ] || fail "no man page"
-zcat /usr/share/man/man8/hostdevctl.8.gz | grep -q '^\.SS hostdevctl claim' || fail "hostdevctl.8 lacks the claim command"
+zgrep -q '^\.SS hostdevctl claim' /usr/share/man/man8/hostdevctl.8.gz || fail "hostdevctl.8 lacks the claim command"
 
 step "systemd-analyze verify and security"
 # verify checks the unit's syntax, that ExecStart exists and that the man pages named in
@@ -249,7 +252,20 @@ stop_daemon() {
   daemon_pid=
 }
 
+# On a machine booted with systemd (not CI's), the postinst has started the real unit, on
+# the real /sys: check that it runs under its sandbox, then stop it for the runs below.
+quiesce_unit() {
+  [ -d /run/systemd/system ] || return 0
+  systemctl is-enabled --quiet hostdevd.service || fail "systemd: the unit is not enabled"
+  systemctl is-active --quiet hostdevd.service ||
+    { systemctl status --no-pager hostdevd.service >&2 || true; fail "systemd: the unit is not running after dpkg -i"; }
+  hostdevctl status >/dev/null || fail "systemd: the unit runs but hostdevctl status fails"
+  echo "  systemd: hostdevd.service enabled and running under its sandbox; stopping it"
+  systemctl stop hostdevd.service
+}
+
 step "start the installed daemon"
+quiesce_unit
 start_daemon
 [ "$(stat -c '%a %G' "$socket")" = "660 hostdevd" ] ||
   fail "socket is $(stat -c '%a %G' "$socket"), want 660 hostdevd"
@@ -264,6 +280,10 @@ echo "  claimed 0000:3b:10.0 for $owner at generation $gen"
 step "upgrade to a rebuilt package (revision 2)"
 echo "# a local change that the upgrade must keep" >>/etc/hostdevd/config.toml
 scripts/package.sh --deb-revision 2 --out "$work/pkg2" >/dev/null
+# Without systemd the daemon keeps running while dpkg replaces its files, as it does
+# under restart-after-upgrade; with systemd the postinst restarts the unit itself, which
+# needs the state directory's lock.
+if [ -d /run/systemd/system ]; then stop_daemon; fi
 dpkg -i "$work/pkg2/hostdevd_${version}-2_${arch}.deb" >"$work/dpkg-upgrade.log" 2>&1 ||
   { cat "$work/dpkg-upgrade.log" >&2; fail "the upgrade failed"; }
 [ "$(dpkg-query -W -f='${Version}' hostdevd)" = "${version}-2" ] || fail "the upgrade did not install revision 2"
@@ -271,7 +291,8 @@ grep -q '^# a local change that the upgrade must keep' /etc/hostdevd/config.toml
   fail "the upgrade replaced the changed config file"
 [ -f /var/lib/hostdevd/hostdevd.db ] || fail "the upgrade removed the ledger /var/lib/hostdevd/hostdevd.db"
 # The restart that restart-after-upgrade does under systemd.
-stop_daemon
+if [ -n "$daemon_pid" ]; then stop_daemon; fi
+quiesce_unit
 start_daemon
 hostdevctl --json show 0000:3b:10.0 >"$work/show.json"
 python3 - "$work/show.json" "$owner" "$gen" <<'EOF' || fail "the claim did not survive the upgrade"
