@@ -4,6 +4,7 @@
 #   scripts/package.sh                       both packages, version from Cargo.toml
 #   scripts/package.sh --deb-revision 2      a later Debian revision / RPM release (tests)
 #   scripts/package.sh --out DIR             write the packages to DIR instead
+#   scripts/package.sh --no-build            package the release binaries already built
 #
 # Steps: the release binaries (cargo build --release --locked), stripped copies and man
 # pages generated from the binaries' own --help in target/packages/stage/, then cargo-deb
@@ -16,10 +17,12 @@ cd "$(dirname "$0")/.."
 
 revision=1
 out=target/packages
+build=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --deb-revision) revision="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
+    --no-build) build=0; shift ;;
     *) echo "package.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -50,7 +53,12 @@ tool cargo-deb "$CARGO_DEB_VERSION"
 tool cargo-generate-rpm "$CARGO_GENERATE_RPM_VERSION"
 export PATH="$PWD/$tools/bin:$PATH"
 
-cargo build --quiet --release --locked --bins
+if [ "$build" = 1 ]; then
+  cargo build --quiet --release --locked --bins
+fi
+for b in hostdevd hostdevctl; do
+  [ -x "target/release/$b" ] || { echo "package.sh: no target/release/$b (run without --no-build)" >&2; exit 1; }
+done
 
 stage=target/packages/stage
 rm -rf "$stage"

@@ -149,10 +149,17 @@ impl View {
         self.states.get(&id)
     }
 
-    pub fn device(&self, address: PciAddress) -> impl Iterator<Item = &DeviceView> {
-        self.devices()
-            .iter()
-            .filter(move |v| v.record.address() == address)
+    /// The records at one address (the present instance first, then lost claims), without
+    /// building the whole device list.
+    pub fn device(&self, address: PciAddress) -> impl Iterator<Item = DeviceView> + '_ {
+        let present = self.ledger.record_at(address).into_iter();
+        let lost = self.ledger.lost().filter(move |r| r.address() == address);
+        present.chain(lost).filter_map(|r| {
+            self.states.get(&r.id).map(|s| DeviceView {
+                record: r.clone(),
+                state: s.clone(),
+            })
+        })
     }
 }
 

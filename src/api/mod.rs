@@ -140,7 +140,7 @@ impl HostDevService {
         let found = view
             .device(address)
             .find(|v| v.record.present)
-            .map(|v| device_to_proto(v, inv.get(&address)));
+            .map(|v| device_to_proto(&v, inv.get(&address)));
         found
     }
 
@@ -165,15 +165,20 @@ impl HostDevService {
     }
 
     /// The fresh checks before freeing `address`: libvirt's domains listed and applied
-    /// (the ledger then refuses an attached device itself), and no VFIO holder. Returns the
-    /// order lock, to be held until the free is decided.
-    async fn check_free(&self, address: PciAddress) -> Result<guard::OrderGuard, ApiError> {
+    /// (the ledger then refuses an attached device itself), and no VFIO holder.
+    ///
+    /// The order lock is let go once the fresh list is applied: the writer decides the
+    /// free after that list, and any poll applied in between listed later, so it is only
+    /// fresher. Holding the lock through the free's commit would serialize every release
+    /// behind one fsync each.
+    async fn check_free(&self, address: PciAddress) -> Result<(), ApiError> {
         let order = self.guard.refresh(&self.writer).await.map_err(|source| {
             ApiError::LibvirtUnreachable {
                 what: address.to_string(),
                 source: Box::new(source),
             }
         })?;
+        drop(order);
         let nodes = self.group_nodes(address);
         let held =
             self.guard
@@ -192,7 +197,7 @@ impl HostDevService {
                 });
             }
         }
-        Ok(order)
+        Ok(())
     }
 
     /// Moves orphans whose VFIO group is held open to `protected`, and says why each
@@ -319,7 +324,7 @@ impl HostDev for HostDevService {
         let mut device = None;
         let mut lost = Vec::new();
         for v in view.device(address) {
-            let d = device_to_proto(v, inv.get(&address));
+            let d = device_to_proto(&v, inv.get(&address));
             if v.record.present {
                 device = Some(d);
             } else {
@@ -405,11 +410,9 @@ impl HostDev for HostDevService {
             .view()
             .device(rel.address)
             .any(|v| v.record.claim.is_some());
-        let _order = if replay || !claimed {
-            None
-        } else {
-            Some(self.check_free(rel.address).await?)
-        };
+        if claimed && !replay {
+            self.check_free(rel.address).await?;
+        }
         let applied = self.writer.release(rel).await.map_err(ApiError::from)?;
         Ok(Response::new(proto::ReleaseResponse {
             address: applied.outcome.address().to_string(),

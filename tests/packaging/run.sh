@@ -118,6 +118,12 @@ grep -q 'deb-systemd-helper enable' "$work/postinst" || fail "postinst does not 
 grep -q 'udevadm control --reload' "$work/postinst" || fail "postinst does not reload udev"
 dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./postrm >"$work/postrm"
 grep -q 'rm -rf /var/lib/hostdevd' "$work/postrm" || fail "postrm does not remove the state on purge"
+# cargo-deb puts its fragments in place of the first debhelper token it finds: a second
+# one (in a comment, say) would leave the fragments in the wrong place.
+for s in postinst postrm; do
+  grep -q '#DEBHELPER#' "$work/$s" && fail "the built $s still has a #DEBHELPER# token"
+  [ "$(grep -c '#DEBHELPER#' "packaging/debian/$s")" = 1 ] || fail "packaging/debian/$s must have exactly one #DEBHELPER# token"
+done
 python3 - "$work/deb-list" <<'EOF' || fail "the .deb's file list"
 import sys
 want = {
@@ -279,7 +285,8 @@ echo "  claimed 0000:3b:10.0 for $owner at generation $gen"
 # --- 5. upgrade ------------------------------------------------------------------------
 step "upgrade to a rebuilt package (revision 2)"
 echo "# a local change that the upgrade must keep" >>/etc/hostdevd/config.toml
-scripts/package.sh --deb-revision 2 --out "$work/pkg2" >/dev/null
+# The same binaries, packaged again as a later revision.
+scripts/package.sh --no-build --deb-revision 2 --out "$work/pkg2" >/dev/null
 # Without systemd the daemon keeps running while dpkg replaces its files, as it does
 # under restart-after-upgrade; with systemd the postinst restarts the unit itself, which
 # needs the state directory's lock.
