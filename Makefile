@@ -21,7 +21,7 @@ clippy:
 	cargo clippy --all-targets -- -D warnings
 
 unit:
-	cargo test --all-targets
+	cargo test --lib --bins --tests
 
 doc:
 	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
