@@ -763,12 +763,17 @@ async fn cmd_claim(ctx: &mut Ctx, a: ClaimArgs) -> Outcome {
         owner_text(&Some(owner)),
         r.generation,
         request_id.as_str(),
-        if r.replayed {
-            "; replayed the earlier answer"
-        } else {
-            ""
-        }
+        replay_note(r.replayed)
     ))
+}
+
+/// The suffix for an answer the agent replayed from its request log.
+fn replay_note(replayed: bool) -> &'static str {
+    if replayed {
+        "; replayed the earlier answer"
+    } else {
+        ""
+    }
 }
 
 async fn cmd_release(ctx: &mut Ctx, a: ReleaseArgs) -> Outcome {
@@ -803,11 +808,7 @@ async fn cmd_release(ctx: &mut Ctx, a: ReleaseArgs) -> Outcome {
         r.address,
         r.generation,
         request_id.as_str(),
-        if r.replayed {
-            "; replayed the earlier answer"
-        } else {
-            ""
-        }
+        replay_note(r.replayed)
     ))
 }
 
@@ -847,11 +848,7 @@ async fn cmd_transfer(ctx: &mut Ctx, a: TransferArgs) -> Outcome {
         owner_text(&Some(to)),
         r.generation,
         request_id.as_str(),
-        if r.replayed {
-            "; replayed the earlier answer"
-        } else {
-            ""
-        }
+        replay_note(r.replayed)
     ))
 }
 
