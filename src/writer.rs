@@ -123,20 +123,8 @@ impl View {
 
     /// Every record with its derived state, by address (present first, then lost).
     pub fn devices(&self) -> &[DeviceView] {
-        self.devices.get_or_init(|| {
-            let mut out: Vec<DeviceView> = self
-                .ledger
-                .records()
-                .filter_map(|r| {
-                    self.states.get(&r.id).map(|s| DeviceView {
-                        record: r.clone(),
-                        state: s.clone(),
-                    })
-                })
-                .collect();
-            out.sort_by_key(|v| (v.record.address(), !v.record.present, v.record.id));
-            out
-        })
+        self.devices
+            .get_or_init(|| self.ledger.views_with(&self.states))
     }
 
     /// Every record's derived state, by record id.
@@ -244,7 +232,7 @@ impl Writer {
         event_capacity: usize,
     ) -> std::io::Result<(Writer, std::thread::JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel(4096);
-        let view = Arc::new(RwLock::new(Arc::new(make_view(&ledger))));
+        let view = Arc::new(RwLock::new(Arc::new(View::new(&ledger))));
         let events = Arc::new(Mutex::new(EventLog::new(
             event_capacity,
             ledger.host_generation(),
@@ -340,10 +328,6 @@ impl Writer {
         self.call(|r| Command::FreeOrphans(orphans, request_id, r))
             .await
     }
-}
-
-fn make_view(ledger: &Ledger) -> View {
-    View::new(ledger)
 }
 
 /// A decided command waiting for its batch to commit.
@@ -525,7 +509,7 @@ impl Worker {
     /// changed or removed record, and one per device whose derived state changed because
     /// of a relative (stamped with the batch's host generation).
     fn publish(&mut self, before: &View, changes: &[ChangeSet]) {
-        let view = make_view(&self.ledger);
+        let view = View::new(&self.ledger);
         let mut written: BTreeSet<RecordId> = BTreeSet::new();
         let mut events = Vec::new();
         for cs in changes {

@@ -3,7 +3,7 @@
 //! cleanly, removing the socket.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use hostdevd::api::proto;
@@ -11,20 +11,13 @@ use hostdevd::simhost::FakeSys;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-struct Daemon(Child);
+mod support;
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use support::Daemon;
 
-impl Daemon {
-    fn signal(&self, s: Signal) {
-        let pid = i32::try_from(self.0.id()).expect("pid fits");
-        kill(Pid::from_raw(pid), s).expect("signal the daemon");
-    }
+fn signal(daemon: &Daemon, s: Signal) {
+    let pid = i32::try_from(daemon.0.id()).expect("pid fits");
+    kill(Pid::from_raw(pid), s).expect("signal the daemon");
 }
 
 fn config(tree: &hostdevd::simhost::FakeTree, dir: &Path, pfs: &[&str]) -> String {
@@ -94,19 +87,19 @@ async fn sighup_reloads_the_selection_and_sigterm_stops_cleanly() {
 
     // A broken config on reload is refused; the selection stays.
     std::fs::write(&cfg_path, "[[devices]]\nvendor = \"8086\"\n").expect("broken config");
-    daemon.signal(Signal::SIGHUP);
+    signal(&daemon, Signal::SIGHUP);
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(managed(&socket).await, first);
 
     // A good one is applied without a restart.
     std::fs::write(&cfg_path, config(&tree, dir.path(), &["ens1f0", "ens2f0"])).expect("config");
-    daemon.signal(Signal::SIGHUP);
+    signal(&daemon, Signal::SIGHUP);
     wait_for("the reloaded selection", async || {
         managed(&socket).await.len() == 4
     })
     .await;
 
-    daemon.signal(Signal::SIGTERM);
+    signal(&daemon, Signal::SIGTERM);
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
         if let Some(s) = daemon.0.try_wait().expect("wait") {

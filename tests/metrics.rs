@@ -2,20 +2,15 @@
 //! and a real rejection.
 
 use std::io::{Read, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use hostdevd::api::proto;
 use hostdevd::simhost::FakeSys;
 
-struct Daemon(Child);
+mod support;
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use support::Daemon;
 
 fn scrape(port: u16) -> std::io::Result<String> {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;

@@ -3,7 +3,7 @@
 //! without a certificate, or with one from another CA, never reaches an RPC.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
@@ -11,14 +11,9 @@ use hostdevd::simhost::FakeSys;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
-struct Daemon(Child);
+mod support;
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use support::Daemon;
 
 struct Pem {
     cert: String,

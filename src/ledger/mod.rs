@@ -195,13 +195,19 @@ impl Ledger {
 
     /// Every device with its derived state, ordered by address (present before lost).
     pub fn views(&self) -> Vec<DeviceView> {
-        let index = BlockIndex::build(self);
+        self.views_with(&self.states())
+    }
+
+    /// [`Self::views`] from states already derived (by [`Self::states`]).
+    pub fn views_with(&self, states: &BTreeMap<RecordId, DeviceState>) -> Vec<DeviceView> {
         let mut out: Vec<DeviceView> = self
             .records
             .values()
-            .map(|r| DeviceView {
-                state: self.state_with(r, &index),
-                record: r.clone(),
+            .filter_map(|r| {
+                states.get(&r.id).map(|s| DeviceView {
+                    record: r.clone(),
+                    state: s.clone(),
+                })
             })
             .collect();
         out.sort_by_key(|v| (v.record.address(), !v.record.present, v.record.id));

@@ -8,3 +8,14 @@ pub use hostdevd::simhost as fakesys;
 pub mod lspci;
 
 pub use fakesys::{FakeSys, PfLayout};
+
+/// A child process (a daemon started by a test) that is killed and reaped when the
+/// test ends, pass or fail.
+pub struct Daemon(pub std::process::Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
