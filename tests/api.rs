@@ -5,14 +5,9 @@
 mod support;
 
 use std::collections::BTreeSet;
-use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
 
 use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
-use hostdevd::api::Access;
 use hostdevd::config::Config;
-use hostdevd::daemon::{bind_socket, serve, Agent};
-use support::fakesys::FakeTree;
 use support::FakeSys;
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
@@ -21,30 +16,7 @@ use tonic_types::StatusExt;
 
 const PF: &str = "0000:3b:00.0";
 
-struct Server {
-    socket: PathBuf,
-    _tree: FakeTree,
-    _state: tempfile::TempDir,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Server {
-    async fn client(&self) -> HostDevClient<Channel> {
-        hostdevd::client::connect(&self.socket)
-            .await
-            .expect("connect to the test server")
-    }
-
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.task.take() {
-            t.await.expect("server task");
-        }
-    }
-}
+type Server = support::server::TestServer;
 
 /// A PF with `vfs` VFs (own IOMMU groups, NUMA split 0/1) and one plain device; every
 /// device managed (address wildcard), so PF/VF blocking is visible.
@@ -62,39 +34,14 @@ async fn start(vfs: u32) -> Server {
     f.device("0000:5e:00.0", 0x15b3, 0x1017)
         .iommu_group("0000:5e:00.0", 30);
     let tree = f.build();
-    let state = tempfile::tempdir().expect("state dir");
-    std::fs::set_permissions(state.path(), std::fs::Permissions::from_mode(0o755))
-        .expect("chmod state dir");
-    let socket = state.path().join("hostdevd.sock");
     let mut cfg = Config::parse("[[devices]]\naddress = \"*:*:*.*\"\nphysnets = [\"physnet1\"]\n")
         .expect("config");
     cfg.sysfs_root = tree.sysfs_root().to_path_buf();
     cfg.dev_root = tree.dev_root().to_path_buf();
-    cfg.state_dir = state.path().join("state");
-    cfg.api.socket = socket.clone();
     // In-process test driver: no libvirtd, and no domain references a VF.
     cfg.libvirt.uri = "test:///default".into();
-    let agent = Agent::start(&cfg).await.expect("agent start");
-    let listener = bind_socket(&socket, 0o666, None).expect("bind");
-    let service = agent.service(Access {
-        writer_uids: vec![0, nix::unistd::getuid().as_raw()],
-        writer_gids: vec![],
-    });
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        serve(listener, service, async {
-            let _ = rx.await;
-        })
-        .await
-        .expect("serve");
-    });
-    Server {
-        socket,
-        _tree: tree,
-        _state: state,
-        stop: Some(tx),
-        task: Some(task),
-    }
+    let uids = vec![0, nix::unistd::getuid().as_raw()];
+    Server::start(cfg, 0o666, uids, Some(tree)).await
 }
 
 fn owner(n: u128) -> proto::Owner {

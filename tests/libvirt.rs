@@ -6,15 +6,15 @@
 //! The test driver's `test:///default` state is shared by every connection in this
 //! process, so each test uses its own PCI bus and its own domain names.
 
+mod support;
+
 use std::collections::HashMap;
 use std::os::unix::fs::symlink;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
-use hostdevd::api::Access;
 use hostdevd::config::Config;
-use hostdevd::daemon::{bind_socket, serve, Agent};
 use hostdevd::simhost::{FakeSys, FakeTree};
 use tonic::transport::Channel;
 use tonic::Code;
@@ -54,39 +54,13 @@ fn host(bus: u8, group: u32) -> Host {
     Host { tree, vfs, pf }
 }
 
-struct Server {
-    socket: PathBuf,
-    _state: tempfile::TempDir,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Server {
-    async fn client(&self) -> HostDevClient<Channel> {
-        hostdevd::client::connect(&self.socket)
-            .await
-            .expect("connect to the test server")
-    }
-
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.task.take() {
-            t.await.expect("server task");
-        }
-    }
-}
+type Server = support::server::TestServer;
 
 async fn start(h: &Host, proc_root: &Path, libvirt: &str, poll_ms: u64) -> Server {
-    let state = tempfile::tempdir().expect("state dir");
-    let socket = state.path().join("hostdevd.sock");
     let mut cfg = Config::parse("[[devices]]\naddress = \"*:*:*.*\"\n").expect("config");
     cfg.sysfs_root = h.tree.sysfs_root().to_path_buf();
     cfg.dev_root = h.tree.dev_root().to_path_buf();
     cfg.proc_root = proc_root.to_path_buf();
-    cfg.state_dir = state.path().join("state");
-    cfg.api.socket = socket.clone();
     if libvirt.is_empty() {
         cfg.libvirt.enabled = false;
     } else {
@@ -94,27 +68,7 @@ async fn start(h: &Host, proc_root: &Path, libvirt: &str, poll_ms: u64) -> Serve
     }
     cfg.libvirt.poll_interval_ms = poll_ms;
     cfg.libvirt.timeout_ms = 3000;
-    let agent = Agent::start(&cfg).await.expect("agent start");
-    let listener = bind_socket(&socket, 0o600, None).expect("bind");
-    let service = agent.service(Access {
-        writer_uids: vec![nix::unistd::getuid().as_raw()],
-        writer_gids: vec![],
-    });
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        serve(listener, service, async {
-            let _ = rx.await;
-        })
-        .await
-        .expect("serve");
-        drop(agent);
-    });
-    Server {
-        socket,
-        _state: state,
-        stop: Some(tx),
-        task: Some(task),
-    }
+    Server::start(cfg, 0o600, vec![nix::unistd::getuid().as_raw()], None).await
 }
 
 fn uuid(n: u128) -> String {

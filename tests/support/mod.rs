@@ -6,6 +6,7 @@
 
 pub use hostdevd::simhost as fakesys;
 pub mod lspci;
+pub mod server;
 
 pub use fakesys::{FakeSys, PfLayout};
 

@@ -1,0 +1,77 @@
+//! The real agent served inside the test process on a temp Unix socket.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+
+use hostdevd::api::proto::host_dev_client::HostDevClient;
+use hostdevd::api::Access;
+use hostdevd::config::Config;
+use hostdevd::daemon::{bind_socket, serve, Agent};
+use hostdevd::simhost::FakeTree;
+use tonic::transport::Channel;
+
+/// A running agent; `stop` shuts it down gracefully.
+pub struct TestServer {
+    pub socket: PathBuf,
+    _state: tempfile::TempDir,
+    _tree: Option<FakeTree>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl TestServer {
+    /// Starts the agent with `cfg`, its state dir and socket moved into a fresh temp dir
+    /// (mode 0755, so a test may reach the socket as another uid). `tree` is kept alive
+    /// as long as the server.
+    pub async fn start(
+        mut cfg: Config,
+        socket_mode: u32,
+        writer_uids: Vec<u32>,
+        tree: Option<FakeTree>,
+    ) -> TestServer {
+        let state = tempfile::tempdir().expect("state dir");
+        std::fs::set_permissions(state.path(), std::fs::Permissions::from_mode(0o755))
+            .expect("chmod state dir");
+        let socket = state.path().join("hostdevd.sock");
+        cfg.state_dir = state.path().join("state");
+        cfg.api.socket = socket.clone();
+        let agent = Agent::start(&cfg).await.expect("agent start");
+        let listener = bind_socket(&socket, socket_mode, None).expect("bind");
+        let service = agent.service(Access {
+            writer_uids,
+            writer_gids: vec![],
+        });
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            serve(listener, service, async {
+                let _ = rx.await;
+            })
+            .await
+            .expect("serve");
+            // The agent (and its libvirt poller) lives until the server stops.
+            drop(agent);
+        });
+        TestServer {
+            socket,
+            _state: state,
+            _tree: tree,
+            stop: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    pub async fn client(&self) -> HostDevClient<Channel> {
+        hostdevd::client::connect(&self.socket)
+            .await
+            .expect("connect to the test server")
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            t.await.expect("server task");
+        }
+    }
+}
