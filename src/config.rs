@@ -75,6 +75,12 @@ fn d_poll() -> u64 {
 fn d_libvirt_timeout() -> u64 {
     5000
 }
+fn d_step_timeout() -> u64 {
+    10_000
+}
+fn d_rcvbuf() -> usize {
+    4 << 20
+}
 
 /// The whole configuration. Field docs are the reference; `packaging/config.toml` repeats
 /// them as comments.
@@ -101,6 +107,10 @@ pub struct Config {
     pub metrics: MetricsConfig,
     #[serde(default)]
     pub libvirt: LibvirtConfig,
+    #[serde(default)]
+    pub hotplug: HotplugConfig,
+    #[serde(default)]
+    pub hardware: HardwareConfig,
     /// The managed-device selection. Empty: every SR-IOV VF is managed.
     #[serde(default)]
     pub devices: Vec<DeviceSpec>,
@@ -224,6 +234,50 @@ impl Default for LibvirtConfig {
     }
 }
 
+/// Kernel uevents (netlink) for PCI hotplug: each event rescans only the devices it
+/// names; lost events (socket overflow) trigger a full rescan.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HotplugConfig {
+    /// Whether to listen for uevents. With false the inventory changes only on start and
+    /// on SIGHUP. Default true.
+    #[serde(default = "d_true")]
+    pub enabled: bool,
+    /// The uevent socket's receive buffer in bytes (forced past net.core.rmem_max when
+    /// the agent has CAP_NET_ADMIN). A burst larger than this overflows the socket, which
+    /// costs a full rescan. Default 4194304.
+    #[serde(default = "d_rcvbuf")]
+    pub receive_buffer_bytes: usize,
+}
+
+impl Default for HotplugConfig {
+    fn default() -> Self {
+        HotplugConfig {
+            enabled: d_true(),
+            receive_buffer_bytes: d_rcvbuf(),
+        }
+    }
+}
+
+/// Acting on hardware through sysfs (vfio-pci binding, VF counts), only when a client
+/// asks for it.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HardwareConfig {
+    /// How long one sysfs write (one step) may take before the action fails, naming
+    /// the step, in milliseconds. Default 10000.
+    #[serde(default = "d_step_timeout")]
+    pub step_timeout_ms: u64,
+}
+
+impl Default for HardwareConfig {
+    fn default() -> Self {
+        HardwareConfig {
+            step_timeout_ms: d_step_timeout(),
+        }
+    }
+}
+
 /// One entry of the managed-device selection (like Nova's device_spec and the SR-IOV
 /// device plugin's selectors). Every set field must match; a device matching any entry is
 /// managed and gets that entry's physical network tags.
@@ -258,6 +312,8 @@ impl Default for Config {
             log: LogConfig::default(),
             metrics: MetricsConfig::default(),
             libvirt: LibvirtConfig::default(),
+            hotplug: HotplugConfig::default(),
+            hardware: HardwareConfig::default(),
             devices: Vec::new(),
         }
     }
@@ -490,37 +546,43 @@ impl Selection {
                     .and_then(|pf| by_addr.get(&pf))
                     .map(|pf| pf.netdevs.as_slice())
                     .unwrap_or(&[]);
-                let (managed, physnets) = if self.specs.is_empty() {
-                    (dev.physfn.is_some(), Vec::new())
-                } else {
-                    let mut managed = false;
-                    let mut tags: Vec<PhysNet> = Vec::new();
-                    for s in self.specs.iter().filter(|s| s.matches(dev, pf_netdevs)) {
-                        managed = true;
-                        for t in &s.physnets {
-                            if !tags.contains(t) {
-                                tags.push(t.clone());
-                            }
-                        }
-                    }
-                    (managed, tags)
-                };
-                // A device whose identity could not be read is never handed out.
-                let readable = dev.vendor_id.is_some() && dev.device_id.is_some();
-                DeviceFacts {
-                    address: dev.address,
-                    vendor_id: dev.vendor_id.unwrap_or(VendorId(0xffff)),
-                    device_id: dev.device_id.unwrap_or(DeviceId(0xffff)),
-                    driver: dev.driver.clone(),
-                    iommu_group: dev.iommu_group,
-                    numa_node: dev.numa_node,
-                    physfn: dev.physfn,
-                    is_pf: dev.sriov.is_some(),
-                    physnets,
-                    managed: managed && readable,
-                }
+                self.fact(dev, pf_netdevs)
             })
             .collect()
+    }
+
+    /// The ledger facts of one device; `pf_netdevs` are its PF's interfaces (for a VF),
+    /// which PF-netdev specs match on.
+    pub fn fact(&self, dev: &PciDevice, pf_netdevs: &[String]) -> DeviceFacts {
+        let (managed, physnets) = if self.specs.is_empty() {
+            (dev.physfn.is_some(), Vec::new())
+        } else {
+            let mut managed = false;
+            let mut tags: Vec<PhysNet> = Vec::new();
+            for s in self.specs.iter().filter(|s| s.matches(dev, pf_netdevs)) {
+                managed = true;
+                for t in &s.physnets {
+                    if !tags.contains(t) {
+                        tags.push(t.clone());
+                    }
+                }
+            }
+            (managed, tags)
+        };
+        // A device whose identity could not be read is never handed out.
+        let readable = dev.vendor_id.is_some() && dev.device_id.is_some();
+        DeviceFacts {
+            address: dev.address,
+            vendor_id: dev.vendor_id.unwrap_or(VendorId(0xffff)),
+            device_id: dev.device_id.unwrap_or(DeviceId(0xffff)),
+            driver: dev.driver.clone(),
+            iommu_group: dev.iommu_group,
+            numa_node: dev.numa_node,
+            physfn: dev.physfn,
+            is_pf: dev.sriov.is_some(),
+            physnets,
+            managed: managed && readable,
+        }
     }
 }
 

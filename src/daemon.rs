@@ -1,12 +1,12 @@
 //! The daemon: startup order (store, scan, reconcile, then serve and report ready),
 //! the Unix socket, health and reflection services, signals and shutdown.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -15,10 +15,12 @@ use crate::api::guard::FreeGuard;
 use crate::api::proto::host_dev_server::HostDevServer;
 use crate::api::{proto, Access, AgentInfo, HealthInfo, HostDevService};
 use crate::config::{Config, ConfigError, Selection};
+use crate::hardware::Hardware;
+use crate::hotplug::{Notice, UeventSocket};
 use crate::ledger::Ledger;
-use crate::pci::PciAddress;
+use crate::rescan::{RescanError, Rescanner, SharedInventory};
 use crate::store::{Store, StoreError};
-use crate::sysfs::{self, PciDevice, PciNames, SysfsError};
+use crate::sysfs::{PciNames, SysfsError};
 use crate::writer::{WriteError, Writer};
 
 /// Why the daemon could not start or stopped with an error.
@@ -32,6 +34,10 @@ pub enum DaemonError {
     Sysfs(#[from] SysfsError),
     #[error("cannot apply the first inventory: {0}")]
     Write(#[from] WriteError),
+    #[error(transparent)]
+    Rescan(#[from] RescanError),
+    #[error("cannot open the kernel uevent socket (set [hotplug] enabled = false to run without hotplug): {0}")]
+    Uevents(#[source] std::io::Error),
     #[error("cannot set up socket {path}: {source}")]
     Socket {
         path: PathBuf,
@@ -64,11 +70,9 @@ pub enum DaemonError {
 #[derive(Debug, Clone)]
 pub struct Agent {
     pub writer: Writer,
-    pub inventory: Arc<RwLock<BTreeMap<PciAddress, PciDevice>>>,
+    pub inventory: SharedInventory,
     pub info: Arc<AgentInfo>,
-    sysfs_root: PathBuf,
-    dev_root: PathBuf,
-    names: Arc<PciNames>,
+    pub rescanner: Arc<Rescanner>,
     guard: Arc<FreeGuard>,
     /// Keeps the libvirt poller running while any clone of the agent lives.
     _poller: Option<Arc<crate::domains::Poller>>,
@@ -109,12 +113,34 @@ impl Agent {
             db = %store.path().display(),
             "ledger loaded"
         );
+        let hardware = Hardware {
+            sysfs_root: cfg.sysfs_root.clone(),
+            step_timeout: Duration::from_millis(cfg.hardware.step_timeout_ms),
+        };
         let (writer, _thread) =
-            Writer::start(ledger, store, cfg.api.watch_buffer).map_err(DaemonError::Thread)?;
+            Writer::start_with(ledger, store, cfg.api.watch_buffer, Some(hardware))
+                .map_err(DaemonError::Thread)?;
         let names = Arc::new(PciNames::system_default());
+        // Subscribe before the first scan: the kernel queues what changes meanwhile.
+        let uevents = if cfg.hotplug.enabled {
+            Some(
+                UeventSocket::open(cfg.hotplug.receive_buffer_bytes)
+                    .map_err(DaemonError::Uevents)?,
+            )
+        } else {
+            None
+        };
+        let rescanner = Arc::new(Rescanner::new(
+            cfg.sysfs_root.clone(),
+            cfg.dev_root.clone(),
+            names,
+            selection,
+            writer.clone(),
+        ));
         let agent = Agent {
             writer,
-            inventory: Arc::new(RwLock::new(BTreeMap::new())),
+            inventory: rescanner.inventory.clone(),
+            rescanner,
             info: Arc::new(AgentInfo {
                 started,
                 boot_id: boot,
@@ -122,15 +148,71 @@ impl Agent {
                     ok: false,
                     detail: "libvirt has not been asked yet".into(),
                 }),
+                hotplug: Arc::new(RwLock::new(HealthInfo {
+                    ok: !cfg.hotplug.enabled,
+                    detail: if cfg.hotplug.enabled {
+                        "the uevent listener has not started yet".into()
+                    } else {
+                        "disabled in config ([hotplug] enabled = false): the inventory changes only at start and on SIGHUP".into()
+                    },
+                })),
             }),
-            sysfs_root: cfg.sysfs_root.clone(),
-            dev_root: cfg.dev_root.clone(),
-            names,
             guard: Arc::new(FreeGuard::from_config(cfg)),
             _poller: None,
         };
-        agent.rescan(&selection).await?;
+        agent.rescanner.full(None).await?;
+        if let Some(socket) = uevents {
+            agent.start_hotplug(socket, cfg.hotplug.receive_buffer_bytes)?;
+        }
         agent.start_libvirt(cfg).await
+    }
+
+    /// Starts the uevent listener thread and the task that rescans what events name
+    /// (events waiting together are coalesced into one rescan). A lost event or socket
+    /// means a full rescan, logged.
+    fn start_hotplug(&self, socket: UeventSocket, rcvbuf: usize) -> Result<(), DaemonError> {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        crate::hotplug::spawn(socket, rcvbuf, tx).map_err(DaemonError::Thread)?;
+        let rescanner = self.rescanner.clone();
+        let metrics = self.writer.metrics().clone();
+        let hotplug = self.info.hotplug.clone();
+        crate::domains::set_health(&hotplug, true, "listening for PCI uevents".into());
+        tokio::spawn(async move {
+            while let Some(first) = rx.recv().await {
+                let mut addresses = BTreeSet::new();
+                let mut resync: Option<String> = None;
+                let mut take = |n: Notice| match n {
+                    Notice::Device(ev) => {
+                        metrics.uevent();
+                        tracing::debug!(action = %ev.action, device = %ev.address, "uevent");
+                        addresses.insert(ev.address);
+                    }
+                    Notice::Resync(why) => resync = Some(why),
+                };
+                take(first);
+                while let Ok(n) = rx.try_recv() {
+                    take(n);
+                }
+                let result = match resync {
+                    Some(why) => {
+                        metrics.uevent_resync();
+                        tracing::warn!(reason = %why, "uevents were lost: full rescan");
+                        let (events, resyncs) = metrics.uevent_counts();
+                        crate::domains::set_health(
+                            &hotplug,
+                            true,
+                            format!("listening for PCI uevents; {events} handled, {resyncs} full rescan(s) after lost events (last: {why})"),
+                        );
+                        rescanner.full(None).await
+                    }
+                    None => rescanner.devices(addresses).await,
+                };
+                if let Err(e) = result {
+                    tracing::error!(error = %e, "rescan after uevent failed");
+                }
+            }
+        });
+        Ok(())
     }
 
     /// Lists the domains once before serving (a failure is reported, not fatal: frees
@@ -173,32 +255,9 @@ impl Agent {
         Ok(self)
     }
 
-    /// A full scan, applied to the ledger (off the async threads).
+    /// A full scan with a (new) selection, applied to the ledger (off the async threads).
     pub async fn rescan(&self, selection: &Selection) -> Result<(), DaemonError> {
-        let (root, dev, names) = (
-            self.sysfs_root.clone(),
-            self.dev_root.clone(),
-            self.names.clone(),
-        );
-        let inv = tokio::task::spawn_blocking(move || sysfs::scan(&root, &dev, &names))
-            .await
-            .map_err(|e| DaemonError::Thread(std::io::Error::other(e.to_string())))??;
-        for e in &inv.errors {
-            tracing::warn!(problem = %e, "sysfs entry skipped");
-        }
-        for d in inv.devices.iter().filter(|d| !d.errors.is_empty()) {
-            tracing::warn!(device = %d.address, problems = ?d.errors, "device read with problems");
-        }
-        let facts = selection.facts(&inv.devices);
-        {
-            let mut g = match self.inventory.write() {
-                Ok(g) => g,
-                Err(p) => p.into_inner(),
-            };
-            *g = inv.devices.into_iter().map(|d| (d.address, d)).collect();
-        }
-        self.writer.inventory(facts).await?;
-        Ok(())
+        Ok(self.rescanner.full(Some(selection.clone())).await?)
     }
 
     /// The gRPC service over this agent.
@@ -206,7 +265,7 @@ impl Agent {
         HostDevService::new(
             self.writer.clone(),
             access,
-            self.inventory.clone(),
+            self.rescanner.clone(),
             self.info.clone(),
             self.guard.clone(),
         )

@@ -21,6 +21,9 @@
 //! - [`domains`]: libvirt: the domains on this host and the PCI addresses they
 //!   reference (domain XML), polled to keep views current, queried afresh before a free.
 //! - [`vfio`]: who holds a VFIO group node open (a scan of the proc tree).
+//! - [`hotplug`]: kernel uevents (netlink) for PCI devices; [`rescan`] applies a full
+//!   scan or only the devices an event names.
+//! - [`hardware`]: sysfs writes: binding to vfio-pci and back, setting VF counts.
 //! - [`simhost`]: a simulated host (fake sysfs tree) for the demo, tests and benchmarks.
 //! - [`demo`]: the simulated hypervisor that `hostdevd demo` serves.
 //! - [`daemon`]: startup order, serving on the Unix socket, signals, readiness, demo.
@@ -34,9 +37,12 @@ pub mod config;
 pub mod daemon;
 pub mod demo;
 pub mod domains;
+pub mod hardware;
+pub mod hotplug;
 pub mod ledger;
 pub mod metrics;
 pub mod pci;
+pub mod rescan;
 pub mod simhost;
 pub mod store;
 pub mod sysfs;

@@ -21,6 +21,8 @@ pub struct Metrics {
     claims: AtomicU64,
     releases: AtomicU64,
     transfers: AtomicU64,
+    vfio_binds: AtomicU64,
+    vf_counts: AtomicU64,
     replays: AtomicU64,
     rejections: Mutex<BTreeMap<&'static str, u64>>,
     commits: AtomicU64,
@@ -28,6 +30,7 @@ pub struct Metrics {
     commit_buckets: [AtomicU64; COMMIT_BUCKETS.len()],
     commit_sum_us: AtomicU64,
     uevents: AtomicU64,
+    uevent_resyncs: AtomicU64,
 }
 
 /// What a request did, for counting.
@@ -36,6 +39,10 @@ pub enum Op {
     Claim,
     Release,
     Transfer,
+    /// A claimed device bound to vfio-pci.
+    BindVfio,
+    /// A PF's VF count written.
+    SetVfCount,
 }
 
 impl Metrics {
@@ -53,6 +60,8 @@ impl Metrics {
             Op::Claim => &self.claims,
             Op::Release => &self.releases,
             Op::Transfer => &self.transfers,
+            Op::BindVfio => &self.vfio_binds,
+            Op::SetVfCount => &self.vf_counts,
         };
         c.fetch_add(1, Ordering::Relaxed);
     }
@@ -86,6 +95,19 @@ impl Metrics {
     /// One kernel uevent handled.
     pub fn uevent(&self) {
         self.uevents.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A full rescan because uevents were lost (overflow) or the socket failed.
+    pub fn uevent_resync(&self) {
+        self.uevent_resyncs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// (uevents handled, full rescans after lost events).
+    pub fn uevent_counts(&self) -> (u64, u64) {
+        (
+            self.uevents.load(Ordering::Relaxed),
+            self.uevent_resyncs.load(Ordering::Relaxed),
+        )
     }
 }
 
@@ -157,6 +179,8 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         ("claim", &m.claims),
         ("release", &m.releases),
         ("transfer", &m.transfers),
+        ("bind_vfio", &m.vfio_binds),
+        ("set_vf_count", &m.vf_counts),
         ("replay", &m.replays),
     ] {
         let _ = writeln!(
@@ -232,6 +256,17 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         out,
         "hostdevd_uevents_total {}",
         m.uevents.load(Ordering::Relaxed)
+    );
+    header(
+        &mut out,
+        "hostdevd_uevent_resyncs_total",
+        "counter",
+        "Full rescans after uevents were lost (socket overflow, ENOBUFS) or the socket failed.",
+    );
+    let _ = writeln!(
+        out,
+        "hostdevd_uevent_resyncs_total {}",
+        m.uevent_resyncs.load(Ordering::Relaxed)
     );
     out
 }

@@ -15,6 +15,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use tokio::sync::{broadcast, mpsc, oneshot};
 
+use crate::hardware::{Hardware, HardwareError};
 use crate::ledger::{
     ChangeSet, ClaimRequest, DeviceFacts, DeviceState, DeviceView, DomainDevices, Ledger,
     LedgerError, Outcome, RecordId, ReleaseRequest, Stray, TransferRequest,
@@ -22,6 +23,9 @@ use crate::ledger::{
 use crate::metrics::{Metrics, Op};
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 use crate::store::{Store, StoreError};
+
+mod hardware;
+pub use hardware::{BindVfio, Bound, SetVfCount, VfCountSet};
 
 /// How many commands one batch takes at most.
 const MAX_BATCH: usize = 512;
@@ -35,6 +39,8 @@ pub enum WriteError {
     Store(#[source] Arc<StoreError>),
     #[error("the agent is shutting down; nothing was changed")]
     ShuttingDown,
+    #[error(transparent)]
+    Hardware(#[from] HardwareError),
 }
 
 type Reply<T> = oneshot::Sender<Result<T, WriteError>>;
@@ -71,8 +77,12 @@ pub enum Command {
     FreeOrphans(
         Vec<OrphanFree>,
         RequestId,
-        Reply<Vec<Result<Applied, LedgerError>>>,
+        Reply<Vec<Result<Applied, WriteError>>>,
     ),
+    /// Bind a claimed device's IOMMU group to vfio-pci (decided and done alone).
+    BindVfio(BindVfio, Reply<Bound>),
+    /// Set a PF's VF count (decided and done alone).
+    SetVfCount(SetVfCount, Reply<VfCountSet>),
 }
 
 /// What a watcher receives.
@@ -231,6 +241,17 @@ impl Writer {
         store: Store,
         event_capacity: usize,
     ) -> std::io::Result<(Writer, std::thread::JoinHandle<()>)> {
+        Self::start_with(ledger, store, event_capacity, None)
+    }
+
+    /// Like [`Writer::start`], with hardware actions (vfio-pci binding, VF counts) on
+    /// the given sysfs root; `None` refuses them.
+    pub fn start_with(
+        ledger: Ledger,
+        store: Store,
+        event_capacity: usize,
+        hardware: Option<Hardware>,
+    ) -> std::io::Result<(Writer, std::thread::JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel(4096);
         let view = Arc::new(RwLock::new(Arc::new(View::new(&ledger))));
         let events = Arc::new(Mutex::new(EventLog::new(
@@ -247,6 +268,7 @@ impl Writer {
             view: view.clone(),
             events: events.clone(),
             store_error: store_error.clone(),
+            hardware,
         };
         let handle = std::thread::Builder::new()
             .name("hostdevd-writer".into())
@@ -324,9 +346,15 @@ impl Writer {
         &self,
         orphans: Vec<OrphanFree>,
         request_id: RequestId,
-    ) -> Result<Vec<Result<Applied, LedgerError>>, WriteError> {
+    ) -> Result<Vec<Result<Applied, WriteError>>, WriteError> {
         self.call(|r| Command::FreeOrphans(orphans, request_id, r))
             .await
+    }
+    pub async fn bind_vfio(&self, req: BindVfio) -> Result<Bound, WriteError> {
+        self.call(|r| Command::BindVfio(req, r)).await
+    }
+    pub async fn set_vf_count(&self, req: SetVfCount) -> Result<VfCountSet, WriteError> {
+        self.call(|r| Command::SetVfCount(req, r)).await
     }
 }
 
@@ -335,7 +363,7 @@ enum Pending {
     Applied(Reply<Applied>, Op, Result<Applied, LedgerError>),
     Unit(Reply<()>),
     Orphans(
-        Reply<Vec<Result<Applied, LedgerError>>>,
+        Reply<Vec<Result<Applied, WriteError>>>,
         Vec<Result<Applied, LedgerError>>,
     ),
 }
@@ -348,6 +376,7 @@ struct Worker {
     events: Arc<Mutex<EventLog>>,
     store_error: Arc<Mutex<Option<String>>>,
     metrics: Arc<Metrics>,
+    hardware: Option<Hardware>,
 }
 
 impl Worker {
@@ -359,10 +388,28 @@ impl Worker {
     }
 
     fn run(&mut self) {
-        while let Some(first) = self.rx.blocking_recv() {
+        // A command that acts on hardware ends the batch before it and runs alone: its
+        // sysfs writes happen between two commits, with no other decision in between.
+        let mut next: Option<Command> = None;
+        loop {
+            let first = match next.take() {
+                Some(c) => c,
+                None => match self.rx.blocking_recv() {
+                    Some(c) => c,
+                    None => return,
+                },
+            };
+            if self.acts_on_hardware(&first) {
+                self.run_alone(first);
+                continue;
+            }
             let mut batch = vec![first];
             while batch.len() < MAX_BATCH {
                 match self.rx.try_recv() {
+                    Ok(cmd) if self.acts_on_hardware(&cmd) => {
+                        next = Some(cmd);
+                        break;
+                    }
                     Ok(cmd) => batch.push(cmd),
                     Err(_) => break,
                 }
@@ -426,6 +473,15 @@ impl Worker {
                 changes.push(self.ledger.apply_domains(domains));
                 Pending::Unit(reply)
             }
+            // Routed to `run_alone` by `run`; answered here only if one slips through.
+            Command::BindVfio(_, reply) => {
+                let _ = reply.send(Err(WriteError::Hardware(HardwareError::Disabled)));
+                Pending::Unit(oneshot::channel().0)
+            }
+            Command::SetVfCount(_, reply) => {
+                let _ = reply.send(Err(WriteError::Hardware(HardwareError::Disabled)));
+                Pending::Unit(oneshot::channel().0)
+            }
         }
     }
 
@@ -465,7 +521,10 @@ impl Worker {
                             let _ = r.send(Ok(()));
                         }
                         Pending::Orphans(r, res) => {
-                            let _ = r.send(Ok(res));
+                            let _ = r.send(Ok(res
+                                .into_iter()
+                                .map(|x| x.map_err(WriteError::Ledger))
+                                .collect()));
                         }
                     }
                 }

@@ -68,6 +68,7 @@ async fn claim(
     g: u64,
 ) -> Result<proto::ClaimResponse, tonic::Status> {
     c.claim(proto::ClaimRequest {
+        vfio: false,
         owner: Some(owner(who)),
         request_id: req.into(),
         target: Some(proto::claim_request::Target::Address(proto::ByAddress {
@@ -247,6 +248,7 @@ async fn every_rejection_has_its_code_and_details_and_changes_nothing() {
     ] {
         let e = c
             .claim(proto::ClaimRequest {
+                vfio: false,
                 owner: Some(o),
                 request_id: r.into(),
                 target: Some(proto::claim_request::Target::Address(proto::ByAddress {
@@ -261,6 +263,7 @@ async fn every_rejection_has_its_code_and_details_and_changes_nothing() {
     }
     let e = c
         .claim(proto::ClaimRequest {
+            vfio: false,
             owner: Some(owner(2)),
             request_id: "t".into(),
             target: None,
@@ -295,6 +298,7 @@ async fn claim_by_selector_prefers_numa_and_runs_out_cleanly() {
     for i in 0..4u128 {
         let r = c
             .claim(proto::ClaimRequest {
+                vfio: false,
                 owner: Some(owner(10 + i)),
                 request_id: format!("s{i}"),
                 target: Some(proto::claim_request::Target::Selector(sel(Some(1)))),
@@ -310,6 +314,7 @@ async fn claim_by_selector_prefers_numa_and_runs_out_cleanly() {
     }
     let e = c
         .claim(proto::ClaimRequest {
+            vfio: false,
             owner: Some(owner(99)),
             request_id: "none".into(),
             target: Some(proto::claim_request::Target::Selector(sel(None))),
@@ -319,6 +324,7 @@ async fn claim_by_selector_prefers_numa_and_runs_out_cleanly() {
     assert_eq!(e.code(), Code::ResourceExhausted);
     let e = c
         .claim(proto::ClaimRequest {
+            vfio: false,
             owner: Some(owner(99)),
             request_id: "bad".into(),
             target: Some(proto::claim_request::Target::Selector(proto::Selector {
@@ -491,6 +497,7 @@ async fn many_concurrent_clients_never_share_a_device() {
         tasks.push(tokio::spawn(async move {
             let mut c = hostdevd::client::connect(&socket).await.expect("connect");
             c.claim(proto::ClaimRequest {
+                vfio: false,
                 owner: Some(owner(100 + i)),
                 request_id: format!("c{i}"),
                 target: Some(proto::claim_request::Target::Selector(proto::Selector {

@@ -122,6 +122,7 @@ async fn device(c: &mut HostDevClient<Channel>, a: &str) -> proto::Device {
 async fn claim(c: &mut HostDevClient<Channel>, a: &str, who: u128) -> proto::ClaimResponse {
     let g = device(c, a).await.generation;
     c.claim(proto::ClaimRequest {
+        vfio: false,
         owner: Some(owner(who)),
         request_id: uuid::Uuid::new_v4().to_string(),
         target: Some(proto::claim_request::Target::Address(proto::ByAddress {
@@ -512,6 +513,7 @@ async fn daemon_binary_with_a_host_file() {
     let g = device(&mut c, vf1).await.generation;
     let err = c
         .claim(proto::ClaimRequest {
+            vfio: false,
             owner: Some(owner(0x3f99)),
             request_id: uuid::Uuid::new_v4().to_string(),
             target: Some(proto::claim_request::Target::Address(proto::ByAddress {

@@ -88,6 +88,7 @@ async fn metrics_count_states_requests_rejections_and_commits() {
         .expect("free vf")
         .clone();
     let claim = |g: u64, r: &str| proto::ClaimRequest {
+        vfio: false,
         owner: Some(proto::Owner {
             consumer_id: "00000000-0000-0000-0000-000000000001".into(),
             label: String::new(),

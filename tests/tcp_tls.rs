@@ -131,6 +131,7 @@ async fn tcp_requires_a_client_certificate_from_the_configured_ca() {
         .clone();
     let claimed = c
         .claim(proto::ClaimRequest {
+            vfio: false,
             owner: Some(proto::Owner {
                 consumer_id: "00000000-0000-0000-0000-00000000002a".into(),
                 label: "instance-0000002a".into(),

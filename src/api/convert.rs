@@ -152,6 +152,19 @@ pub fn device_to_proto(v: &DeviceView, inv: Option<&PciDevice>) -> proto::Device
             .and_then(|d| d.vfio_group.as_ref())
             .map(|p| p.display().to_string())
             .unwrap_or_default(),
+        vfio_binding: r
+            .claim
+            .as_ref()
+            .and_then(|c| c.vfio.as_ref())
+            .map(|b| b.members.iter().map(bound_member_to_proto).collect())
+            .unwrap_or_default(),
+    }
+}
+
+pub fn bound_member_to_proto(m: &crate::ledger::BoundMember) -> proto::BoundMember {
+    proto::BoundMember {
+        address: m.address.to_string(),
+        original_driver: m.original_driver.clone().unwrap_or_default(),
     }
 }
 

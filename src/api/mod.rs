@@ -19,6 +19,7 @@ use crate::ledger::{
     ClaimRequest, ClaimTarget, DeviceState, Outcome, ReleaseRequest, TransferRequest,
 };
 use crate::pci::{Generation, PciAddress};
+use crate::rescan::{Rescanner, SharedInventory};
 use crate::sysfs::PciDevice;
 use crate::writer::{Event, OrphanFree, Writer};
 use convert::device_to_proto;
@@ -83,6 +84,8 @@ pub struct AgentInfo {
     pub started: Instant,
     pub boot_id: String,
     pub libvirt: RwLock<HealthInfo>,
+    /// The uevent listener (shared with its task).
+    pub hotplug: Arc<RwLock<HealthInfo>>,
 }
 
 /// The service implementation.
@@ -91,7 +94,9 @@ pub struct HostDevService {
     writer: Writer,
     access: Access,
     /// The latest sysfs inventory, by address (names, netdevs, SR-IOV details).
-    inventory: Arc<RwLock<BTreeMap<PciAddress, PciDevice>>>,
+    inventory: SharedInventory,
+    /// Rescans the devices a hardware action changed, so the answer shows the result.
+    rescanner: Arc<Rescanner>,
     info: Arc<AgentInfo>,
     /// The fresh libvirt and VFIO checks made before every free.
     guard: Arc<guard::FreeGuard>,
@@ -107,14 +112,15 @@ impl HostDevService {
     pub fn new(
         writer: Writer,
         access: Access,
-        inventory: Arc<RwLock<BTreeMap<PciAddress, PciDevice>>>,
+        rescanner: Arc<Rescanner>,
         info: Arc<AgentInfo>,
         guard: Arc<guard::FreeGuard>,
     ) -> Self {
         HostDevService {
             writer,
             access,
-            inventory,
+            inventory: rescanner.inventory.clone(),
+            rescanner,
             info,
             guard,
             stopping: Arc::new(tokio::sync::watch::channel(false).0),
@@ -368,6 +374,7 @@ impl HostDev for HostDevService {
                 .into())
             }
         };
+        let consumer = owner.consumer;
         let applied = self
             .writer
             .claim(ClaimRequest {
@@ -377,9 +384,22 @@ impl HostDev for HostDevService {
             })
             .await
             .map_err(ApiError::from)?;
+        let mut generation = applied.outcome.generation();
+        if r.vfio {
+            let address = applied.outcome.address();
+            let bound = self
+                .writer
+                .view()
+                .device(address)
+                .any(|v| v.record.claim.as_ref().is_some_and(|c| c.vfio.is_some()));
+            // A replayed claim that was already bound is not bound again.
+            if !(applied.replayed && bound) {
+                generation = self.bind_vfio(address, consumer, generation).await?.0;
+            }
+        }
         Ok(Response::new(proto::ClaimResponse {
             device: self.present_device(applied.outcome.address()),
-            generation: applied.outcome.generation().0,
+            generation: generation.0,
             replayed: applied.replayed,
         }))
     }
@@ -736,6 +756,125 @@ impl HostDev for HostDevService {
             strays: u32::try_from(view.strays.len()).unwrap_or(u32::MAX),
             lost,
             watch_oldest_generation: oldest.0,
+            hotplug: Some({
+                let h = match self.info.hotplug.read() {
+                    Ok(g) => g.clone(),
+                    Err(p) => p.into_inner().clone(),
+                };
+                proto::Health {
+                    ok: h.ok,
+                    detail: h.detail,
+                }
+            }),
+            uevents: self.writer.metrics().uevent_counts().0,
+            uevent_resyncs: self.writer.metrics().uevent_counts().1,
         }))
+    }
+
+    async fn prepare_vfio(
+        &self,
+        req: Request<proto::PrepareVfioRequest>,
+    ) -> Result<Response<proto::PrepareVfioResponse>, Status> {
+        self.access.check(&req, "prepare-vfio")?;
+        let r = req.get_ref();
+        let owner = convert::owner("owner", r.owner.as_ref())?;
+        let address = convert::address("address", &r.address)?;
+        let (generation, members) = self
+            .bind_vfio(address, owner.consumer, Generation(r.generation))
+            .await?;
+        Ok(Response::new(proto::PrepareVfioResponse {
+            device: self.present_device(address),
+            generation: generation.0,
+            members,
+        }))
+    }
+
+    async fn set_vf_count(
+        &self,
+        req: Request<proto::SetVfCountRequest>,
+    ) -> Result<Response<proto::SetVfCountResponse>, Status> {
+        self.access.check(&req, "set-vf-count")?;
+        let r = req.get_ref();
+        let pf = convert::address("address", &r.address)?;
+        let old_vfs: BTreeSet<PciAddress> = self
+            .inv()
+            .get(&pf)
+            .and_then(|d| d.sriov.as_ref())
+            .map(|s| s.vfs.iter().copied().collect())
+            .unwrap_or_default();
+        let result = self
+            .writer
+            .set_vf_count(crate::writer::SetVfCount {
+                pf,
+                generation: Generation(r.generation),
+                count: r.vf_count,
+                autoprobe: r.drivers_autoprobe,
+            })
+            .await;
+        // Written or not, show what the kernel has now: the PF and its VFs, before and after.
+        if !matches!(result, Err(crate::writer::WriteError::Ledger(_))) {
+            let mut changed = old_vfs;
+            changed.insert(pf);
+            self.rescan(changed).await;
+        }
+        let done = result.map_err(ApiError::from)?;
+        let device = self.present_device(pf);
+        Ok(Response::new(proto::SetVfCountResponse {
+            generation: device
+                .as_ref()
+                .map(|d| d.generation)
+                .unwrap_or(done.generation.0),
+            device,
+            previous_vf_count: done.before,
+        }))
+    }
+}
+
+impl HostDevService {
+    /// Binds a claimed device's group to vfio-pci, then rescans the members so the
+    /// listing shows their drivers; answers the device's generation after that.
+    async fn bind_vfio(
+        &self,
+        address: PciAddress,
+        consumer: crate::pci::ConsumerId,
+        generation: Generation,
+    ) -> Result<(Generation, Vec<proto::BoundMember>), ApiError> {
+        let result = self
+            .writer
+            .bind_vfio(crate::writer::BindVfio {
+                address,
+                consumer,
+                generation,
+            })
+            .await;
+        let members: BTreeSet<PciAddress> = match &result {
+            Ok(b) => b.members.iter().map(|m| m.address).collect(),
+            Err(_) => [address].into(),
+        };
+        self.rescan(members).await;
+        let bound = result.map_err(ApiError::from)?;
+        let now = self
+            .writer
+            .view()
+            .device(address)
+            .find(|v| v.record.present)
+            .map(|v| v.record.generation)
+            .unwrap_or(bound.generation);
+        Ok((
+            now,
+            bound
+                .members
+                .iter()
+                .map(convert::bound_member_to_proto)
+                .collect(),
+        ))
+    }
+
+    /// Rescans devices after a hardware action (a failure is logged: the uevents that
+    /// follow rescan them again).
+    async fn rescan(&self, addresses: BTreeSet<PciAddress>) {
+        if let Err(e) = self.rescanner.devices(addresses).await {
+            tracing::warn!(error = %e, "rescan after a hardware action failed");
+        }
     }
 }

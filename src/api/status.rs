@@ -82,7 +82,10 @@ fn ledger_code(e: &LedgerError) -> Code {
         | Blocked { .. }
         | InUseByDomain { .. }
         | Unmanaged { .. }
-        | Lost { .. } => Code::FailedPrecondition,
+        | Lost { .. }
+        | NotPhysicalFunction { .. }
+        | VfClaimed { .. }
+        | NoIommuGroup { .. } => Code::FailedPrecondition,
         NoMatch { .. } => Code::ResourceExhausted,
         RequestIdReused { .. } => Code::InvalidArgument,
     }
@@ -112,6 +115,9 @@ fn ledger_metadata(e: &LedgerError) -> HashMap<String, String> {
         }
         LedgerError::StaleGeneration { presented, .. } => {
             m.insert("presented_generation".into(), presented.to_string());
+        }
+        LedgerError::VfClaimed { vf, .. } => {
+            m.insert("claimed_vf".into(), vf.to_string());
         }
         _ => {}
     }
@@ -158,6 +164,29 @@ pub fn to_status(e: &ApiError) -> Status {
             };
             let d = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, HashMap::new());
             Status::with_error_details(Code::Unavailable, msg, d)
+        }
+        ApiError::Write(WriteError::Hardware(he)) => {
+            use crate::hardware::HardwareError as H;
+            let mut meta = HashMap::from([("step".to_string(), he.step().to_string())]);
+            if let Some(errno) = he.errno() {
+                meta.insert("errno".into(), errno);
+            }
+            let (code, reason) = match he {
+                H::Disabled => (Code::Unimplemented, "HARDWARE_DISABLED"),
+                H::NotPhysicalFunction { .. } | H::TooManyVfs { .. } | H::NoIommuGroup { .. } => {
+                    (Code::FailedPrecondition, "HARDWARE_PRECONDITION")
+                }
+                H::DriverMissing { .. } => (Code::FailedPrecondition, "DRIVER_NOT_LOADED"),
+                H::Timeout { .. } => (Code::DeadlineExceeded, "HARDWARE_STEP_TIMEOUT"),
+                H::Write { .. } | H::Read { .. } | H::Driver { .. } | H::VfCount { .. } => {
+                    (Code::Internal, "HARDWARE_STEP_FAILED")
+                }
+            };
+            let mut d = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, meta);
+            if code == Code::FailedPrecondition {
+                d.add_precondition_failure_violation(reason, he.step(), msg.clone());
+            }
+            Status::with_error_details(code, msg, d)
         }
         ApiError::Write(WriteError::ShuttingDown) => {
             let d = ErrorDetails::with_error_info("SHUTTING_DOWN", ERROR_DOMAIN, HashMap::new());

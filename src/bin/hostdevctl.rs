@@ -59,6 +59,11 @@ enum Command {
     Reconcile(ReconcileArgs),
     /// The agent's version, host generation, health and device counts.
     Status,
+    /// Bind a claimed device and its IOMMU group to vfio-pci (release gives the
+    /// original drivers back).
+    PrepareVfio(PrepareVfioArgs),
+    /// Set a PF's VF count (refused while any of its VFs is claimed).
+    SetVfs(SetVfsArgs),
     /// The outcome of an earlier claim/release/transfer, by owner and request id.
     Outcome {
         /// The consumer that made the request.
@@ -110,6 +115,35 @@ struct ClaimArgs {
     /// Selector: bound kernel driver.
     #[arg(long, value_name = "NAME", requires = "select")]
     driver: Option<String>,
+    /// Also bind the claimed device's IOMMU group to vfio-pci.
+    #[arg(long)]
+    vfio: bool,
+}
+
+#[derive(Debug, Args)]
+struct PrepareVfioArgs {
+    address: PciAddress,
+    /// The consumer that holds the claim.
+    #[arg(long, value_name = "UUID")]
+    owner: ConsumerId,
+    /// The device's current generation.
+    #[arg(long, value_name = "G")]
+    generation: u64,
+}
+
+#[derive(Debug, Args)]
+struct SetVfsArgs {
+    /// The physical function.
+    pf: PciAddress,
+    /// The new VF count (0 removes every VF).
+    count: u32,
+    /// The PF's generation. When omitted, hostdevctl reads the current one just before
+    /// (an operator convenience; controllers pass the one they decided on).
+    #[arg(long, value_name = "G")]
+    generation: Option<u64>,
+    /// Write sriov_drivers_autoprobe first (false: new VFs stay unbound).
+    #[arg(long, value_name = "BOOL")]
+    autoprobe: Option<bool>,
 }
 
 #[derive(Debug, Args)]
@@ -381,7 +415,30 @@ fn device_json(d: &proto::Device) -> Value {
             "address": nonempty(&b.address), "relation": b.relation, "domain": domain_json(&b.domain),
         })),
         "vfio_group": nonempty(&d.vfio_group),
+        "vfio_binding": d.vfio_binding.iter().map(bound_json).collect::<Vec<_>>(),
     })
+}
+
+fn bound_json(m: &proto::BoundMember) -> Value {
+    json!({"address": m.address, "original_driver": nonempty(&m.original_driver)})
+}
+
+fn bound_text(members: &[proto::BoundMember]) -> String {
+    members
+        .iter()
+        .map(|m| {
+            format!(
+                "{} (was {})",
+                m.address,
+                if m.original_driver.is_empty() {
+                    "unbound"
+                } else {
+                    &m.original_driver
+                }
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn stray_json(s: &proto::Stray) -> Value {
@@ -646,6 +703,9 @@ fn device_lines(d: &proto::Device) -> Vec<String> {
     if !d.vfio_group.is_empty() {
         kv.push(("vfio group", d.vfio_group.clone()));
     }
+    if !d.vfio_binding.is_empty() {
+        kv.push(("vfio bound", bound_text(&d.vfio_binding)));
+    }
     kv.into_iter()
         .map(|(k, v)| format!("{k:<12} {v}"))
         .collect()
@@ -709,26 +769,7 @@ async fn cmd_claim(ctx: &mut Ctx, a: ClaimArgs) -> Outcome {
         };
         let generation = match a.generation {
             Some(g) => g,
-            None => {
-                let r = ctx
-                    .client
-                    .get_device(proto::GetDeviceRequest {
-                        address: address.to_string(),
-                    })
-                    .await
-                    .map_err(|s| describe("claim", &ctx.socket, &s))?
-                    .into_inner();
-                let Some(d) = r.device else {
-                    return Err(Failure::Refused(format!(
-                        "claim refused: {address} is not present (only lost claims remain there)"
-                    )));
-                };
-                eprintln!(
-                    "hostdevctl: claiming {address} at its current generation {} (read just now; controllers must pass --generation)",
-                    d.generation
-                );
-                d.generation
-            }
+            None => current_generation(ctx, address, "claim").await?,
         };
         proto::claim_request::Target::Address(proto::ByAddress {
             address: address.to_string(),
@@ -741,6 +782,7 @@ async fn cmd_claim(ctx: &mut Ctx, a: ClaimArgs) -> Outcome {
             owner: Some(owner.clone()),
             request_id: request_id.to_string(),
             target: Some(target),
+            vfio: a.vfio,
         })
         .await
         .map_err(|s| describe("claim", &ctx.socket, &s))?
@@ -764,6 +806,104 @@ async fn cmd_claim(ctx: &mut Ctx, a: ClaimArgs) -> Outcome {
         r.generation,
         request_id.as_str(),
         replay_note(r.replayed)
+    ))
+}
+
+/// The present device's generation, read just now (for operators who omit it).
+async fn current_generation(
+    ctx: &mut Ctx,
+    address: PciAddress,
+    what: &str,
+) -> Result<u64, Failure> {
+    let r = ctx
+        .client
+        .get_device(proto::GetDeviceRequest {
+            address: address.to_string(),
+        })
+        .await
+        .map_err(|s| describe(what, &ctx.socket, &s))?
+        .into_inner();
+    let Some(d) = r.device else {
+        return Err(Failure::Refused(format!(
+            "{what} refused: {address} is not present (only lost claims remain there)"
+        )));
+    };
+    eprintln!(
+        "hostdevctl: {what} {address} at its current generation {} (read just now; controllers must pass --generation)",
+        d.generation
+    );
+    Ok(d.generation)
+}
+
+async fn cmd_prepare_vfio(ctx: &mut Ctx, a: PrepareVfioArgs) -> Outcome {
+    let r = ctx
+        .client
+        .prepare_vfio(proto::PrepareVfioRequest {
+            address: a.address.to_string(),
+            owner: Some(proto::Owner {
+                consumer_id: a.owner.to_string(),
+                label: String::new(),
+            }),
+            generation: a.generation,
+        })
+        .await
+        .map_err(|s| describe("prepare-vfio", &ctx.socket, &s))?
+        .into_inner();
+    if ctx.json {
+        return out_json(&json!({
+            "device": r.device.as_ref().map(device_json),
+            "generation": r.generation,
+            "members": r.members.iter().map(bound_json).collect::<Vec<_>>(),
+        }));
+    }
+    out(format!(
+        "bound to vfio-pci: {}; {} is at generation {}",
+        bound_text(&r.members),
+        a.address,
+        r.generation
+    ))
+}
+
+async fn cmd_set_vfs(ctx: &mut Ctx, a: SetVfsArgs) -> Outcome {
+    let generation = match a.generation {
+        Some(g) => g,
+        None => current_generation(ctx, a.pf, "set-vfs").await?,
+    };
+    let r = ctx
+        .client
+        .set_vf_count(proto::SetVfCountRequest {
+            address: a.pf.to_string(),
+            vf_count: a.count,
+            generation,
+            drivers_autoprobe: a.autoprobe,
+        })
+        .await
+        .map_err(|s| describe("set-vfs", &ctx.socket, &s))?
+        .into_inner();
+    if ctx.json {
+        return out_json(&json!({
+            "device": r.device.as_ref().map(device_json),
+            "generation": r.generation,
+            "previous_vf_count": r.previous_vf_count,
+        }));
+    }
+    let vfs = r
+        .device
+        .as_ref()
+        .and_then(|d| d.sriov.as_ref())
+        .map(|s| s.vfs.join(", "))
+        .unwrap_or_default();
+    out(format!(
+        "{}: {} VFs (was {}), PF at generation {}{}",
+        a.pf,
+        a.count,
+        r.previous_vf_count,
+        r.generation,
+        if vfs.is_empty() {
+            String::new()
+        } else {
+            format!("; VFs {vfs}")
+        }
     ))
 }
 
@@ -1044,6 +1184,9 @@ async fn cmd_status(ctx: &mut Ctx) -> Outcome {
             "uptime_seconds": s.uptime_seconds,
             "store": health(&s.store),
             "libvirt": health(&s.libvirt),
+            "hotplug": health(&s.hotplug),
+            "uevents": s.uevents,
+            "uevent_resyncs": s.uevent_resyncs,
             "boot_id": s.boot_id,
             "devices_by_state": counts,
             "strays": s.strays,
@@ -1065,6 +1208,7 @@ async fn cmd_status(ctx: &mut Ctx) -> Outcome {
         ("boot id", or_dash(&s.boot_id).into()),
         ("store", health_text(&s.store)),
         ("libvirt", health_text(&s.libvirt)),
+        ("hotplug", health_text(&s.hotplug)),
         (
             "devices",
             if by_state.is_empty() {
@@ -1136,6 +1280,8 @@ async fn run(cli: Cli) -> Outcome {
         Command::Watch(a) => cmd_watch(&mut ctx, a).await,
         Command::Reconcile(a) => cmd_reconcile(&mut ctx, a).await,
         Command::Status => cmd_status(&mut ctx).await,
+        Command::PrepareVfio(a) => cmd_prepare_vfio(&mut ctx, a).await,
+        Command::SetVfs(a) => cmd_set_vfs(&mut ctx, a).await,
         Command::Outcome { owner, request_id } => cmd_outcome(&mut ctx, owner, request_id).await,
     }
 }

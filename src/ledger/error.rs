@@ -91,6 +91,26 @@ pub enum LedgerError {
     #[error("no free managed device matches {selector}")]
     NoMatch { selector: String },
 
+    #[error("{address} is not an SR-IOV physical function; current generation {generation}")]
+    NotPhysicalFunction {
+        address: PciAddress,
+        generation: Generation,
+    },
+
+    #[error("{pf} has a claimed VF, {vf} (owned by {owner}): its VF count cannot change; current generation {generation}")]
+    VfClaimed {
+        pf: PciAddress,
+        vf: PciAddress,
+        owner: Owner,
+        generation: Generation,
+    },
+
+    #[error("{address} is in no IOMMU group, so it cannot be bound to vfio-pci; current generation {generation}")]
+    NoIommuGroup {
+        address: PciAddress,
+        generation: Generation,
+    },
+
     #[error(
         "request id {request_id} was already used by {consumer} for another operation ({previous:?})"
     )]
@@ -122,7 +142,10 @@ impl LedgerError {
             | Blocked { address, .. }
             | InUseByDomain { address, .. }
             | Unmanaged { address, .. }
-            | Lost { address, .. } => Some(*address),
+            | Lost { address, .. }
+            | NotPhysicalFunction { address, .. }
+            | NoIommuGroup { address, .. } => Some(*address),
+            VfClaimed { pf, .. } => Some(*pf),
             NoMatch { .. } => None,
             RequestIdReused { previous, .. } => Some(previous.address()),
         }
@@ -140,7 +163,10 @@ impl LedgerError {
             | Blocked { generation, .. }
             | InUseByDomain { generation, .. }
             | Unmanaged { generation, .. }
-            | Lost { generation, .. } => Some(*generation),
+            | Lost { generation, .. }
+            | NotPhysicalFunction { generation, .. }
+            | VfClaimed { generation, .. }
+            | NoIommuGroup { generation, .. } => Some(*generation),
             UnknownDevice { .. } | NoMatch { .. } | RequestIdReused { .. } => None,
         }
     }
@@ -150,9 +176,10 @@ impl LedgerError {
         use LedgerError::*;
         match self {
             StaleGeneration { owner, .. } | Blocked { owner, .. } => owner.as_ref(),
-            AlreadyClaimed { owner, .. } | WrongOwner { owner, .. } | Lost { owner, .. } => {
-                Some(owner)
-            }
+            AlreadyClaimed { owner, .. }
+            | WrongOwner { owner, .. }
+            | Lost { owner, .. }
+            | VfClaimed { owner, .. } => Some(owner),
             _ => None,
         }
     }
@@ -173,6 +200,9 @@ impl LedgerError {
             Lost { .. } => "LOST",
             NoMatch { .. } => "NO_MATCH",
             RequestIdReused { .. } => "REQUEST_ID_REUSED",
+            NotPhysicalFunction { .. } => "NOT_A_PHYSICAL_FUNCTION",
+            VfClaimed { .. } => "VF_CLAIMED",
+            NoIommuGroup { .. } => "NO_IOMMU_GROUP",
         }
     }
 }

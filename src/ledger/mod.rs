@@ -16,6 +16,7 @@
 //!   the claims and the inventory, never stored (I1).
 
 mod error;
+mod hardware;
 pub mod model;
 #[cfg(test)]
 mod proptests;
@@ -366,6 +367,7 @@ impl Ledger {
                 owner: req.owner.clone(),
                 request_id: req.request_id.clone(),
                 claimed_at: now,
+                vfio: None,
             });
         });
         let address = self.records[&id].address();
@@ -529,11 +531,14 @@ impl Ledger {
             }
         }
         let mut tx = Tx::new(self.host_generation);
+        // The VFIO binding moves with the claim: the new owner's release restores it.
+        let vfio = rec.claim.as_ref().and_then(|c| c.vfio.clone());
         let generation = self.modify(&mut tx, id, |r| {
             r.claim = Some(Claim {
                 owner: req.to.clone(),
                 request_id: req.request_id.clone(),
                 claimed_at: now,
+                vfio,
             });
         });
         let outcome = Outcome::Transferred {

@@ -30,6 +30,25 @@ pub struct Claim {
     pub request_id: RequestId,
     /// Seconds since the Unix epoch when the claim was made.
     pub claimed_at: u64,
+    /// Set once the claim's IOMMU group was bound to vfio-pci by the agent: what to give
+    /// back on release. Recorded before the first sysfs write, so a crash mid-bind still
+    /// knows each member's original driver.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vfio: Option<VfioBinding>,
+}
+
+/// The members of a claimed device's IOMMU group that the agent moved to vfio-pci, each
+/// with the driver it had before (`None`: it was unbound).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VfioBinding {
+    pub members: Vec<BoundMember>,
+}
+
+/// One device the agent bound to vfio-pci.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BoundMember {
+    pub address: PciAddress,
+    pub original_driver: Option<String>,
 }
 
 /// A libvirt domain as the ledger sees it.

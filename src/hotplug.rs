@@ -1,0 +1,243 @@
+//! Kernel uevents for the PCI subsystem: the netlink socket, message parsing, and the
+//! listener thread that turns events into "rescan these devices" or, after an overflow
+//! or a lost socket, "rescan everything".
+//!
+//! The socket is opened before the first scan, so no change between that scan and the
+//! listener's start can be missed: the kernel queues events for an open socket.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::time::Duration;
+
+use nix::errno::Errno;
+use nix::sys::socket::{
+    bind, recv, setsockopt, socket, sockopt, AddressFamily, MsgFlags, NetlinkAddr, SockFlag,
+    SockProtocol, SockType,
+};
+use tokio::sync::mpsc;
+
+use crate::pci::PciAddress;
+
+/// The kernel's uevent multicast group (udev's rebroadcast is group 2, which is ignored).
+const KERNEL_GROUP: u32 = 1;
+
+/// The largest uevent message the kernel sends (UEVENT_BUFFER_SIZE is 2048).
+const MAX_MESSAGE: usize = 8192;
+
+/// One PCI uevent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Uevent {
+    /// "add", "remove", "bind", "unbind", "change", "move", ...
+    pub action: String,
+    pub devpath: String,
+    /// The device the event names (`PCI_SLOT_NAME`, else the devpath's last component).
+    pub address: PciAddress,
+}
+
+/// What the listener hands to the agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    /// A device changed: rescan it and its PF/VF relatives.
+    Device(Uevent),
+    /// Events were lost (ENOBUFS) or the socket failed: rescan everything.
+    Resync(String),
+}
+
+/// Parses one uevent message: `ACTION@DEVPATH\0KEY=VALUE\0...` from the kernel.
+/// `None` for anything else (udev's "libudev" rebroadcasts, other subsystems, garbage).
+pub fn parse(msg: &[u8]) -> Option<Uevent> {
+    let mut fields = msg.split(|b| *b == 0);
+    let header = std::str::from_utf8(fields.next()?).ok()?;
+    let (_, header_path) = header.split_once('@')?;
+    let mut action = None;
+    let mut devpath = None;
+    let mut subsystem = None;
+    let mut slot = None;
+    for f in fields {
+        let Ok(f) = std::str::from_utf8(f) else {
+            continue;
+        };
+        if let Some((k, v)) = f.split_once('=') {
+            match k {
+                "ACTION" => action = Some(v),
+                "DEVPATH" => devpath = Some(v),
+                "SUBSYSTEM" => subsystem = Some(v),
+                "PCI_SLOT_NAME" => slot = Some(v),
+                _ => {}
+            }
+        }
+    }
+    if subsystem != Some("pci") {
+        return None;
+    }
+    let devpath = devpath.unwrap_or(header_path);
+    let name = slot.unwrap_or_else(|| devpath.rsplit('/').next().unwrap_or(""));
+    let address = name.parse::<PciAddress>().ok()?;
+    Some(Uevent {
+        action: action?.to_string(),
+        devpath: devpath.to_string(),
+        address,
+    })
+}
+
+/// An open uevent socket.
+#[derive(Debug)]
+pub struct UeventSocket {
+    fd: OwnedFd,
+}
+
+impl UeventSocket {
+    /// Opens and binds a socket on the kernel's uevent group, asking for a receive buffer
+    /// of `rcvbuf` bytes (forced past the system limit where the agent may).
+    pub fn open(rcvbuf: usize) -> std::io::Result<Self> {
+        let fd = socket(
+            AddressFamily::Netlink,
+            SockType::Datagram,
+            SockFlag::SOCK_CLOEXEC,
+            SockProtocol::NetlinkKObjectUEvent,
+        )?;
+        if setsockopt(&fd, sockopt::RcvBufForce, &rcvbuf).is_err() {
+            setsockopt(&fd, sockopt::RcvBuf, &rcvbuf)?;
+        }
+        bind(fd.as_raw_fd(), &NetlinkAddr::new(0, KERNEL_GROUP))?;
+        // A receive timeout lets the thread notice that the agent has gone away.
+        setsockopt(
+            &fd,
+            sockopt::ReceiveTimeout,
+            &nix::sys::time::TimeVal::new(1, 0),
+        )?;
+        Ok(Self { fd })
+    }
+
+    /// Receives one message: `Ok(None)` on timeout, `Err(ENOBUFS)` after an overflow.
+    fn recv(&self, buf: &mut [u8]) -> Result<Option<usize>, Errno> {
+        match recv(self.fd.as_raw_fd(), buf, MsgFlags::empty()) {
+            Ok(n) => Ok(Some(n)),
+            Err(Errno::EAGAIN) | Err(Errno::EINTR) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Runs the listener on its own thread: PCI events and resync notices go to `tx`. On a
+/// socket error other than an overflow it reopens the socket (with backoff) and asks for
+/// a resync. Ends when the receiver is dropped.
+pub fn spawn(
+    socket: UeventSocket,
+    rcvbuf: usize,
+    tx: mpsc::UnboundedSender<Notice>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("hostdevd-uevents".into())
+        .spawn(move || listen(socket, rcvbuf, tx))
+}
+
+fn listen(mut socket: UeventSocket, rcvbuf: usize, tx: mpsc::UnboundedSender<Notice>) {
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    loop {
+        if tx.is_closed() {
+            return;
+        }
+        match socket.recv(&mut buf) {
+            Ok(None) => {}
+            Ok(Some(n)) => {
+                if let Some(ev) = buf.get(..n).and_then(parse) {
+                    if tx.send(Notice::Device(ev)).is_err() {
+                        return;
+                    }
+                }
+            }
+            Err(Errno::ENOBUFS) => {
+                let _ = tx.send(Notice::Resync(
+                    "the uevent socket overflowed (ENOBUFS): events were lost".into(),
+                ));
+            }
+            Err(e) => {
+                let _ = tx.send(Notice::Resync(format!("the uevent socket failed: {e}")));
+                let mut delay = Duration::from_millis(100);
+                socket = loop {
+                    std::thread::sleep(delay);
+                    if tx.is_closed() {
+                        return;
+                    }
+                    match UeventSocket::open(rcvbuf) {
+                        Ok(s) => break s,
+                        Err(e) => {
+                            tracing::error!(error = %e, "cannot reopen the uevent socket");
+                            delay = (delay * 2).min(Duration::from_secs(30));
+                        }
+                    }
+                };
+                let _ = tx.send(Notice::Resync("the uevent socket was reopened".into()));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(parts: &[&str]) -> Vec<u8> {
+        parts.join("\0").into_bytes()
+    }
+
+    #[test]
+    fn kernel_pci_event() {
+        let m = msg(&[
+            "add@/devices/pci0000:00/0000:00:03.0/0000:01:00.2",
+            "ACTION=add",
+            "DEVPATH=/devices/pci0000:00/0000:00:03.0/0000:01:00.2",
+            "SUBSYSTEM=pci",
+            "PCI_SLOT_NAME=0000:01:00.2",
+            "SEQNUM=1234",
+        ]);
+        let ev = parse(&m).expect("parsed");
+        assert_eq!(ev.action, "add");
+        assert_eq!(ev.address.to_string(), "0000:01:00.2");
+    }
+
+    #[test]
+    fn slot_from_devpath_when_absent() {
+        let m = msg(&[
+            "remove@/devices/pci0000:00/0000:00:1f.3",
+            "ACTION=remove",
+            "SUBSYSTEM=pci",
+        ]);
+        assert_eq!(
+            parse(&m).expect("parsed").address.to_string(),
+            "0000:00:1f.3"
+        );
+    }
+
+    #[test]
+    fn ignores_other_messages() {
+        assert_eq!(parse(b""), None);
+        assert_eq!(parse(b"libudev\0\xfe\xed"), None);
+        assert_eq!(
+            parse(&msg(&[
+                "add@/devices/virtual/net/lo",
+                "ACTION=add",
+                "SUBSYSTEM=net"
+            ])),
+            None
+        );
+        assert_eq!(
+            parse(&msg(&[
+                "add@/x",
+                "ACTION=add",
+                "SUBSYSTEM=pci",
+                "PCI_SLOT_NAME=zz"
+            ])),
+            None
+        );
+        assert_eq!(parse(&msg(&["bogus", "SUBSYSTEM=pci"])), None);
+        assert_eq!(parse(&[0xff, b'@', 0]), None);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn parse_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+            let _ = parse(&bytes);
+        }
+    }
+}

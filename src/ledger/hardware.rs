@@ -1,0 +1,166 @@
+//! The ledger's side of acting on hardware: who may bind a device to vfio-pci or change
+//! a PF's VF count, the IOMMU group a binding covers, and recording what was done.
+//! The sysfs writes themselves happen outside (the writer calls `crate::hardware`).
+
+use super::{BoundMember, ChangeSet, Ledger, LedgerError, Tx, VfioBinding};
+use crate::pci::{ConsumerId, Generation, PciAddress};
+
+/// What binding a claimed device to vfio-pci covers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BindPlan {
+    /// The claimed device and every present member of its IOMMU group, sorted.
+    pub members: Vec<PciAddress>,
+    /// The binding recorded by an earlier call, if any (a retry keeps its originals).
+    pub existing: Option<VfioBinding>,
+}
+
+impl Ledger {
+    /// Checks that `consumer` may bind `address` (its present, unattached claim, named by
+    /// the current generation) and lists the IOMMU group members the binding covers.
+    pub fn bind_plan(
+        &self,
+        address: PciAddress,
+        consumer: ConsumerId,
+        generation: Generation,
+    ) -> Result<BindPlan, LedgerError> {
+        let id = self.resolve_claimed(address, consumer, generation)?;
+        let rec = &self.records[&id];
+        let claim = rec.claim.as_ref().ok_or(LedgerError::NotClaimed {
+            address,
+            generation: rec.generation,
+        })?;
+        if !rec.present {
+            return Err(LedgerError::Lost {
+                address,
+                owner: claim.owner.clone(),
+                generation: rec.generation,
+            });
+        }
+        if let Some(domain) = &rec.attached {
+            return Err(LedgerError::Attached {
+                address,
+                domain: domain.clone(),
+                generation: rec.generation,
+            });
+        }
+        let group = rec.facts.iommu_group.ok_or(LedgerError::NoIommuGroup {
+            address,
+            generation: rec.generation,
+        })?;
+        let mut members: Vec<PciAddress> = self
+            .present
+            .iter()
+            .filter(|(_, id)| self.records[*id].facts.iommu_group == Some(group))
+            .map(|(a, _)| *a)
+            .collect();
+        members.sort();
+        Ok(BindPlan {
+            members,
+            existing: claim.vfio.clone(),
+        })
+    }
+
+    /// Records the binding on the claim at `address` (checked again as in
+    /// [`Ledger::bind_plan`]), with the next generation.
+    pub fn record_binding(
+        &mut self,
+        address: PciAddress,
+        consumer: ConsumerId,
+        generation: Generation,
+        members: Vec<BoundMember>,
+    ) -> Result<(Generation, ChangeSet), LedgerError> {
+        self.bind_plan(address, consumer, generation)?;
+        let id = self.resolve_claimed(address, consumer, generation)?;
+        let mut tx = Tx::new(self.host_generation);
+        let g = self.modify(&mut tx, id, |r| {
+            if let Some(c) = r.claim.as_mut() {
+                c.vfio = Some(VfioBinding { members });
+            }
+        });
+        Ok((g, tx.cs))
+    }
+
+    /// The binding to give back when the claim at `address` is released by `consumer`
+    /// with `generation`; `None` when there is none or the release would be refused (the
+    /// release itself then gives the reason).
+    pub fn binding_to_restore(
+        &self,
+        address: PciAddress,
+        consumer: ConsumerId,
+        generation: Generation,
+    ) -> Option<VfioBinding> {
+        let id = self.resolve_claimed(address, consumer, generation).ok()?;
+        let rec = &self.records[&id];
+        if !rec.present || rec.attached.is_some() {
+            return None;
+        }
+        rec.claim.as_ref()?.vfio.clone()
+    }
+
+    /// Whether `address` holds a recorded VFIO binding (any owner, any generation).
+    pub fn has_binding(&self, address: PciAddress) -> bool {
+        self.record_at(address)
+            .and_then(|r| r.claim.as_ref())
+            .is_some_and(|c| c.vfio.is_some())
+    }
+
+    /// Checks that the VF count of `pf` may change: it is a present SR-IOV PF with the
+    /// presented generation, unclaimed, and none of its VFs (present or lost) is claimed.
+    /// Returns its VFs now present.
+    pub fn check_vf_change(
+        &self,
+        pf: PciAddress,
+        generation: Generation,
+    ) -> Result<Vec<PciAddress>, LedgerError> {
+        let rec = self
+            .record_at(pf)
+            .ok_or(LedgerError::UnknownDevice { address: pf })?;
+        if rec.generation != generation {
+            return Err(LedgerError::StaleGeneration {
+                address: pf,
+                presented: generation,
+                current: rec.generation,
+                owner: rec.claim.as_ref().map(|c| c.owner.clone()),
+            });
+        }
+        if !rec.facts.is_pf {
+            return Err(LedgerError::NotPhysicalFunction {
+                address: pf,
+                generation,
+            });
+        }
+        if let Some(c) = &rec.claim {
+            return Err(LedgerError::AlreadyClaimed {
+                address: pf,
+                owner: c.owner.clone(),
+                generation,
+            });
+        }
+        let mut vfs = Vec::new();
+        for r in self.records.values().filter(|r| r.facts.physfn == Some(pf)) {
+            if let Some(c) = &r.claim {
+                return Err(LedgerError::VfClaimed {
+                    pf,
+                    vf: r.address(),
+                    owner: c.owner.clone(),
+                    generation,
+                });
+            }
+            if r.present {
+                vfs.push(r.address());
+            }
+        }
+        vfs.sort();
+        Ok(vfs)
+    }
+
+    /// Gives a present device the next generation without other change: a PF whose VF
+    /// count was written, so a second writer holding the old generation is refused.
+    pub fn touch(&mut self, address: PciAddress) -> ChangeSet {
+        let mut tx = Tx::new(self.host_generation);
+        if let Some(id) = self.present.get(&address).copied() {
+            self.modify(&mut tx, id, |_| {});
+        }
+        tx.cs
+    }
+}

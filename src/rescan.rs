@@ -1,0 +1,184 @@
+//! Keeping the ledger true to sysfs: a full scan (at start, on reload, after lost
+//! uevents) or a rescan of only the devices a hotplug event or a hardware action names,
+//! with their PF/VF relatives. Scans run off the async threads.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+
+use crate::config::Selection;
+use crate::ledger::DeviceFacts;
+use crate::pci::PciAddress;
+use crate::sysfs::{self, PciDevice, PciNames, SysfsError};
+use crate::writer::{WriteError, Writer};
+
+/// Why a rescan could not be applied.
+#[derive(Debug, thiserror::Error)]
+pub enum RescanError {
+    #[error("cannot scan PCI devices: {0}")]
+    Sysfs(#[from] SysfsError),
+    #[error("cannot apply the scan: {0}")]
+    Write(#[from] WriteError),
+    #[error("the scan thread failed: {0}")]
+    Thread(String),
+}
+
+/// The latest inventory by address, shared with the API for names and SR-IOV details.
+pub type SharedInventory = Arc<RwLock<BTreeMap<PciAddress, PciDevice>>>;
+
+/// Scans sysfs and applies what it finds to the ledger.
+#[derive(Debug)]
+pub struct Rescanner {
+    sysfs_root: PathBuf,
+    dev_root: PathBuf,
+    names: Arc<PciNames>,
+    selection: RwLock<Selection>,
+    pub inventory: SharedInventory,
+    writer: Writer,
+}
+
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    match l.read() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    match l.write() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+impl Rescanner {
+    pub fn new(
+        sysfs_root: PathBuf,
+        dev_root: PathBuf,
+        names: Arc<PciNames>,
+        selection: Selection,
+        writer: Writer,
+    ) -> Self {
+        Rescanner {
+            sysfs_root,
+            dev_root,
+            names,
+            selection: RwLock::new(selection),
+            inventory: Arc::new(RwLock::new(BTreeMap::new())),
+            writer,
+        }
+    }
+
+    /// A full scan, applied to the ledger; with `selection`, that selection is used from
+    /// now on (a reload).
+    pub async fn full(&self, selection: Option<Selection>) -> Result<(), RescanError> {
+        let (root, dev, names) = (
+            self.sysfs_root.clone(),
+            self.dev_root.clone(),
+            self.names.clone(),
+        );
+        let inv = tokio::task::spawn_blocking(move || sysfs::scan(&root, &dev, &names))
+            .await
+            .map_err(|e| RescanError::Thread(e.to_string()))??;
+        for e in &inv.errors {
+            tracing::warn!(problem = %e, "sysfs entry skipped");
+        }
+        for d in inv.devices.iter().filter(|d| !d.errors.is_empty()) {
+            tracing::warn!(device = %d.address, problems = ?d.errors, "device read with problems");
+        }
+        if let Some(sel) = selection {
+            *write(&self.selection) = sel;
+        }
+        let facts = read(&self.selection).facts(&inv.devices);
+        *write(&self.inventory) = inv.devices.into_iter().map(|d| (d.address, d)).collect();
+        self.writer.inventory(facts).await?;
+        Ok(())
+    }
+
+    /// Rescans `addresses` and their PF/VF relatives (before and after the change), and
+    /// applies only those devices: O(changed devices), not a full scan.
+    pub async fn devices(&self, addresses: BTreeSet<PciAddress>) -> Result<(), RescanError> {
+        if addresses.is_empty() {
+            return Ok(());
+        }
+        // One level of relatives only: a VF's event rescans its PF (whose VF list
+        // changed), not all the PF's other VFs, which have events of their own.
+        let named = addresses;
+        let mut wanted = named.clone();
+        {
+            let inv = read(&self.inventory);
+            for a in &named {
+                relatives(inv.get(a), &mut wanted);
+            }
+        }
+        let (root, dev, names) = (
+            self.sysfs_root.clone(),
+            self.dev_root.clone(),
+            self.names.clone(),
+        );
+        let scanned = tokio::task::spawn_blocking(move || {
+            let mut out: BTreeMap<PciAddress, Option<PciDevice>> = BTreeMap::new();
+            let mut queue: Vec<PciAddress> = wanted.into_iter().collect();
+            while let Some(a) = queue.pop() {
+                if out.contains_key(&a) {
+                    continue;
+                }
+                let d = sysfs::scan_one(&root, &dev, &names, a)?;
+                if named.contains(&a) {
+                    let mut more = BTreeSet::new();
+                    relatives(d.as_ref(), &mut more);
+                    queue.extend(more.into_iter().filter(|m| !out.contains_key(m)));
+                }
+                out.insert(a, d);
+            }
+            Ok::<_, SysfsError>(out)
+        })
+        .await
+        .map_err(|e| RescanError::Thread(e.to_string()))??;
+        let changes: Vec<(PciAddress, Option<DeviceFacts>)> = {
+            let mut inv = write(&self.inventory);
+            for (a, d) in &scanned {
+                match d {
+                    Some(d) => {
+                        if !d.errors.is_empty() {
+                            tracing::warn!(device = %a, problems = ?d.errors, "device read with problems");
+                        }
+                        inv.insert(*a, d.clone());
+                    }
+                    None => {
+                        inv.remove(a);
+                    }
+                }
+            }
+            let sel = read(&self.selection);
+            scanned
+                .iter()
+                .map(|(a, d)| {
+                    let facts = d.as_ref().map(|d| {
+                        let pf_netdevs: &[String] = d
+                            .physfn
+                            .and_then(|pf| inv.get(&pf))
+                            .map(|pf| pf.netdevs.as_slice())
+                            .unwrap_or(&[]);
+                        sel.fact(d, pf_netdevs)
+                    });
+                    (*a, facts)
+                })
+                .collect()
+        };
+        tracing::debug!(devices = changes.len(), "partial rescan");
+        self.writer.devices(changes).await?;
+        Ok(())
+    }
+}
+
+/// Adds a device's PF and VFs to `set`.
+fn relatives(dev: Option<&PciDevice>, set: &mut BTreeSet<PciAddress>) {
+    let Some(d) = dev else { return };
+    if let Some(pf) = d.physfn {
+        set.insert(pf);
+    }
+    if let Some(s) = &d.sriov {
+        set.extend(s.vfs.iter().copied());
+    }
+}

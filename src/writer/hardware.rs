@@ -1,0 +1,230 @@
+//! The writer's hardware commands: each is decided against the ledger, acted on through
+//! sysfs and committed with no other decision in between, so no claim can slip between
+//! a check ("no VF of this PF is claimed") and the write that relies on it.
+//!
+//! Order of durability: a vfio-pci binding is recorded (original drivers included)
+//! before the first sysfs write, so a crash mid-bind still knows what to give back. A
+//! release restores the drivers first and commits the free only once that worked; a
+//! failed restore leaves the claim in place and names the step.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{now_unix, Applied, Command, OrphanFree, Worker, WriteError};
+use crate::hardware::HardwareError;
+use crate::ledger::{BoundMember, ChangeSet, ReleaseRequest};
+use crate::metrics::Op;
+use crate::pci::{ConsumerId, Generation, PciAddress};
+
+/// Bind the IOMMU group of a claimed device to vfio-pci.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BindVfio {
+    pub address: PciAddress,
+    pub consumer: ConsumerId,
+    pub generation: Generation,
+}
+
+/// What a binding did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bound {
+    /// The device's generation after the binding was recorded.
+    pub generation: Generation,
+    pub members: Vec<BoundMember>,
+}
+
+/// Set the VF count of a PF.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetVfCount {
+    pub pf: PciAddress,
+    pub generation: Generation,
+    pub count: u32,
+    /// Written to `sriov_drivers_autoprobe` first, when given.
+    pub autoprobe: Option<bool>,
+}
+
+/// What a VF-count change did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VfCountSet {
+    /// The PF's generation after the change.
+    pub generation: Generation,
+    /// The VF count before.
+    pub before: u32,
+}
+
+impl Worker {
+    /// Whether a command must run alone (it writes to sysfs).
+    pub(super) fn acts_on_hardware(&self, cmd: &Command) -> bool {
+        match cmd {
+            Command::BindVfio(..) | Command::SetVfCount(..) => true,
+            Command::Release(req, _) => self.ledger.has_binding(req.address),
+            Command::FreeOrphans(list, _, _) => {
+                list.iter().any(|o| self.ledger.has_binding(o.address))
+            }
+            _ => false,
+        }
+    }
+
+    pub(super) fn run_alone(&mut self, cmd: Command) {
+        match cmd {
+            Command::BindVfio(req, reply) => {
+                let r = self.bind_vfio(&req);
+                self.count(Op::BindVfio, &r);
+                let _ = reply.send(r);
+            }
+            Command::SetVfCount(req, reply) => {
+                let r = self.set_vf_count(&req);
+                self.count(Op::SetVfCount, &r);
+                let _ = reply.send(r);
+            }
+            Command::Release(req, reply) => {
+                let r = self.release_restoring(&req);
+                self.count(Op::Release, &r);
+                let _ = reply.send(r);
+            }
+            Command::FreeOrphans(list, request_id, reply) => {
+                let mut out = Vec::with_capacity(list.len());
+                for OrphanFree {
+                    address,
+                    consumer,
+                    generation,
+                } in list
+                {
+                    let req = ReleaseRequest {
+                        address,
+                        consumer,
+                        request_id: request_id.clone(),
+                        generation,
+                    };
+                    let r = self.release_restoring(&req);
+                    if let Err(e) = &r {
+                        tracing::warn!(device = %address, error = %e, "orphan not freed");
+                    }
+                    out.push(r);
+                }
+                let _ = reply.send(Ok(out));
+            }
+            other => self.run_batch(vec![other]),
+        }
+    }
+
+    fn count<T>(&self, op: Op, r: &Result<T, WriteError>) {
+        match r {
+            Ok(_) => self.metrics.applied(op, false),
+            Err(WriteError::Ledger(e)) => self.metrics.rejected(e.reason()),
+            Err(WriteError::Hardware(_)) => self.metrics.rejected("HARDWARE_STEP_FAILED"),
+            Err(_) => {}
+        }
+    }
+
+    /// Commits one change set on its own and publishes it; on failure it is undone.
+    fn commit_one(&mut self, cs: ChangeSet) -> Result<(), WriteError> {
+        if cs.is_empty() {
+            return Ok(());
+        }
+        let before = self.view_now();
+        let started = Instant::now();
+        let r = self.store.commit(std::slice::from_ref(&cs));
+        self.metrics.commit(started.elapsed(), r.is_ok());
+        self.set_store_error(r.as_ref().err().map(|e| e.to_string()));
+        match r {
+            Ok(()) => {
+                self.publish(&before, std::slice::from_ref(&cs));
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "store commit failed; the change is undone");
+                self.ledger.undo(&cs);
+                Err(WriteError::Store(Arc::new(e)))
+            }
+        }
+    }
+
+    fn bind_vfio(&mut self, req: &BindVfio) -> Result<Bound, WriteError> {
+        let hw = self.hardware.clone().ok_or(HardwareError::Disabled)?;
+        let plan = self
+            .ledger
+            .bind_plan(req.address, req.consumer, req.generation)?;
+        let mut members = Vec::with_capacity(plan.members.len());
+        for m in &plan.members {
+            let recorded = plan
+                .existing
+                .as_ref()
+                .and_then(|b| b.members.iter().find(|x| x.address == *m));
+            let original_driver = match recorded {
+                Some(r) => r.original_driver.clone(),
+                None => hw.driver(*m, "read current driver")?,
+            };
+            members.push(BoundMember {
+                address: *m,
+                original_driver,
+            });
+        }
+        let (generation, cs) = self.ledger.record_binding(
+            req.address,
+            req.consumer,
+            req.generation,
+            members.clone(),
+        )?;
+        self.commit_one(cs)?;
+        for m in &members {
+            hw.bind_vfio(m.address)?;
+            tracing::info!(device = %m.address, claimed = %req.address, original_driver = m.original_driver.as_deref().unwrap_or("none"), "bound to vfio-pci");
+        }
+        Ok(Bound {
+            generation,
+            members,
+        })
+    }
+
+    /// A release that first gives a recorded binding back (only if the ledger would
+    /// accept the release: checked on an O(1) copy of it).
+    fn release_restoring(&mut self, req: &ReleaseRequest) -> Result<Applied, WriteError> {
+        let now = now_unix();
+        if let Some(binding) =
+            self.ledger
+                .binding_to_restore(req.address, req.consumer, req.generation)
+        {
+            let mut trial = self.ledger.clone();
+            trial.release(req, now)?;
+            let hw = self.hardware.clone().ok_or(HardwareError::Disabled)?;
+            for m in &binding.members {
+                if !self.ledger.record_at(m.address).is_some_and(|r| r.present) {
+                    tracing::warn!(device = %m.address, "bound member is gone; nothing to restore");
+                    continue;
+                }
+                hw.restore_driver(m.address, m.original_driver.as_deref())?;
+                tracing::info!(device = %m.address, driver = m.original_driver.as_deref().unwrap_or("none"), "original driver restored");
+            }
+        }
+        let (outcome, cs) = self.ledger.release(req, now)?;
+        let replayed = cs.is_empty();
+        self.commit_one(cs)?;
+        Ok(Applied { outcome, replayed })
+    }
+
+    fn set_vf_count(&mut self, req: &SetVfCount) -> Result<VfCountSet, WriteError> {
+        let hw = self.hardware.clone().ok_or(HardwareError::Disabled)?;
+        self.ledger.check_vf_change(req.pf, req.generation)?;
+        let result = hw.set_num_vfs(req.pf, req.count, req.autoprobe);
+        let wrote = match &result {
+            Ok(_) => true,
+            Err(
+                HardwareError::NotPhysicalFunction { .. }
+                | HardwareError::TooManyVfs { .. }
+                | HardwareError::Read { .. },
+            ) => false,
+            Err(_) => true,
+        };
+        let mut generation = req.generation;
+        if wrote {
+            // Written or half-written, the PF gets a new generation: whoever holds the
+            // old one must look again.
+            let cs = self.ledger.touch(req.pf);
+            generation = cs.host_generation;
+            self.commit_one(cs)?;
+            tracing::info!(pf = %req.pf, count = req.count, ok = result.is_ok(), "VF count written");
+        }
+        let before = result?;
+        Ok(VfCountSet { generation, before })
+    }
+}
