@@ -433,7 +433,17 @@ impl HostDev for HostDevService {
         if claimed && !replay {
             self.check_free(rel.address).await?;
         }
-        let applied = self.writer.release(rel).await.map_err(ApiError::from)?;
+        let bound: BTreeSet<PciAddress> = self
+            .writer
+            .view()
+            .device(rel.address)
+            .filter_map(|v| v.record.claim.as_ref().and_then(|c| c.vfio.clone()))
+            .flat_map(|b| b.members.into_iter().map(|m| m.address))
+            .collect();
+        let result = self.writer.release(rel).await;
+        // The drivers were given back (or a step failed): show what sysfs says now.
+        self.rescan(bound).await;
+        let applied = result.map_err(ApiError::from)?;
         Ok(Response::new(proto::ReleaseResponse {
             address: applied.outcome.address().to_string(),
             generation: applied.outcome.generation().0,

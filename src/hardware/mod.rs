@@ -143,8 +143,11 @@ impl Hardware {
         let spawned = std::thread::Builder::new()
             .name("hostdevd-sysfs-write".into())
             .spawn(move || {
+                // O_TRUNC as a shell's `echo v > attr`: sysfs ignores it; a regular
+                // file (a test tree) then holds exactly the value.
                 let r = std::fs::OpenOptions::new()
                     .write(true)
+                    .truncate(true)
                     .open(&p)
                     .and_then(|mut f| f.write_all(v.as_bytes()));
                 let _ = tx.send(r);

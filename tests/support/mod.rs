@@ -5,6 +5,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub use hostdevd::simhost as fakesys;
+pub mod fakekernel;
 pub mod lspci;
 pub mod server;
 

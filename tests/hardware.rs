@@ -1,0 +1,378 @@
+//! Hardware actions and hotplug through the real agent on a real socket, on a fake
+//! sysfs tree whose kernel side is played by `support::fakekernel` (it answers sysfs
+//! writes as the kernel would and sends real netlink uevents, so this needs root, which
+//! CI has). The same actions against a real kernel are in tests/vm/.
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::config::Config;
+use hostdevd::simhost::{FakeSys, FakeTree};
+use support::fakekernel::{send_uevent, FakeKernel};
+use tonic::transport::Channel;
+use tonic::Code;
+use tonic_types::StatusExt;
+
+const PF: &str = "0000:3b:00.0";
+
+fn require_root() {
+    assert!(
+        nix::unistd::Uid::effective().is_root(),
+        "tests/hardware.rs needs root (netlink uevents are sent as the kernel would); CI runs as root"
+    );
+}
+
+/// A PF with 4 VFs on iavf, each VF in its own IOMMU group, and a device on vfio-pci
+/// (so the vfio-pci driver is "loaded").
+fn tree() -> FakeTree {
+    let mut f = FakeSys::new();
+    f.pf(PF, 0x8086, 0x1572, 8, 4).driver(PF, "i40e");
+    f.vf_driver(PF, "iavf").vf_iommu_groups(PF, 40);
+    f.device("0000:5e:00.0", 0x10de, 0x1db6)
+        .driver("0000:5e:00.0", "vfio-pci")
+        .iommu_group("0000:5e:00.0", 90);
+    f.build()
+}
+
+async fn start(t: &FakeTree, step_timeout_ms: u64, rcvbuf: usize) -> support::server::TestServer {
+    let mut cfg = Config {
+        sysfs_root: t.sysfs_root().to_path_buf(),
+        dev_root: t.dev_root().to_path_buf(),
+        ..Config::default()
+    };
+    cfg.libvirt.enabled = false;
+    cfg.hardware.step_timeout_ms = step_timeout_ms;
+    cfg.hotplug.receive_buffer_bytes = rcvbuf;
+    // A proc tree of the test's own: empty unless a test plants a holder in it.
+    cfg.proc_root = t.sysfs_root().join("fake-proc");
+    std::fs::create_dir_all(&cfg.proc_root).expect("fake proc");
+    support::server::TestServer::start(cfg, 0o600, vec![0], None).await
+}
+
+fn owner(n: u128) -> proto::Owner {
+    proto::Owner {
+        consumer_id: uuid::Uuid::from_u128(n).to_string(),
+        label: format!("vm-{n}"),
+    }
+}
+
+async fn device(c: &mut HostDevClient<Channel>, a: &str) -> Option<proto::Device> {
+    c.get_device(proto::GetDeviceRequest { address: a.into() })
+        .await
+        .ok()
+        .and_then(|r| r.into_inner().device)
+}
+
+async fn vf(c: &mut HostDevClient<Channel>, i: usize) -> String {
+    let pf = device(c, PF).await.expect("PF");
+    pf.sriov.expect("sriov").vfs[i].clone()
+}
+
+/// Polls until `f` holds of the device list, or fails after 10 s.
+async fn until(
+    c: &mut HostDevClient<Channel>,
+    what: &str,
+    f: impl Fn(&[proto::Device]) -> bool,
+) -> Vec<proto::Device> {
+    let start = Instant::now();
+    loop {
+        let list = c
+            .list_devices(proto::ListDevicesRequest {})
+            .await
+            .expect("list")
+            .into_inner()
+            .devices;
+        if f(&list) {
+            return list;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn reason(s: &tonic::Status) -> (String, HashMap<String, String>) {
+    let i = s.get_details_error_info().expect("ErrorInfo");
+    (i.reason, i.metadata)
+}
+
+async fn claim(
+    c: &mut HostDevClient<Channel>,
+    a: &str,
+    who: u128,
+    vfio: bool,
+) -> Result<proto::ClaimResponse, tonic::Status> {
+    let g = device(c, a).await.expect("device").generation;
+    c.claim(proto::ClaimRequest {
+        owner: Some(owner(who)),
+        request_id: format!("claim-{a}-{g}"),
+        target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+            address: a.into(),
+            expected_generation: g,
+        })),
+        vfio,
+    })
+    .await
+    .map(|r| r.into_inner())
+}
+
+async fn release(
+    c: &mut HostDevClient<Channel>,
+    a: &str,
+    who: u128,
+) -> Result<proto::ReleaseResponse, tonic::Status> {
+    let g = device(c, a).await.expect("device").generation;
+    c.release(proto::ReleaseRequest {
+        address: a.into(),
+        owner: Some(owner(who)),
+        request_id: format!("release-{a}-{g}"),
+        generation: g,
+    })
+    .await
+    .map(|r| r.into_inner())
+}
+
+async fn set_vfs(
+    c: &mut HostDevClient<Channel>,
+    count: u32,
+    generation: u64,
+) -> Result<proto::SetVfCountResponse, tonic::Status> {
+    c.set_vf_count(proto::SetVfCountRequest {
+        address: PF.into(),
+        vf_count: count,
+        generation,
+        drivers_autoprobe: Some(false),
+    })
+    .await
+    .map(|r| r.into_inner())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_with_vfio_binds_and_release_restores_the_driver() {
+    require_root();
+    let t = tree();
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 1).await;
+
+    let r = claim(&mut c, &a, 7, true).await.expect("claim --vfio");
+    let d = device(&mut c, &a).await.expect("device");
+    assert_eq!(d.driver, "vfio-pci");
+    assert_eq!(
+        d.generation, r.generation,
+        "the answer carries the generation after binding"
+    );
+    assert_eq!(d.vfio_binding.len(), 1);
+    assert_eq!(d.vfio_binding[0].original_driver, "iavf");
+    assert!(
+        t.dev_root().join("vfio/41").exists(),
+        "the group node appeared"
+    );
+    assert!(d.vfio_group.ends_with("vfio/41"), "{:?}", d.vfio_group);
+    let override_now =
+        std::fs::read_to_string(t.bus_link(&a).join("driver_override")).expect("override");
+    assert_eq!(override_now.trim(), "vfio-pci");
+
+    // A stale generation binds nothing.
+    let e = c
+        .prepare_vfio(proto::PrepareVfioRequest {
+            address: a.clone(),
+            owner: Some(owner(7)),
+            generation: 1,
+        })
+        .await
+        .expect_err("stale");
+    assert_eq!(e.code(), Code::Aborted);
+
+    // A process holding the group open (as QEMU would) blocks the release, and the
+    // device stays on vfio-pci.
+    let holder = t.sysfs_root().join("fake-proc/4242");
+    std::fs::create_dir_all(holder.join("fd")).expect("holder");
+    std::fs::write(holder.join("comm"), "qemu-system-x86\n").expect("comm");
+    std::fs::write(
+        holder.join("cmdline"),
+        "qemu-system-x86_64\0-name\0guest=vm-7\0",
+    )
+    .expect("cmdline");
+    std::os::unix::fs::symlink(t.dev_root().join("vfio/41"), holder.join("fd/12")).expect("fd");
+    let e = release(&mut c, &a, 7).await.expect_err("held open");
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    let (why, meta) = reason(&e);
+    assert_eq!(why, "VFIO_GROUP_IN_USE");
+    assert_eq!(meta.get("holder_pid").map(String::as_str), Some("4242"));
+    assert_eq!(device(&mut c, &a).await.expect("device").driver, "vfio-pci");
+    std::fs::remove_dir_all(&holder).expect("holder exits");
+
+    release(&mut c, &a, 7).await.expect("release");
+    let d = device(&mut c, &a).await.expect("device");
+    assert_eq!(d.driver, "iavf", "original driver back");
+    assert_eq!(d.state, proto::DeviceState::Free as i32);
+    assert!(d.vfio_binding.is_empty());
+    assert!(!t.dev_root().join("vfio/41").exists());
+    let override_now =
+        std::fs::read_to_string(t.bus_link(&a).join("driver_override")).expect("override");
+    assert_eq!(override_now.trim(), "(null)");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_restore_keeps_the_claim_and_names_the_step() {
+    require_root();
+    let t = tree();
+    let k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 300, 1 << 20).await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 2).await;
+    claim(&mut c, &a, 8, true).await.expect("claim --vfio");
+    // The kernel stops answering: the unbind is written but never happens.
+    drop(k);
+    let before = device(&mut c, &a).await.expect("device");
+    let e = release(&mut c, &a, 8)
+        .await
+        .expect_err("restore cannot finish");
+    assert_eq!(e.code(), Code::Internal, "{e:?}");
+    let (why, meta) = reason(&e);
+    assert_eq!(why, "HARDWARE_STEP_FAILED");
+    assert_eq!(
+        meta.get("step").map(String::as_str),
+        Some("unbind vfio-pci"),
+        "{meta:?}"
+    );
+    let after = device(&mut c, &a).await.expect("device");
+    assert_eq!(after.owner, before.owner, "the claim stands");
+    assert_eq!(after.state, proto::DeviceState::Claimed as i32);
+    assert_eq!(
+        after.vfio_binding, before.vfio_binding,
+        "the binding is still recorded"
+    );
+    // Once the kernel answers again, the same release goes through.
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    release(&mut c, &a, 8)
+        .await
+        .expect("release after the kernel answers");
+    let d = device(&mut c, &a).await.expect("device");
+    assert_eq!(d.driver, "iavf");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vf_count_changes_are_fenced_and_refused_while_a_vf_is_claimed() {
+    require_root();
+    let t = tree();
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let pf = device(&mut c, PF).await.expect("PF");
+    let listing = |l: &[proto::Device]| {
+        l.iter()
+            .map(|d| (d.address.clone(), d.generation, d.state))
+            .collect::<Vec<_>>()
+    };
+    let all_before = until(&mut c, "listing", |_| true).await;
+
+    let e = set_vfs(&mut c, 0, pf.generation + 100)
+        .await
+        .expect_err("stale");
+    assert_eq!(e.code(), Code::Aborted);
+    let e = set_vfs(&mut c, 9, pf.generation)
+        .await
+        .expect_err("more than total");
+    assert_eq!(reason(&e).0, "HARDWARE_PRECONDITION", "{e:?}");
+    let plain = device(&mut c, "0000:5e:00.0").await.expect("plain");
+    let e = c
+        .set_vf_count(proto::SetVfCountRequest {
+            address: "0000:5e:00.0".into(),
+            vf_count: 1,
+            generation: plain.generation,
+            drivers_autoprobe: None,
+        })
+        .await
+        .expect_err("not a PF");
+    assert_eq!(reason(&e).0, "NOT_A_PHYSICAL_FUNCTION");
+    assert_eq!(
+        listing(&until(&mut c, "listing", |_| true).await),
+        listing(&all_before),
+        "refusals change nothing"
+    );
+
+    let a = vf(&mut c, 0).await;
+    claim(&mut c, &a, 9, false).await.expect("claim");
+    let pf = device(&mut c, PF).await.expect("PF");
+    let e = set_vfs(&mut c, 0, pf.generation)
+        .await
+        .expect_err("a VF is claimed");
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    let (why, meta) = reason(&e);
+    assert_eq!(why, "VF_CLAIMED");
+    assert_eq!(meta.get("claimed_vf"), Some(&a));
+    let numvfs = std::fs::read_to_string(t.bus_link(PF).join("sriov_numvfs")).expect("numvfs");
+    assert_eq!(numvfs.trim(), "4", "nothing was written");
+
+    release(&mut c, &a, 9).await.expect("release");
+    let pf = device(&mut c, PF).await.expect("PF");
+    let r = set_vfs(&mut c, 0, pf.generation).await.expect("set 0");
+    assert_eq!(r.previous_vf_count, 4);
+    assert!(r.generation > pf.generation, "the PF moved on");
+    let autoprobe =
+        std::fs::read_to_string(t.bus_link(PF).join("sriov_drivers_autoprobe")).expect("autoprobe");
+    assert_eq!(autoprobe.trim(), "0");
+    // The VFs' remove uevents take them out of the ledger.
+    until(&mut c, "VFs gone", |l| !l.iter().any(|d| d.physfn == PF)).await;
+    let pf_now = device(&mut c, PF).await.expect("PF");
+    assert_eq!(pf_now.sriov.expect("sriov").num_vfs, 0);
+    let e = set_vfs(&mut c, 0, pf.generation)
+        .await
+        .expect_err("old generation");
+    assert_eq!(e.code(), Code::Aborted);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hotplug_removal_marks_a_claim_lost_and_an_overflow_rescans_everything() {
+    require_root();
+    let t = tree();
+    // The smallest receive buffer the kernel allows, so a burst overflows it.
+    let s = start(&t, 3000, 1).await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 3).await;
+    let b = vf(&mut c, 2).await;
+    claim(&mut c, &a, 10, false).await.expect("claim");
+
+    t.remove_device(&a);
+    send_uevent("remove", &a);
+    until(&mut c, "claimed VF lost", |l| {
+        l.iter()
+            .any(|d| d.address == a && d.state == proto::DeviceState::Lost as i32 && !d.present)
+    })
+    .await;
+    let pf = device(&mut c, PF).await.expect("PF");
+    assert!(
+        !pf.sriov.expect("sriov").vfs.contains(&a),
+        "the PF was rescanned with it"
+    );
+
+    // A free VF vanishes with no event, then a burst overflows the socket: the full
+    // rescan that follows finds the silent removal too.
+    t.remove_device(&b);
+    for i in 0..20_000u32 {
+        send_uevent("change", &format!("0000:fe:{:02x}.{}", (i / 8) % 32, i % 8));
+    }
+    until(&mut c, "silently removed VF gone after the resync", |l| {
+        !l.iter().any(|d| d.address == b)
+    })
+    .await;
+    let st = c
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner();
+    assert!(st.uevent_resyncs >= 1, "an overflow was seen: {st:?}");
+    assert!(st.hotplug.expect("hotplug").detail.contains("full rescan"));
+    s.stop().await;
+}
