@@ -225,7 +225,9 @@ fn refusal(r: &Run, code: i32) -> String {
     let lines: Vec<&str> = r
         .stderr
         .lines()
-        .filter(|l| !l.starts_with("hostdevctl: claiming"))
+        .filter(|l| {
+            !l.starts_with("hostdevctl: claiming") && !l.starts_with("hostdevctl: changing")
+        })
         .collect();
     assert_eq!(lines.len(), 1, "expected one error line: {r:?}");
     assert!(lines[0].starts_with("hostdevctl: "), "{r:?}");

@@ -829,7 +829,8 @@ async fn current_generation(
         )));
     };
     eprintln!(
-        "hostdevctl: {what} {address} at its current generation {} (read just now; controllers must pass --generation)",
+        "hostdevctl: {} {address} at its current generation {} (read just now; controllers must pass --generation)",
+        if what == "claim" { "claiming" } else { "changing" },
         d.generation
     );
     Ok(d.generation)
