@@ -164,3 +164,110 @@ impl Ledger {
         tx.cs
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{addr, ledger, owner, rid};
+    use super::*;
+    use crate::ledger::{ClaimRequest, ClaimTarget, ReleaseRequest};
+
+    fn claim(l: &mut Ledger, a: &str, who: u128) -> Generation {
+        let g = l.record_at(addr(a)).expect("present").generation;
+        let (o, _) = l
+            .claim(
+                &ClaimRequest {
+                    target: ClaimTarget::Address {
+                        address: addr(a),
+                        expected_generation: g,
+                    },
+                    owner: owner(who),
+                    request_id: rid(&format!("c-{a}")),
+                },
+                1,
+            )
+            .expect("claim");
+        o.generation()
+    }
+
+    #[test]
+    fn a_binding_covers_the_iommu_group_and_is_checked_like_a_release() {
+        let mut l = ledger();
+        let g = claim(&mut l, "0000:5e:00.0", 1);
+        let plan = l
+            .bind_plan(addr("0000:5e:00.0"), owner(1).consumer, g)
+            .expect("plan");
+        assert_eq!(
+            plan.members,
+            vec![addr("0000:5e:00.0"), addr("0000:5e:00.1")]
+        );
+        let before = l.clone();
+        assert!(matches!(
+            l.record_binding(addr("0000:5e:00.0"), owner(2).consumer, g, vec![]),
+            Err(LedgerError::WrongOwner { .. })
+        ));
+        assert!(matches!(
+            l.record_binding(
+                addr("0000:5e:00.0"),
+                owner(1).consumer,
+                Generation(g.0 - 1),
+                vec![]
+            ),
+            Err(LedgerError::StaleGeneration { .. })
+        ));
+        assert_eq!(l, before, "refusals change nothing");
+        let members = vec![BoundMember {
+            address: addr("0000:5e:00.0"),
+            original_driver: Some("iavf".into()),
+        }];
+        let (g2, cs) = l
+            .record_binding(addr("0000:5e:00.0"), owner(1).consumer, g, members.clone())
+            .expect("recorded");
+        assert!(g2 > g);
+        assert_eq!(cs.upserts.len(), 1);
+        assert!(l.has_binding(addr("0000:5e:00.0")));
+        assert_eq!(
+            l.binding_to_restore(addr("0000:5e:00.0"), owner(1).consumer, g2)
+                .map(|b| b.members),
+            Some(members)
+        );
+        // Undo (a failed commit) forgets the binding.
+        l.undo(&cs);
+        assert_eq!(l, before);
+    }
+
+    #[test]
+    fn vf_count_changes_need_the_pf_generation_and_no_claimed_vf() {
+        let mut l = ledger();
+        let pf = addr("0000:3b:00.0");
+        let g = l.record_at(pf).expect("pf").generation;
+        assert_eq!(l.check_vf_change(pf, g).expect("free").len(), 4);
+        assert!(matches!(
+            l.check_vf_change(
+                addr("0000:5e:00.0"),
+                l.record_at(addr("0000:5e:00.0")).expect("d").generation
+            ),
+            Err(LedgerError::NotPhysicalFunction { .. })
+        ));
+        let vg = claim(&mut l, "0000:3b:02.1", 3);
+        let err = l.check_vf_change(pf, g).expect_err("claimed VF");
+        assert!(matches!(err, LedgerError::VfClaimed { vf, .. } if vf == addr("0000:3b:02.1")));
+        l.release(
+            &ReleaseRequest {
+                address: addr("0000:3b:02.1"),
+                consumer: owner(3).consumer,
+                request_id: rid("r"),
+                generation: vg,
+            },
+            2,
+        )
+        .expect("release");
+        l.check_vf_change(pf, g).expect("free again");
+        let cs = l.touch(pf);
+        assert!(matches!(
+            l.check_vf_change(pf, g),
+            Err(LedgerError::StaleGeneration { .. })
+        ));
+        l.check_vf_change(pf, cs.host_generation)
+            .expect("new generation");
+    }
+}
