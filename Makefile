@@ -3,7 +3,7 @@
 #   make test   the whole test suite (what CI runs)
 #   make bench  the performance harness (writes BENCHMARKS.md)
 #   make package  the .deb and .rpm, into target/packages/
-.PHONY: demo test deps test-deps fmt clippy unit python doc bench package packaging
+.PHONY: demo test deps test-deps fmt clippy unit python doc bench package packaging vm
 
 demo: deps
 	cargo run --quiet --bin hostdevd -- demo
@@ -37,7 +37,12 @@ package: deps
 packaging:
 	./tests/packaging/run.sh
 
-test: test-deps fmt clippy unit doc python packaging
+# The real-kernel suite: Debian's 6.1 kernel under QEMU (TCG) with an emulated SR-IOV
+# NVMe controller and a virtual IOMMU (root; CI runs as root).
+vm:
+	./tests/vm/run.sh
+
+test: test-deps fmt clippy unit doc python vm packaging
 	@echo "make test: all suites passed"
 
 # The performance harness: end-to-end ratios (writes BENCHMARKS.md), then the criterion

@@ -16,6 +16,15 @@ if [ "${1:-}" = "--tests" ]; then
   command -v dpkg-shlibdeps >/dev/null 2>&1 || need+=(dpkg-dev)
   command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
   dpkg -s libvirt0 >/dev/null 2>&1 || need+=(libvirt0)
+  # The real-kernel suite (tests/vm/run.sh): QEMU (TCG), a static busybox for the
+  # initramfs, cpio and kmod to build it, xz for the kernel's compressed modules, file
+  # to tell a static busybox. The kernel package itself is downloaded by the suite.
+  command -v qemu-system-x86_64 >/dev/null 2>&1 || need+=(qemu-system-x86)
+  dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
+  command -v cpio >/dev/null 2>&1 || need+=(cpio)
+  command -v depmod >/dev/null 2>&1 || need+=(kmod)
+  command -v xz >/dev/null 2>&1 || need+=(xz-utils)
+  command -v file >/dev/null 2>&1 || need+=(file)
 fi
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 # libvirt: headers and pkg-config file to build the virt crate (libvirt-dev pulls in
