@@ -173,6 +173,7 @@ async fn claim_release(
     let t = Instant::now();
     let r = c
         .claim(proto::ClaimRequest {
+            vfio: false,
             owner: Some(owner(who)),
             request_id: format!("c{seq}"),
             target: Some(proto::claim_request::Target::Address(proto::ByAddress {
@@ -498,6 +499,7 @@ async fn main() {
     for (addr, g) in free_vfs(&mut c).await {
         k += 1;
         c.claim(proto::ClaimRequest {
+            vfio: false,
             owner: Some(owner(5000 + k)),
             request_id: "fill".into(),
             target: Some(proto::claim_request::Target::Address(proto::ByAddress {
