@@ -73,6 +73,8 @@ pub enum Command {
     /// Some devices rescanned: `None` means gone.
     Devices(Vec<(PciAddress, Option<DeviceFacts>)>, Reply<()>),
     Domains(Vec<DomainDevices>, Reply<()>),
+    /// Answered once every command queued before it is decided and committed.
+    Sync(Reply<()>),
     /// Free orphans found by a reconcile (each result in order).
     FreeOrphans(
         Vec<OrphanFree>,
@@ -339,6 +341,10 @@ impl Writer {
     ) -> Result<(), WriteError> {
         self.call(|r| Command::Devices(changes, r)).await
     }
+    /// Returns once every command sent before it has been decided and committed.
+    pub async fn sync(&self) -> Result<(), WriteError> {
+        self.call(Command::Sync).await
+    }
     pub async fn domains(&self, domains: Vec<DomainDevices>) -> Result<(), WriteError> {
         self.call(|r| Command::Domains(domains, r)).await
     }
@@ -473,6 +479,7 @@ impl Worker {
                 changes.push(self.ledger.apply_domains(domains));
                 Pending::Unit(reply)
             }
+            Command::Sync(reply) => Pending::Unit(reply),
             // Routed to `run_alone` by `run`; answered here only if one slips through.
             Command::BindVfio(_, reply) => {
                 let _ = reply.send(Err(WriteError::Hardware(HardwareError::Disabled)));

@@ -657,7 +657,16 @@ impl HostDev for HostDevService {
                 match rx.recv().await {
                     Ok(e) if e.generation() <= from => continue,
                     Ok(e) => {
-                        if tx.send(Ok(this.event_to_proto(&e))).await.is_err() {
+                        // A consumer that lets its buffer fill is cut off at once, with
+                        // the last slot kept for the status that says so: the agent never
+                        // waits on a slow client, and its memory per stream stays bounded.
+                        if tx.capacity() <= 1 {
+                            let _ = tx.try_send(Err(Status::resource_exhausted(format!(
+                                "watcher fell {WATCH_CLIENT_BUFFER} events behind and was cut off; resume with Watch from the last generation received"
+                            ))));
+                            return;
+                        }
+                        if tx.try_send(Ok(this.event_to_proto(&e))).is_err() {
                             return;
                         }
                     }
@@ -708,10 +717,13 @@ impl HostDev for HostDevService {
         let r = req.get_ref();
         let consumer = convert::consumer("consumer_id", &r.consumer_id)?;
         let request_id = convert::request_id(&r.request_id)?;
+        // Wait for every command already queued (the vanished client's among them) to
+        // be decided and committed, so the answer covers them.
+        self.writer.sync().await.map_err(ApiError::from)?;
         let view = self.writer.view();
         let entry = view.ledger.request(consumer, &request_id).ok_or_else(|| {
             ApiError::NotFound(format!(
-                "no request {request_id} of consumer {consumer} is recorded: it was never applied (or was pruned), so it is safe to retry"
+                "no request {request_id} of consumer {consumer} is recorded: it was not applied (or was pruned). Retry with the same request id: if the lost call is still being handled, the retry gets its answer instead of a second change"
             ))
         })?;
         let operation = match entry.outcome {
