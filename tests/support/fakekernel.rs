@@ -149,7 +149,11 @@ fn tick(sysfs: &Path, dev: &Path) {
         if let Some(dir) = dev_dir(sysfs, &a) {
             let ov = fs::read_to_string(dir.join("driver_override")).unwrap_or_default();
             let ov = ov.trim();
-            if !ov.is_empty() && ov != "(null)" {
+            if dir.join("driver").exists() {
+                // The kernel's unbind is synchronous; here it may still be pending in
+                // its file: probe on a later tick, after it.
+                let _ = fs::write(bus.join("drivers_probe"), &a);
+            } else if !ov.is_empty() && ov != "(null)" {
                 do_bind(sysfs, dev, &a, ov);
             }
         }
