@@ -723,7 +723,7 @@ impl HostDev for HostDevService {
         let view = self.writer.view();
         let entry = view.ledger.request(consumer, &request_id).ok_or_else(|| {
             ApiError::NotFound(format!(
-                "no request {request_id} of consumer {consumer} is recorded: it was not applied (or was pruned). Retry with the same request id: if the lost call is still being handled, the retry gets its answer instead of a second change"
+                "no request {request_id} of consumer {consumer} is recorded: it was not applied (or was pruned), so it is safe to retry with the same request id: if the lost call is still being handled, the retry gets its answer instead of a second change"
             ))
         })?;
         let operation = match entry.outcome {

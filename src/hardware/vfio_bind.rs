@@ -52,27 +52,42 @@ impl Hardware {
         Ok(original)
     }
 
-    /// Gives `address` back to `original` (or leaves it unbound for `None`): clears
-    /// `driver_override`, unbinds from vfio-pci, then binds the original driver through
-    /// its `bind` file, and waits until the `driver` link names it. An original of
-    /// vfio-pci itself means the device was on vfio-pci before hostdevd touched it:
-    /// only the override is cleared.
+    /// The device's `driver_override` now (`None`: unset, shown as "(null)").
+    pub fn driver_override(&self, address: PciAddress) -> Result<Option<String>, HardwareError> {
+        let path = self.device_dir(address).join("driver_override");
+        match crate::sysfs::attr::read_optional_text(&path) {
+            Ok(v) => Ok(v
+                .as_deref()
+                .and_then(crate::sysfs::attr::parse_driver_override)),
+            Err(e) => Err(HardwareError::Read {
+                address,
+                step: "read driver_override",
+                path,
+                detail: e.full_message(),
+            }),
+        }
+    }
+
+    /// Gives `address` back to `original` (or leaves it unbound for `None`): unbinds
+    /// vfio-pci, then names the original driver in `driver_override` and probes, which
+    /// works even for a VF whose PF has `sriov_drivers_autoprobe` off (the kernel probes
+    /// a VF only with autoprobe on or an override set); then puts the override back as
+    /// it was (`original_override`, or cleared). An original of vfio-pci itself means
+    /// the device was on vfio-pci before hostdevd touched it: only the override is put
+    /// back.
     pub fn restore_driver(
         &self,
         address: PciAddress,
         original: Option<&str>,
+        original_override: Option<&str>,
     ) -> Result<(), HardwareError> {
         let dir = self.device_dir(address);
         let addr = address.to_string();
+        let override_path = dir.join("driver_override");
         // An empty line clears the override (the kernel then shows "(null)").
-        self.write(
-            address,
-            "clear driver_override",
-            &dir.join("driver_override"),
-            "\n",
-        )?;
+        let put_back = original_override.unwrap_or("\n");
         if original == Some(VFIO_PCI_DRIVER) {
-            return Ok(());
+            return self.write(address, "restore driver_override", &override_path, put_back);
         }
         let now = self.driver(address, "read current driver")?;
         if now.is_some() && now.as_deref() != original {
@@ -84,19 +99,36 @@ impl Hardware {
             )?;
             self.wait_driver(address, "unbind vfio-pci", None)?;
         }
-        if let Some(orig) = original {
-            if now.as_deref() != Some(orig) {
-                let bind = self.bus_path(&format!("drivers/{orig}/bind"));
-                if !bind.exists() {
+        match original {
+            Some(orig) if now.as_deref() != Some(orig) => {
+                let drv = self.bus_path(&format!("drivers/{orig}"));
+                if !drv.is_dir() {
                     return Err(HardwareError::DriverMissing {
                         address,
                         driver: orig.to_string(),
-                        path: bind,
+                        path: drv,
                     });
                 }
-                self.write(address, "bind original driver", &bind, &addr)?;
+                self.write(
+                    address,
+                    "name the original driver in driver_override",
+                    &override_path,
+                    orig,
+                )?;
+                self.write(
+                    address,
+                    "probe original driver",
+                    &self.bus_path("drivers_probe"),
+                    &addr,
+                )?;
+                self.wait_driver(address, "probe original driver", Some(orig))?;
             }
+            _ => {}
         }
-        self.wait_driver(address, "bind original driver", original)
+        self.write(address, "restore driver_override", &override_path, put_back)?;
+        if original.is_none() {
+            self.wait_driver(address, "leave unbound", None)?;
+        }
+        Ok(())
     }
 }

@@ -218,6 +218,7 @@ mod tests {
         let members = vec![BoundMember {
             address: addr("0000:5e:00.0"),
             original_driver: Some("iavf".into()),
+            original_override: None,
         }];
         let (g2, cs) = l
             .record_binding(addr("0000:5e:00.0"), owner(1).consumer, g, members.clone())

@@ -49,6 +49,10 @@ pub struct VfioBinding {
 pub struct BoundMember {
     pub address: PciAddress,
     pub original_driver: Option<String>,
+    /// Its `driver_override` before (put back on release): with
+    /// `sriov_drivers_autoprobe` off, an override is how a VF got its driver at all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub original_override: Option<String>,
 }
 
 /// A libvirt domain as the ledger sees it.

@@ -150,14 +150,15 @@ impl Worker {
                 .existing
                 .as_ref()
                 .and_then(|b| b.members.iter().find(|x| x.address == *m));
-            let original_driver = match recorded {
-                Some(r) => r.original_driver.clone(),
-                None => hw.driver(*m, "read current driver")?,
+            let member = match recorded {
+                Some(r) => r.clone(),
+                None => BoundMember {
+                    address: *m,
+                    original_driver: hw.driver(*m, "read current driver")?,
+                    original_override: hw.driver_override(*m)?,
+                },
             };
-            members.push(BoundMember {
-                address: *m,
-                original_driver,
-            });
+            members.push(member);
         }
         let (generation, cs) = self.ledger.record_binding(
             req.address,
@@ -192,7 +193,11 @@ impl Worker {
                     tracing::warn!(device = %m.address, "bound member is gone; nothing to restore");
                     continue;
                 }
-                hw.restore_driver(m.address, m.original_driver.as_deref())?;
+                hw.restore_driver(
+                    m.address,
+                    m.original_driver.as_deref(),
+                    m.original_override.as_deref(),
+                )?;
                 tracing::info!(device = %m.address, driver = m.original_driver.as_deref().unwrap_or("none"), "original driver restored");
             }
         }

@@ -3,9 +3,9 @@
 # emulated SR-IOV NVMe controller and a virtual IOMMU, and runs the host-built hostdevd
 # and hostdevctl inside it (tests/vm/guest.py) against the guest's real sysfs.
 #
-# Needs root and Debian's qemu-system-x86, busybox-static, cpio, kmod, pciutils (CI
-# installs them through scripts/deps.sh --tests); a missing tool is a failure, never a
-# skip. The kernel package is downloaded once into target/vm/.
+# Needs root and Debian's qemu-system-x86, busybox-static, cpio, kmod, pciutils, python3
+# (installed here through scripts/deps.sh --tests); a tool still missing after that is a
+# failure, never a skip. The kernel package is downloaded once into target/vm/.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -15,20 +15,33 @@ mkdir -p "$work"
 
 fail() { echo "tests/vm: FAIL: $*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || fail "needs root (CI runs as root)"
-for tool in qemu-system-x86_64 cpio depmod modprobe lspci xz objcopy; do
+"$repo/scripts/deps.sh" --tests || fail "scripts/deps.sh --tests could not install the tools"
+for tool in qemu-system-x86_64 cpio depmod modprobe lspci xz objcopy dpkg-deb apt-get timeout gzip; do
     command -v "$tool" >/dev/null || fail "$tool is missing (run scripts/deps.sh --tests)"
 done
 busybox=/bin/busybox
 [ -x "$busybox" ] && "$busybox" --list | grep -qx insmod || fail "a static busybox is missing (Debian package busybox-static)"
 file -L "$busybox" 2>/dev/null | grep -q "statically linked" || fail "$busybox is not static (install busybox-static)"
+# The guest runs the host's own python3 and lspci through the chroot.
+[ -x /usr/bin/python3 ] || fail "/usr/bin/python3 is missing (Debian package python3)"
 
-# 1. The kernel: the newest linux-image-6.1.0-N-amd64-unsigned the archive offers.
-deb=$(ls "$work"/linux-image-6.1.0-*-amd64-unsigned_*.deb 2>/dev/null | sort -V | tail -1 || true)
+# 1. The kernel: the newest linux-image-6.1.0-N-amd64-unsigned the apt sources offer,
+# downloaded once (older ones in the cache are dropped).
+newest() { apt-cache search --names-only '^linux-image-6\.1\.0-[0-9]+-amd64-unsigned$' | awk '{print $1}' | sort -V | tail -1; }
+pkg=$(newest)
+# A fresh machine may have no package lists yet.
+[ -n "$pkg" ] || { apt-get update -qq && pkg=$(newest); }
+[ -n "$pkg" ] || fail "no linux-image-6.1.0-*-amd64-unsigned package in the apt sources"
+deb=$(ls "$work/${pkg}"_*.deb 2>/dev/null | sort -V | tail -1 || true)
 if [ -z "$deb" ]; then
-    pkg=$(apt-cache search --names-only '^linux-image-6\.1\.0-[0-9]+-amd64-unsigned$' | awk '{print $1}' | sort -V | tail -1)
-    [ -n "$pkg" ] || fail "no linux-image-6.1.0-*-amd64-unsigned package in the apt sources"
-    (cd "$work" && apt-get download "$pkg") || fail "cannot download $pkg"
-    deb=$(ls "$work"/linux-image-6.1.0-*-amd64-unsigned_*.deb | sort -V | tail -1)
+    # Stale package lists name a version the mirror no longer has: update once and retry.
+    (cd "$work" && apt-get download -qq "$pkg") ||
+        { apt-get update -qq && pkg=$(newest) && (cd "$work" && apt-get download -qq "$pkg"); } ||
+        fail "cannot download $pkg"
+    deb=$(ls "$work/${pkg}"_*.deb | sort -V | tail -1)
+    for old in "$work"/linux-image-6.1.0-*-amd64-unsigned_*.deb; do
+        [ "$old" = "$deb" ] || rm -f "$old"
+    done
 fi
 kdir="$work/kernel"
 if [ ! -f "$kdir/.from" ] || [ "$(cat "$kdir/.from")" != "$(basename "$deb")" ]; then
@@ -54,7 +67,7 @@ initrd="$work/initramfs"
 rm -rf "$initrd"; mkdir -p "$initrd"/{bin,proc,sys,dev,mnt/host,mnt/out,lib/modules}
 cp "$busybox" "$initrd/bin/busybox"
 : > "$initrd/modules.list"
-for mod in virtio_pci 9pnet_virtio 9p nvme vfio_iommu_type1 vfio-pci; do
+for mod in virtio_pci 9pnet_virtio 9p nvme vfio_iommu_type1 vfio-pci pci-stub; do
     modprobe -d "$kdir" -S "$kver" --show-depends "$mod" | while read -r kind path rest; do
         [ "$kind" = insmod ] || continue
         name=$(basename "$path"); name=${name%.xz}
@@ -75,7 +88,7 @@ mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 while read -r m args; do insmod /lib/modules/\$m \$args || echo "insmod \$m failed"; done < /modules.list
-mount -t 9p -o trans=virtio,version=9p2000.L,ro hostroot /mnt/host || echo "mount hostroot failed"
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=512000 hostroot /mnt/host || echo "mount hostroot failed"
 mount -t 9p -o trans=virtio,version=9p2000.L out /mnt/out || echo "mount out failed"
 for d in proc sys dev; do mount --bind /\$d /mnt/host/\$d; done
 mount -t tmpfs tmpfs /mnt/host/tmp
@@ -94,7 +107,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 started=$(date +%s)
 set +e
-timeout 300 qemu-system-x86_64 -accel tcg -machine q35,kernel-irqchip=split -m 1024 -smp 2 \
+timeout 400 qemu-system-x86_64 -accel tcg -machine q35,kernel-irqchip=split -m 1024 -smp 2 \
     -nographic -no-reboot \
     -device intel-iommu,intremap=on,caching-mode=on \
     -kernel "$vmlinuz" -initrd "$work/initramfs.gz" \
@@ -108,7 +121,9 @@ qemu_rc=$?
 set -e
 took=$(( $(date +%s) - started ))
 rc=$(cat "$out/rc" 2>/dev/null || echo none)
-cp "$out/guest.log" "$work/guest.log" 2>/dev/null || true
+rm -f "$work/guest.log" "$work/hostdevd.log"
+cp "$out/guest.log" "$out/hostdevd.log" "$work/" 2>/dev/null || true
+[ "$qemu_rc" = 124 ] && echo "tests/vm: the guest did not power off within 400s" >&2
 if [ "$rc" != 0 ]; then
     echo "---- guest console ($work/console.log) ----" >&2
     cat "$work/console.log" >&2
