@@ -3,7 +3,7 @@
 #   make test   the whole test suite (what CI runs)
 #   make bench  the performance harness (writes BENCHMARKS.md)
 #   make package  the .deb and .rpm, into target/packages/
-.PHONY: demo test deps test-deps fmt clippy unit python doc bench package packaging vm
+.PHONY: demo test deps test-deps fmt clippy unit python doc bench package packaging vm torture
 
 demo: deps
 	cargo run --quiet --bin hostdevd -- demo
@@ -44,6 +44,11 @@ vm:
 
 test: test-deps fmt clippy unit doc python vm packaging
 	@echo "make test: all suites passed"
+
+# The long crash torture (SIGKILL under concurrent clients, 500 rounds); `make test`
+# runs a bounded version of it.
+torture:
+	HOSTDEVD_TORTURE_ROUNDS=500 cargo test --release --test crash_torture -- --nocapture
 
 # The performance harness: end-to-end ratios (writes BENCHMARKS.md), then the criterion
 # micro-benchmarks.
