@@ -91,8 +91,12 @@ while read -r m args; do insmod /lib/modules/\$m \$args || echo "insmod \$m fail
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=512000 hostroot /mnt/host || echo "mount hostroot failed"
 mount -t 9p -o trans=virtio,version=9p2000.L out /mnt/out || echo "mount out failed"
 for d in proc sys dev; do mount --bind /\$d /mnt/host/\$d; done
+mkdir -p /mnt/orig
+mount --bind /mnt/host /mnt/orig
 mount -t tmpfs tmpfs /mnt/host/tmp
 mount -t tmpfs tmpfs /mnt/host/run
+# A checkout under /tmp or /run would be hidden by those tmpfs: bring it back.
+case "$repo" in /tmp/*|/run/*) mkdir -p "/mnt/host$repo" && mount --bind "/mnt/orig$repo" "/mnt/host$repo" ;; esac
 mount --bind /mnt/out /mnt/host/mnt
 chroot /mnt/host /usr/bin/python3 "$repo/tests/vm/guest.py" "$work/bin" /mnt > /mnt/out/guest.log 2>&1
 echo \$? > /mnt/out/rc
