@@ -3,7 +3,9 @@
 #   make test   the whole test suite (what CI runs)
 #   make bench  the performance harness (writes BENCHMARKS.md)
 #   make package  the .deb and .rpm, into target/packages/
-.PHONY: demo test deps test-deps fmt clippy unit python doc bench package packaging vm torture
+#   make fuzz     every cargo-fuzz target for FUZZ_SECONDS (25) each
+#   make deny     cargo deny: licences, bans, sources (advisories where reachable)
+.PHONY: demo test deps test-deps fmt clippy unit python doc bench package packaging vm torture fuzz deny
 
 demo: deps
 	cargo run --quiet --bin hostdevd -- demo
@@ -55,3 +57,18 @@ torture:
 bench: deps
 	cargo bench --bench e2e
 	cargo bench --bench micro
+
+# Every fuzz target for a bounded time; fails on a crash (see fuzz/run.sh).
+FUZZ_SECONDS ?= 25
+fuzz: deps
+	FUZZ_SECONDS=$(FUZZ_SECONDS) ./fuzz/run.sh
+
+# Licences, bans and sources always. The advisory database is fetched from github.com,
+# which this project's machines cannot reach; HOSTDEVD_DENY_ADVISORIES=1 adds the
+# advisories check where it can be fetched.
+deny:
+	./scripts/deps.sh --deny
+	PATH="$(CURDIR)/target/tools/bin:$$PATH" cargo deny check licenses bans sources
+	if [ "$${HOSTDEVD_DENY_ADVISORIES:-0}" = 1 ]; then \
+		PATH="$(CURDIR)/target/tools/bin:$$PATH" cargo deny check advisories; \
+	fi

@@ -1,12 +1,50 @@
 #!/usr/bin/env bash
 # Installs what hostdevd's demo and tests need on Debian/Ubuntu: Debian packages via
 # apt-get when missing (as root), or prints the exact command to run otherwise.
+#
+#   scripts/deps.sh            the demo's needs
+#   scripts/deps.sh --tests    plus the test suites' (Python venv, packaging tools)
+#   scripts/deps.sh --fuzz     plus a C++ compiler (libFuzzer) and cargo-fuzz
+#   scripts/deps.sh --deny     plus git (the advisory database fetch) and cargo-deny
+#
+# cargo-fuzz and cargo-deny are pinned and installed from crates.io with
+# `cargo install --locked` into target/tools/ (as scripts/package.sh does for its tools).
 set -euo pipefail
+
+tests=0
+fuzz=0
+deny=0
+for arg in "$@"; do
+  case "$arg" in
+    --tests) tests=1 ;;
+    --fuzz) fuzz=1 ;;
+    --deny) deny=1 ;;
+    *) echo "deps.sh: unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
+
+CARGO_FUZZ_VERSION=0.13.2
+CARGO_DENY_VERSION=0.20.2
+tools="$(cd "$(dirname "$0")/.." && pwd)/target/tools"
+cargo_tool() { # crate version
+  local bin="$tools/bin/$1"
+  if [ -x "$bin" ] && "$bin" --version 2>/dev/null | grep -q "$2"; then
+    return
+  fi
+  echo "deps: installing $1 $2 into $tools" >&2
+  cargo install --quiet --locked --root "$tools" "$1" --version "$2"
+}
 
 need=()
 command -v lspci >/dev/null 2>&1 || need+=(pciutils)
 [ -e /usr/share/misc/pci.ids ] || [ -e /usr/share/hwdata/pci.ids ] || need+=(pci.ids)
-if [ "${1:-}" = "--tests" ]; then
+if [ "$fuzz" = 1 ]; then
+  command -v c++ >/dev/null 2>&1 || need+=(g++)
+fi
+if [ "$deny" = 1 ]; then
+  command -v git >/dev/null 2>&1 || need+=(git)
+fi
+if [ "$tests" = 1 ]; then
   python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
   # The packaging suite (tests/packaging/run.sh): build, inspect, lint and install the
   # .deb (libvirt0 is its runtime dependency), query the .rpm.
@@ -33,15 +71,20 @@ command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 pkg-config --exists libvirt 2>/dev/null || need+=(libvirt-dev)
 ls /usr/lib/*/libvirt.so.0 >/dev/null 2>&1 || need+=(libvirt0)
 
-if [ "${#need[@]}" -eq 0 ]; then
-  exit 0
+if [ "${#need[@]}" -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    echo "deps: installing ${need[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  else
+    echo "deps: missing Debian packages; run: sudo apt-get install ${need[*]}" >&2
+    exit 1
+  fi
 fi
-if [ "$(id -u)" -eq 0 ]; then
-  echo "deps: installing ${need[*]}" >&2
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-else
-  echo "deps: missing Debian packages; run: sudo apt-get install ${need[*]}" >&2
-  exit 1
+if [ "$fuzz" = 1 ]; then
+  cargo_tool cargo-fuzz "$CARGO_FUZZ_VERSION"
+fi
+if [ "$deny" = 1 ]; then
+  cargo_tool cargo-deny "$CARGO_DENY_VERSION"
 fi
