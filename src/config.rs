@@ -60,6 +60,18 @@ fn d_writers() -> Vec<u32> {
 fn d_watch() -> usize {
     65_536
 }
+/// The most Watch streams a configuration may allow.
+pub const MAX_WATCH_STREAMS: usize = 1 << 20;
+
+fn d_max_watchers() -> usize {
+    1024
+}
+fn d_watch_client_events() -> usize {
+    1024
+}
+fn d_watch_client_bytes() -> usize {
+    256 << 10
+}
 fn d_log() -> String {
     "info".into()
 }
@@ -138,6 +150,15 @@ pub struct ApiConfig {
     /// Watch events kept for resuming watchers. Default 65536.
     #[serde(default = "d_watch")]
     pub watch_buffer: usize,
+    /// Watch streams open at once; one more gets RESOURCE_EXHAUSTED. Default 1024.
+    #[serde(default = "d_max_watchers")]
+    pub max_watch_streams: usize,
+    /// Events that may wait for one watcher before it is cut off. Default 1024.
+    #[serde(default = "d_watch_client_events")]
+    pub watch_client_events: usize,
+    /// Encoded bytes that may wait for one watcher before it is cut off. Default 262144.
+    #[serde(default = "d_watch_client_bytes")]
+    pub watch_client_bytes: usize,
     /// An optional TCP listener, mutual TLS only. Default: none (Unix socket only).
     #[serde(default)]
     pub tcp: Option<TcpConfig>,
@@ -168,6 +189,9 @@ impl Default for ApiConfig {
             writer_uids: d_writers(),
             writer_gids: Vec::new(),
             watch_buffer: d_watch(),
+            max_watch_streams: d_max_watchers(),
+            watch_client_events: d_watch_client_events(),
+            watch_client_bytes: d_watch_client_bytes(),
             tcp: None,
         }
     }
@@ -348,6 +372,22 @@ impl Config {
             if !addr.ip().is_loopback() && !cfg.metrics.allow_remote {
                 return Err(ConfigError::Invalid(format!(
                     "metrics.listen {addr} is not a loopback address; set metrics.allow_remote = true to expose metrics beyond this host"
+                )));
+            }
+        }
+        let api = &cfg.api;
+        for (key, value, max) in [
+            (
+                "max_watch_streams",
+                api.max_watch_streams,
+                MAX_WATCH_STREAMS,
+            ),
+            ("watch_client_events", api.watch_client_events, 1 << 24),
+            ("watch_client_bytes", api.watch_client_bytes, 1 << 30),
+        ] {
+            if value == 0 || value > max {
+                return Err(ConfigError::Invalid(format!(
+                    "api.{key} = {value} is out of range: it must be from 1 to {max}"
                 )));
             }
         }

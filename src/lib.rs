@@ -13,7 +13,8 @@
 //! - [`store`]: the durable ledger in SQLite (WAL, fsync per commit).
 //! - [`writer`]: the single writer thread: decides commands in batches against the
 //!   ledger, commits each batch once (group commit), publishes views and watch events.
-//! - [`api`]: the gRPC service `hostdev.v1.HostDev`, the caller check, the error map.
+//! - [`api`]: the gRPC service `hostdev.v1.HostDev`, the caller check, the error map, and
+//!   the per-watcher queues that bound what a slow client may cost.
 //! - [`client`]: connecting a `HostDev` client to the agent's Unix socket.
 //! - [`tcp`]: the optional TCP listener, mutual TLS only.
 //! - [`metrics`]: Prometheus counters and gauges on an optional HTTP listener.

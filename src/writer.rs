@@ -92,7 +92,9 @@ pub enum Command {
 pub enum Event {
     Changed {
         generation: Generation,
-        view: Box<DeviceView>,
+        /// Shared by every watcher's queue: an event waiting for a slow client costs a
+        /// pointer, not a copy.
+        view: Arc<DeviceView>,
     },
     Removed {
         generation: Generation,
@@ -620,12 +622,12 @@ impl Worker {
                 );
                 events.push(Event::Changed {
                     generation: v.record.generation,
-                    view: Box::new(v),
+                    view: Arc::new(v),
                 });
             } else if before.states.contains_key(id) {
                 events.push(Event::Changed {
                     generation: view.host_generation,
-                    view: Box::new(v),
+                    view: Arc::new(v),
                 });
             }
         }

@@ -115,6 +115,9 @@ fn every_commented_setting_is_valid() {
     assert_eq!(cfg.api.writer_uids, a.writer_uids);
     assert_eq!(cfg.api.writer_gids, a.writer_gids);
     assert_eq!(cfg.api.watch_buffer, a.watch_buffer);
+    assert_eq!(cfg.api.max_watch_streams, a.max_watch_streams);
+    assert_eq!(cfg.api.watch_client_events, a.watch_client_events);
+    assert_eq!(cfg.api.watch_client_bytes, a.watch_client_bytes);
     assert!(cfg.api.tcp.is_some(), "the [api.tcp] example is listed");
     assert_eq!(cfg.log, LogConfig::default());
     assert_eq!(cfg.libvirt, LibvirtConfig::default());

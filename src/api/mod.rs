@@ -4,13 +4,14 @@
 pub mod convert;
 pub mod guard;
 pub mod status;
+pub mod watch_queue;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::pin::Pin;
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::broadcast;
 use tokio_stream::Stream;
 use tonic::transport::server::UdsConnectInfo;
 use tonic::{Request, Response, Status};
@@ -24,6 +25,8 @@ use crate::sysfs::PciDevice;
 use crate::writer::{Event, OrphanFree, Writer};
 use convert::device_to_proto;
 use status::ApiError;
+use watch_queue::Pending;
+pub use watch_queue::QueueLimits;
 
 /// Generated protobuf and gRPC code for `hostdev.v1`.
 #[allow(clippy::all, missing_debug_implementations, missing_docs)]
@@ -103,10 +106,46 @@ pub struct HostDevService {
     /// Set to true when the server shuts down: open watch streams end, so a graceful
     /// shutdown does not wait forever for them.
     stopping: Arc<tokio::sync::watch::Sender<bool>>,
+    watch: WatchLimits,
 }
 
-/// How many watch events may wait for a slow consumer before it is cut off.
-const WATCH_CLIENT_BUFFER: usize = 1024;
+/// The limits on Watch streams: how many may be open, and how much each may have
+/// waiting for its client before it is cut off.
+#[derive(Debug, Clone)]
+pub struct WatchLimits {
+    pub max_streams: usize,
+    pub queue: QueueLimits,
+    slots: Arc<tokio::sync::Semaphore>,
+}
+
+impl WatchLimits {
+    pub fn new(max_streams: usize, queue: QueueLimits) -> Self {
+        let max_streams = max_streams.min(tokio::sync::Semaphore::MAX_PERMITS);
+        WatchLimits {
+            max_streams,
+            queue,
+            slots: Arc::new(tokio::sync::Semaphore::new(max_streams)),
+        }
+    }
+
+    /// Watch streams open now.
+    pub fn open_streams(&self) -> usize {
+        self.max_streams - self.slots.available_permits()
+    }
+}
+
+impl Default for WatchLimits {
+    fn default() -> Self {
+        let c = crate::config::ApiConfig::default();
+        WatchLimits::new(
+            c.max_watch_streams,
+            QueueLimits {
+                events: c.watch_client_events,
+                bytes: c.watch_client_bytes,
+            },
+        )
+    }
+}
 
 impl HostDevService {
     pub fn new(
@@ -124,7 +163,14 @@ impl HostDevService {
             info,
             guard,
             stopping: Arc::new(tokio::sync::watch::channel(false).0),
+            watch: WatchLimits::default(),
         }
+    }
+
+    /// Replaces the default Watch limits (`[api]` max_watch_streams, watch_client_*).
+    pub fn with_watch_limits(mut self, watch: WatchLimits) -> Self {
+        self.watch = watch;
+        self
     }
 
     /// Ends every open watch stream (with UNAVAILABLE) and refuses new ones.
@@ -611,14 +657,25 @@ impl HostDev for HostDevService {
             };
             (from, backlog, rx, r.snapshot.then_some(view))
         };
-        let (tx, out) = mpsc::channel::<Result<proto::WatchEvent, Status>>(WATCH_CLIENT_BUFFER);
-        let this = self.clone();
-        let mut stopping = self.stopping.subscribe();
-        let already = *stopping.borrow();
+        let already = *self.stopping.borrow();
         if already {
             return Err(ApiError::Unavailable("the agent is shutting down".into()).into());
         }
+        let slot = self.watch.slots.clone().try_acquire_owned().map_err(|_| {
+            ApiError::TooManyWatchers {
+                limit: self.watch.max_streams,
+            }
+        })?;
+        let convert: watch_queue::Convert = {
+            let this = self.clone();
+            Box::new(move |e: &Event| this.event_to_proto(e))
+        };
+        let (tx, out) = watch_queue::queue(self.watch.queue, convert, Some(slot));
+        let this = self.clone();
+        let mut stopping = self.stopping.subscribe();
+        let tx = Arc::new(tx);
         let stop_tx = tx.clone();
+        let limits = self.watch.queue;
         let feed = async move {
             if let Some(view) = snapshot {
                 let mut evs: Vec<proto::WatchEvent> = {
@@ -640,7 +697,7 @@ impl HostDev for HostDevService {
                     device: None,
                 });
                 for e in evs {
-                    if tx.send(Ok(e)).await.is_err() {
+                    if tx.send(Pending::Ready(Box::new(e))).await.is_err() {
                         return;
                     }
                 }
@@ -649,33 +706,38 @@ impl HostDev for HostDevService {
             // in both and none falls between; events at or below `from` are already
             // reflected in what the client holds.
             for e in backlog {
-                if tx.send(Ok(this.event_to_proto(&e))).await.is_err() {
+                if tx.send(Pending::Shared(e)).await.is_err() {
                     return;
                 }
             }
             loop {
-                match rx.recv().await {
+                let next = tokio::select! {
+                    next = rx.recv() => next,
+                    // A client that left is noticed at once, not at the next change.
+                    _ = tx.closed() => return,
+                };
+                match next {
                     Ok(e) if e.generation() <= from => continue,
                     Ok(e) => {
-                        // A consumer that lets its buffer fill is cut off at once, with
-                        // the last slot kept for the status that says so: the agent never
-                        // waits on a slow client, and its memory per stream stays bounded.
-                        if tx.capacity() <= 1 {
-                            let _ = tx.try_send(Err(Status::resource_exhausted(format!(
-                                "watcher fell {WATCH_CLIENT_BUFFER} events behind and was cut off; resume with Watch from the last generation received"
-                            ))));
-                            return;
-                        }
-                        if tx.try_send(Ok(this.event_to_proto(&e))).is_err() {
-                            return;
+                        // A consumer whose queue is full is cut off at once, and what it
+                        // had queued is dropped: the agent never waits on a slow client,
+                        // and a silent one holds only the status that ends its stream.
+                        match tx.try_send(Pending::Shared(e)) {
+                            Ok(()) => {}
+                            Err(watch_queue::Refused::Gone) => return,
+                            Err(watch_queue::Refused::Full) => {
+                                tx.cut_off(Status::resource_exhausted(format!(
+                                    "watcher fell behind by more than {} events or {} bytes and was cut off; resume with Watch from the last generation received",
+                                    limits.events, limits.bytes
+                                )));
+                                return;
+                            }
                         }
                     }
                     Err(broadcast::error::RecvError::Lagged(n)) => {
-                        let _ = tx
-                            .send(Err(Status::resource_exhausted(format!(
-                                "watcher fell behind by {n} events and was cut off; resume with Watch from the last generation received"
-                            ))))
-                            .await;
+                        tx.cut_off(Status::resource_exhausted(format!(
+                            "watcher fell behind by {n} events and was cut off; resume with Watch from the last generation received"
+                        )));
                         return;
                     }
                     Err(broadcast::error::RecvError::Closed) => return,
@@ -697,17 +759,13 @@ impl HostDev for HostDevService {
             tokio::select! {
                 _ = feed => {}
                 _ = stopped => {
-                    let _ = stop_tx
-                        .send(Err(Status::unavailable(
-                            "the agent is shutting down; resume with Watch from the last generation received",
-                        )))
-                        .await;
+                    stop_tx.cut_off(Status::unavailable(
+                        "the agent is shutting down; resume with Watch from the last generation received",
+                    ));
                 }
             }
         });
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(out),
-        )))
+        Ok(Response::new(Box::pin(out.into_stream())))
     }
 
     async fn get_request_outcome(

@@ -38,6 +38,9 @@ pub enum ApiError {
     },
     #[error("{0}")]
     Unavailable(String),
+    /// Every Watch stream slot is taken.
+    #[error("too many watch streams: {limit} are open, the limit ([api] max_watch_streams); close one, or share one stream between the consumers of a client")]
+    TooManyWatchers { limit: usize },
     #[error("{0}")]
     NotFound(String),
     /// libvirt did not answer the fresh domain list a free needs.
@@ -205,6 +208,11 @@ pub fn to_status(e: &ApiError) -> Status {
         ApiError::Unavailable(_) => {
             let d = ErrorDetails::with_error_info("UNAVAILABLE", ERROR_DOMAIN, HashMap::new());
             Status::with_error_details(Code::Unavailable, msg, d)
+        }
+        ApiError::TooManyWatchers { limit } => {
+            let meta = HashMap::from([("max_watch_streams".to_string(), limit.to_string())]);
+            let d = ErrorDetails::with_error_info("TOO_MANY_WATCHERS", ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::ResourceExhausted, msg, d)
         }
         ApiError::NotFound(_) => {
             let d = ErrorDetails::with_error_info("NOT_FOUND", ERROR_DOMAIN, HashMap::new());

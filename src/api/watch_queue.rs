@@ -1,0 +1,427 @@
+//! The queue between one Watch stream's feed and its client: bounded in events and in
+//! bytes, and emptied at once when the watcher is cut off, so that a client that stops
+//! reading costs the agent one queued status, not a buffer of events it will never read.
+//!
+//! A plain bounded channel cannot do this: its receiver, which owns the buffered events,
+//! lives inside the HTTP/2 response body, and that body is not polled (so not dropped)
+//! while the client's flow-control window is full. Here the sender can clear the queue.
+//!
+//! Live changes wait as the writer's shared [`Event`]s and are turned into protobuf only
+//! when the client takes them, so a queue full of changes costs a pointer per change;
+//! the snapshot, built for this client alone, waits already converted and is bounded in
+//! bytes.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use prost::Message;
+use tokio::sync::{Notify, OwnedSemaphorePermit};
+use tonic::Status;
+
+use super::proto::WatchEvent;
+use crate::writer::Event;
+
+/// Something waiting for the client.
+#[derive(Debug)]
+pub enum Pending {
+    /// Built for this client (the snapshot).
+    Ready(Box<WatchEvent>),
+    /// A change, shared with every other watcher until it is taken.
+    Shared(Event),
+}
+
+impl Pending {
+    /// What it holds in memory of its own: the encoded size of a built event, one slot
+    /// for a shared change.
+    fn cost(&self) -> usize {
+        match self {
+            Pending::Ready(e) => e.encoded_len(),
+            Pending::Shared(_) => std::mem::size_of::<Pending>(),
+        }
+    }
+}
+
+/// Turns a change into the protobuf the client receives.
+pub type Convert = Box<dyn Fn(&Event) -> WatchEvent + Send + Sync>;
+
+/// How much one watcher may have waiting before it is cut off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueLimits {
+    /// Events waiting for the client.
+    pub events: usize,
+    /// Bytes waiting for the client (built events by their encoded size, shared changes
+    /// by their slot). One event larger than this is still sent when nothing else waits.
+    pub bytes: usize,
+}
+
+type Item = Result<Pending, Status>;
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// Each item with its encoded size.
+    items: VecDeque<(Item, usize)>,
+    bytes: usize,
+    /// No item will follow the ones queued (the feed ended or cut the watcher off).
+    ended: bool,
+    /// The client's stream was dropped: nothing more is wanted.
+    reader_gone: bool,
+}
+
+#[derive(Debug)]
+struct Shared {
+    inner: Mutex<Inner>,
+    /// Woken when an item is queued or the feed ends (one reader).
+    readable: Notify,
+    /// Woken when room is made or the reader goes (one feed).
+    writable: Notify,
+    limits: QueueLimits,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding this lock cannot leave the queue inconsistent (each
+        // method does one push or pop), so a poisoned lock is still usable.
+        match self.inner.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+}
+
+/// Why an event was not queued.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// The queue is at its event or byte limit.
+    Full,
+    /// The client's stream is gone, or the feed already ended it.
+    Gone,
+}
+
+/// The feed's end.
+#[derive(Debug)]
+pub struct WatchSender(Arc<Shared>);
+
+/// The client's end; the slot in the stream limit is held until it is dropped.
+pub struct WatchReceiver {
+    shared: Arc<Shared>,
+    convert: Convert,
+    _slot: Option<OwnedSemaphorePermit>,
+}
+
+impl std::fmt::Debug for WatchReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WatchReceiver")
+            .field("shared", &self.shared)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A queue for one watcher; `slot` is its place among the open watch streams, and
+/// `convert` builds a shared change's protobuf when the client takes it.
+pub fn queue(
+    limits: QueueLimits,
+    convert: Convert,
+    slot: Option<OwnedSemaphorePermit>,
+) -> (WatchSender, WatchReceiver) {
+    let shared = Arc::new(Shared {
+        inner: Mutex::new(Inner::default()),
+        readable: Notify::new(),
+        writable: Notify::new(),
+        limits,
+    });
+    (
+        WatchSender(shared.clone()),
+        WatchReceiver {
+            shared,
+            convert,
+            _slot: slot,
+        },
+    )
+}
+
+impl WatchSender {
+    fn push(&self, item: Item) -> Result<(), (Refused, Item)> {
+        let mut g = self.0.lock();
+        if g.reader_gone || g.ended {
+            return Err((Refused::Gone, item));
+        }
+        let size = match &item {
+            Ok(p) => p.cost(),
+            Err(s) => s.message().len(),
+        };
+        let limits = self.0.limits;
+        if !g.items.is_empty()
+            && (g.items.len() >= limits.events || g.bytes.saturating_add(size) > limits.bytes)
+        {
+            return Err((Refused::Full, item));
+        }
+        g.bytes += size;
+        g.items.push_back((item, size));
+        drop(g);
+        self.0.readable.notify_one();
+        Ok(())
+    }
+
+    /// Queues an event if there is room now.
+    pub fn try_send(&self, event: Pending) -> Result<(), Refused> {
+        self.push(Ok(event)).map_err(|(r, _)| r)
+    }
+
+    /// Queues an event, waiting for room (the snapshot and the replayed backlog, which
+    /// the client asked for and reads at its own pace). Fails only when the client left.
+    pub async fn send(&self, event: Pending) -> Result<(), Refused> {
+        let mut item = Ok(event);
+        loop {
+            match self.push(item) {
+                Ok(()) => return Ok(()),
+                Err((Refused::Gone, _)) => return Err(Refused::Gone),
+                Err((Refused::Full, back)) => {
+                    item = back;
+                    // One feed per queue: a permit stored by a pop between the push
+                    // and this wait wakes it at once, so no room is missed.
+                    self.0.writable.notified().await;
+                }
+            }
+        }
+    }
+
+    /// Ends the stream with `status` as its last item, dropping every event still
+    /// queued: the client resumes from the last generation it received.
+    pub fn cut_off(&self, status: Status) {
+        let mut g = self.0.lock();
+        if g.ended || g.reader_gone {
+            return;
+        }
+        g.items.clear();
+        g.items.shrink_to_fit();
+        let size = status.message().len();
+        g.bytes = size;
+        g.items.push_back((Err(status), size));
+        g.ended = true;
+        drop(g);
+        self.0.readable.notify_one();
+    }
+
+    /// Resolves once the client's stream is gone.
+    pub async fn closed(&self) {
+        loop {
+            if self.0.lock().reader_gone {
+                return;
+            }
+            self.0.writable.notified().await;
+        }
+    }
+
+    /// Events waiting for the client (for tests and metrics).
+    pub fn queued(&self) -> (usize, usize) {
+        let g = self.0.lock();
+        (g.items.len(), g.bytes)
+    }
+}
+
+impl Drop for WatchSender {
+    fn drop(&mut self) {
+        self.0.lock().ended = true;
+        self.0.readable.notify_one();
+    }
+}
+
+impl WatchReceiver {
+    /// The next item, or `None` once the feed ended and everything queued was read.
+    pub async fn recv(&self) -> Option<Result<WatchEvent, Status>> {
+        loop {
+            let next = {
+                let mut g = self.shared.lock();
+                match g.items.pop_front() {
+                    Some((item, size)) => {
+                        g.bytes -= size;
+                        Some(item)
+                    }
+                    None if g.ended => return None,
+                    None => None,
+                }
+            };
+            if let Some(item) = next {
+                self.shared.writable.notify_one();
+                return Some(item.map(|p| match p {
+                    Pending::Ready(e) => *e,
+                    Pending::Shared(e) => (self.convert)(&e),
+                }));
+            }
+            self.shared.readable.notified().await;
+        }
+    }
+
+    /// The stream a tonic response carries.
+    pub fn into_stream(
+        self,
+    ) -> impl tokio_stream::Stream<Item = Result<WatchEvent, Status>> + Send + 'static {
+        futures_util::stream::unfold(self, |r| async move {
+            let item = r.recv().await?;
+            Some((item, r))
+        })
+    }
+}
+
+impl Drop for WatchReceiver {
+    fn drop(&mut self) {
+        let mut g = self.shared.lock();
+        g.reader_gone = true;
+        g.items.clear();
+        g.bytes = 0;
+        drop(g);
+        // Wake a waiting send and a waiting `closed` alike, and leave a permit for a
+        // feed that is about to wait.
+        self.shared.writable.notify_waiters();
+        self.shared.writable.notify_one();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio_stream::StreamExt;
+
+    fn ev(generation: u64, pad: usize) -> Pending {
+        Pending::Ready(Box::new(WatchEvent {
+            kind: 1,
+            generation,
+            address: "x".repeat(pad),
+            device: None,
+        }))
+    }
+
+    fn removed(generation: u64) -> Pending {
+        Pending::Shared(Event::Removed {
+            generation: crate::pci::Generation(generation),
+            address: "0000:3b:10.0".parse().expect("address"),
+        })
+    }
+
+    /// A converter that marks what it built, so a test sees it ran at delivery.
+    fn convert() -> Convert {
+        Box::new(|e: &Event| WatchEvent {
+            kind: 2,
+            generation: e.generation().0,
+            address: "converted".into(),
+            device: None,
+        })
+    }
+
+    const LIMITS: QueueLimits = QueueLimits {
+        events: 4,
+        bytes: 1000,
+    };
+
+    #[tokio::test]
+    async fn events_arrive_in_order_and_the_stream_ends_with_the_feed() {
+        let (tx, rx) = queue(LIMITS, convert(), None);
+        for g in 1..=3 {
+            tx.try_send(ev(g, 1)).expect("room");
+        }
+        drop(tx);
+        let got: Vec<u64> = rx
+            .into_stream()
+            .map(|i| i.expect("event").generation)
+            .collect()
+            .await;
+        assert_eq!(got, vec![1, 2, 3]);
+    }
+
+    #[tokio::test]
+    async fn the_event_limit_and_the_byte_limit_both_refuse() {
+        let (tx, _rx) = queue(LIMITS, convert(), None);
+        for g in 1..=4 {
+            tx.try_send(ev(g, 1)).expect("room");
+        }
+        assert_eq!(tx.try_send(ev(5, 1)), Err(Refused::Full));
+        let (tx, _rx) = queue(LIMITS, convert(), None);
+        tx.try_send(ev(1, 600)).expect("room");
+        assert_eq!(tx.try_send(ev(2, 600)), Err(Refused::Full));
+        assert_eq!(tx.queued().0, 1);
+    }
+
+    #[tokio::test]
+    async fn one_event_over_the_byte_limit_still_goes_alone() {
+        let (tx, rx) = queue(LIMITS, convert(), None);
+        tx.try_send(ev(1, 5000))
+            .expect("an empty queue takes any event");
+        assert_eq!(tx.try_send(ev(2, 1)), Err(Refused::Full));
+        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 1);
+        tx.try_send(ev(2, 1)).expect("room again");
+    }
+
+    #[tokio::test]
+    async fn shared_changes_cost_a_slot_and_are_built_when_taken() {
+        let (tx, rx) = queue(LIMITS, convert(), None);
+        for g in 1..=4 {
+            tx.try_send(removed(g)).expect("room");
+        }
+        assert_eq!(
+            tx.try_send(removed(5)),
+            Err(Refused::Full),
+            "the event limit"
+        );
+        assert!(tx.queued().1 <= 4 * std::mem::size_of::<Pending>());
+        let e = rx.recv().await.expect("item").expect("event");
+        assert_eq!((e.generation, e.address.as_str()), (1, "converted"));
+    }
+
+    #[tokio::test]
+    async fn a_cut_off_empties_the_queue_and_ends_with_the_status() {
+        let (tx, rx) = queue(LIMITS, convert(), None);
+        for g in 1..=4 {
+            tx.try_send(ev(g, 100)).expect("room");
+        }
+        tx.cut_off(Status::resource_exhausted("behind"));
+        assert_eq!(tx.queued().0, 1, "only the status is kept");
+        assert_eq!(tx.queued().1, "behind".len());
+        assert_eq!(tx.try_send(ev(9, 1)), Err(Refused::Gone));
+        let items: Vec<Result<WatchEvent, Status>> = rx.into_stream().collect().await;
+        assert_eq!(items.len(), 1);
+        let status = items[0].as_ref().expect_err("the status");
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    }
+
+    #[tokio::test]
+    async fn send_waits_for_room_and_fails_when_the_reader_leaves() {
+        let (tx, rx) = queue(LIMITS, convert(), None);
+        let tx = Arc::new(tx);
+        for g in 1..=4 {
+            tx.try_send(ev(g, 1)).expect("room");
+        }
+        let feed = {
+            let tx = tx.clone();
+            tokio::spawn(async move { tx.send(ev(5, 1)).await })
+        };
+        tokio::task::yield_now().await;
+        assert!(!feed.is_finished(), "send waits while the queue is full");
+        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 1);
+        feed.await.expect("join").expect("room was made");
+        assert_eq!(tx.queued().0, 4);
+        let blocked = {
+            let tx = tx.clone();
+            tokio::spawn(async move { tx.send(ev(6, 1)).await })
+        };
+        let closed = {
+            let tx = tx.clone();
+            tokio::spawn(async move { tx.closed().await })
+        };
+        drop(rx);
+        assert_eq!(blocked.await.expect("join"), Err(Refused::Gone));
+        closed
+            .await
+            .expect("closed resolves once the reader is gone");
+        assert_eq!(tx.queued(), (0, 0), "a departed reader's events are freed");
+    }
+
+    #[tokio::test]
+    async fn the_slot_is_released_with_the_reader() {
+        let slots = Arc::new(tokio::sync::Semaphore::new(1));
+        let permit = slots.clone().try_acquire_owned().expect("one slot");
+        let (_tx, rx) = queue(LIMITS, convert(), Some(permit));
+        assert!(slots.clone().try_acquire_owned().is_err());
+        drop(rx);
+        assert!(slots.try_acquire_owned().is_ok());
+    }
+}
