@@ -456,7 +456,12 @@ pub struct AddressPattern {
 impl FromStr for AddressPattern {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("address pattern {s:?} is not dddd:bb:dd.f with hex or '*' parts");
+        let bad = || {
+            format!(
+                "address pattern {:?} is not dddd:bb:dd.f with hex or '*' parts",
+                crate::pci::shown(s)
+            )
+        };
         if s.len() > 24 {
             return Err(bad());
         }
@@ -667,6 +672,13 @@ mod tests {
         let p: AddressPattern = "*:*:02.1".parse().expect("pattern");
         assert!(p.matches("0001:ff:02.1".parse().expect("a")));
         assert!("0000:3b:20.*".parse::<AddressPattern>().is_err());
+        let huge = "0".repeat(1 << 20);
+        let e = huge.parse::<AddressPattern>().expect_err("too long");
+        assert!(
+            e.len() < 200,
+            "the error quotes a bounded excerpt: {} bytes",
+            e.len()
+        );
     }
 
     #[test]

@@ -21,8 +21,9 @@ pub enum IdError {
     Text { what: &'static str, reason: String },
 }
 
-/// Shortens untrusted input before it is echoed in an error message.
-fn shown(input: &str) -> String {
+/// Shortens untrusted input (a request field, a sysfs value, a config string) before it
+/// is echoed in an error message.
+pub(crate) fn shown(input: &str) -> String {
     const MAX: usize = 64;
     if input.len() <= MAX {
         return input.to_string();
