@@ -106,9 +106,15 @@ fn scan_cmd(tree: &FakeTree) -> Command {
 }
 
 fn start_daemon(tree: &FakeTree, dir: &Path, state: &Path) -> Daemon {
+    start_daemon_with(tree, dir, state, "warn", "[libvirt]\nenabled = false\n")
+}
+
+/// The daemon on `tree` logging at `log`, with `extra` appended to its config (a
+/// `[libvirt]` table).
+fn start_daemon_with(tree: &FakeTree, dir: &Path, state: &Path, log: &str, extra: &str) -> Daemon {
     let socket = dir.join("hostdevd.sock");
     let cfg = format!(
-        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n[log]\nfilter = \"warn\"\n[libvirt]\nenabled = false\n",
+        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n[log]\nfilter = {log:?}\n{extra}",
         tree.sysfs_root(),
         tree.dev_root(),
         state,
@@ -265,12 +271,29 @@ async fn main() {
     println!("| --- | --- | --- | --- | --- |");
     let names = hostdevd::sysfs::PciNames::system_default();
 
+    // Row groups, for iterating on one goal: HOSTDEVD_BENCH_ROWS=scan,rtt,load,reconcile,watch
+    // (comma-separated). A filtered run prints its rows but leaves BENCHMARKS.md alone.
+    let only: Option<Vec<String>> = std::env::var("HOSTDEVD_BENCH_ROWS")
+        .ok()
+        .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
+    let want = |group: &str| only.as_ref().is_none_or(|o| o.iter().any(|g| g == group));
+    let big_tree = host(4096);
+
     // 1. Full scan vs lspci on the same tree.
-    let mut big = None;
+    let mut full_scan = None;
     for n in [64u32, 512, 4096] {
-        let tree = host(n);
-        let base: Vec<f64> = (0..runs).map(|_| time_cmd(&mut lspci(&tree))).collect();
-        let ours: Vec<f64> = (0..runs).map(|_| time_cmd(&mut scan_cmd(&tree))).collect();
+        if !want("scan") {
+            break;
+        }
+        let small_tree;
+        let tree = if n == 4096 {
+            &big_tree
+        } else {
+            small_tree = host(n);
+            &small_tree
+        };
+        let base: Vec<f64> = (0..runs).map(|_| time_cmd(&mut lspci(tree))).collect();
+        let ours: Vec<f64> = (0..runs).map(|_| time_cmd(&mut scan_cmd(tree))).collect();
         let inproc: Vec<f64> = (0..runs)
             .map(|_| {
                 let t0 = Instant::now();
@@ -298,25 +321,62 @@ async fn main() {
             Some(o / b <= 1.0),
         );
         if n == 4096 {
-            big = Some((tree, i));
+            full_scan = Some(i);
         }
     }
 
     // 2. Rescan of one device and its relatives at 4096 VFs vs a full scan.
-    let (big_tree, full_scan) = big.expect("4096 tree");
+    if let Some(full_scan) = full_scan {
+        rescan_row(&mut t, &big_tree, &names, full_scan, runs);
+    }
+
+    // 3. Durable claim and release round trips vs a bare unary call plus a bare fsync.
+    let disk = tempfile::Builder::new()
+        .prefix("hostdevd-bench")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .expect("bench dir on the target disk");
+    if want("rtt") {
+        round_trip_rows(&mut t, disk.path()).await;
+    }
+
+    // 4.-6. Throughput, resident memory and start to ready at 4096 devices.
+    if want("load") {
+        load_rows(&mut t, &big_tree, disk.path(), runs).await;
+    }
+
+    // 7. Reconcile against 500 libvirt domains vs listing them alone.
+    if want("reconcile") {
+        reconcile_rows(&mut t, &big_tree, disk.path(), runs).await;
+    }
+
+    // 8. Watch fan-out: 100 watchers vs 1, 10,000 changes.
+    if want("watch") {
+        watch_row(&mut t, disk.path()).await;
+    }
+
+    if only.is_some() {
+        println!("HOSTDEVD_BENCH_ROWS is set: BENCHMARKS.md left as it was");
+        return;
+    }
+    write_report(&t, runs);
+}
+
+fn rescan_row(
+    t: &mut Table,
+    big_tree: &FakeTree,
+    names: &hostdevd::sysfs::PciNames,
+    full_scan: f64,
+    runs: usize,
+) {
     let vf = hostdevd::pci::PciAddress::new(0, 0x20, 0x10, 3).expect("addr");
     let pf = hostdevd::pci::PciAddress::new(0, 0x20, 0, 0).expect("addr");
     let one: Vec<f64> = (0..runs * 10)
         .map(|_| {
             let t0 = Instant::now();
             for a in [vf, pf] {
-                let _ = hostdevd::sysfs::scan_one(
-                    big_tree.sysfs_root(),
-                    big_tree.dev_root(),
-                    &names,
-                    a,
-                )
-                .expect("scan_one");
+                let _ =
+                    hostdevd::sysfs::scan_one(big_tree.sysfs_root(), big_tree.dev_root(), names, a)
+                        .expect("scan_one");
             }
             t0.elapsed().as_secs_f64()
         })
@@ -332,17 +392,15 @@ async fn main() {
             o1 * 1e3,
             full_scan / o
         ),
-        "≤ 1/100 (hotplug events themselves: not built yet)",
+        "≤ 1/100",
         Some(full_scan / o >= 100.0),
     );
+}
 
-    // 3. Durable claim and release round trips vs a bare unary call plus a bare fsync.
-    let disk = tempfile::Builder::new()
-        .prefix("hostdevd-bench")
-        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
-        .expect("bench dir on the target disk");
+/// Durable claim and release round trips vs a bare unary call plus a bare fsync.
+async fn round_trip_rows(t: &mut Table, dir: &Path) {
     let small = host(64);
-    let d = start_daemon(&small, disk.path(), &disk.path().join("state"));
+    let d = start_daemon(&small, dir, &dir.join("state"));
     let (mut c, _) = wait_ready(&d).await;
     let mut health = tonic_health::pb::health_client::HealthClient::new(
         hostdevd::client::connect_channel(&d.socket)
@@ -364,7 +422,7 @@ async fn main() {
     // The bare fsync: overwrite one 4 KiB block in place and fsync, the cheapest durable
     // write the disk offers (appending would add file-size metadata to each sync).
     let mut fsync = Vec::new();
-    let fpath = disk.path().join("fsync-probe");
+    let fpath = dir.join("fsync-probe");
     let f = std::fs::File::create(&fpath).expect("probe file");
     {
         use std::os::unix::fs::FileExt;
@@ -415,10 +473,13 @@ async fn main() {
         Some(r50 / sum <= 1.5),
     );
     drop(d);
+}
 
-    // 4. Throughput with 1, 8, 64 concurrent clients (group commit), 4096 VFs.
-    let state4096 = disk.path().join("state4096");
-    let d = start_daemon(&big_tree, disk.path(), &state4096);
+/// Throughput with 1, 8, 64 concurrent clients (group commit), resident memory, and
+/// start to ready with a full ledger, all at 4096 devices.
+async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) {
+    let state4096 = dir.join("state4096");
+    let d = start_daemon(big_tree, dir, &state4096);
     let (mut c, _) = wait_ready(&d).await;
     let idle_rss = d.rss_kib();
     let mut rates = Vec::new();
@@ -514,12 +575,12 @@ async fn main() {
     drop(d);
     let mut ready = Vec::new();
     for _ in 0..runs {
-        let d = start_daemon(&big_tree, disk.path(), &state4096);
+        let d = start_daemon(big_tree, dir, &state4096);
         let (_, took) = wait_ready(&d).await;
         ready.push(took.as_secs_f64());
     }
     let bare: Vec<f64> = (0..runs)
-        .map(|_| time_cmd(&mut scan_cmd(&big_tree)))
+        .map(|_| time_cmd(&mut scan_cmd(big_tree)))
         .collect();
     let (r, r0, r1) = median_spread(ready);
     let (b, _, _) = median_spread(bare);
@@ -536,21 +597,276 @@ async fn main() {
         "≤ 2×",
         Some(r / b <= 2.0),
     );
+}
 
-    // 7. Reconcile against 500 libvirt domains.
-    t.row(
-        "reconcile of 4096 devices against 500 domains",
-        "list of domains alone",
-        "not measured in this harness yet".into(),
-        "≤ 2×",
-        None,
+/// How many libvirt domains the reconcile row defines, and how many VFs each uses.
+const DOMAINS: usize = 500;
+const VFS_PER_DOMAIN: usize = 4;
+/// Claims with no domain and an owner the controller does not expect: the orphans.
+const ORPHANS: usize = 96;
+/// Domains whose owner the controller does not list (an evacuation in flight): their
+/// devices are reported as protected, never as orphans.
+const UNLISTED: usize = 50;
+
+fn domain_uuid(i: usize) -> uuid::Uuid {
+    uuid::Uuid::from_u128(0xd000_0000 + i as u128)
+}
+
+/// A libvirt test-driver host file with `DOMAINS` running domains, each using its VFs as
+/// two `<hostdev>` and two `<interface type='hostdev'>` devices.
+fn host_xml(vfs: &[hostdevd::pci::PciAddress]) -> String {
+    let addr = |a: &hostdevd::pci::PciAddress, ty: &str| {
+        let s = a.to_string();
+        let (d, rest) = s.split_once(':').unwrap_or_default();
+        let (b, rest) = rest.split_once(':').unwrap_or_default();
+        let (sl, f) = rest.split_once('.').unwrap_or_default();
+        format!("<address {ty}domain='0x{d}' bus='0x{b}' slot='0x{sl}' function='0x{f}'/>")
+    };
+    let mut xml = String::from("<node xmlns:test='http://libvirt.org/schemas/domain/test/1.0'>\n");
+    for (i, used) in vfs.chunks(VFS_PER_DOMAIN).take(DOMAINS).enumerate() {
+        let mut devs = String::new();
+        for (k, a) in used.iter().enumerate() {
+            if k % 2 == 0 {
+                let _ = write!(
+                    devs,
+                    "<hostdev mode='subsystem' type='pci' managed='yes'><source>{}</source></hostdev>",
+                    addr(a, "")
+                );
+            } else {
+                let _ = write!(
+                    devs,
+                    "<interface type='hostdev' managed='yes'><mac address='52:54:00:{:02x}:{:02x}:{:02x}'/><source>{}</source></interface>",
+                    (i >> 8) & 0xff,
+                    i & 0xff,
+                    k,
+                    addr(a, "type='pci' ")
+                );
+            }
+        }
+        let _ = writeln!(
+            xml,
+            "<domain type='test'><name>instance-{i:05}</name><uuid>{}</uuid><memory>1048576</memory><vcpu>2</vcpu><os><type>hvm</type></os><devices>{devs}</devices></domain>",
+            domain_uuid(i)
+        );
+    }
+    xml.push_str("</node>\n");
+    xml
+}
+
+/// Reconcile of 4096 devices against 500 running libvirt domains (the test driver,
+/// reading a host file), dry run and acting, vs listing the same domains with their XML
+/// through the same URI in this process.
+async fn reconcile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) {
+    let names = hostdevd::sysfs::PciNames::system_default();
+    let inv =
+        hostdevd::sysfs::scan(big_tree.sysfs_root(), big_tree.dev_root(), &names).expect("scan");
+    let vfs: Vec<hostdevd::pci::PciAddress> = inv
+        .devices
+        .iter()
+        .filter(|d| d.physfn.is_some())
+        .map(|d| d.address)
+        .collect();
+    assert!(vfs.len() >= DOMAINS * VFS_PER_DOMAIN + ORPHANS);
+    let host_file = dir.join("host.xml");
+    std::fs::write(&host_file, host_xml(&vfs)).expect("host.xml");
+    let uri = format!("test://{}", host_file.display());
+    let d = start_daemon_with(
+        big_tree,
+        dir,
+        &dir.join("state-reconcile"),
+        // Before the claims below, every domain's VFs are strays, each a warning.
+        "error",
+        &format!("[libvirt]\nuri = {uri:?}\npoll_interval_ms = 3600000\n"),
+    );
+    let (mut c, _) = wait_ready(&d).await;
+
+    // Every domain's VFs claimed by the domain itself, and the orphans by owners nobody
+    // expects; 16 clients at once, so the claims share commits.
+    let generations: std::collections::HashMap<String, u64> = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .devices
+        .into_iter()
+        .map(|d| (d.address, d.generation))
+        .collect();
+    let mut claims: Vec<(String, u64, proto::Owner)> = Vec::new();
+    for (i, used) in vfs.chunks(VFS_PER_DOMAIN).take(DOMAINS).enumerate() {
+        for a in used {
+            let owner = proto::Owner {
+                consumer_id: domain_uuid(i).to_string(),
+                label: String::new(),
+            };
+            let a = a.to_string();
+            let g = *generations.get(&a).expect("a VF");
+            claims.push((a, g, owner));
+        }
+    }
+    for (k, a) in vfs[DOMAINS * VFS_PER_DOMAIN..][..ORPHANS]
+        .iter()
+        .enumerate()
+    {
+        let a = a.to_string();
+        let g = *generations.get(&a).expect("a free VF");
+        claims.push((a, g, owner(0xe000_0000 + k as u128)));
+    }
+    let mut tasks = Vec::new();
+    for part in claims.chunks(claims.len().div_ceil(16)) {
+        let part = part.to_vec();
+        let socket = d.socket.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut c = hostdevd::client::connect(&socket).await.expect("connect");
+            for (address, g, owner) in part {
+                c.claim(proto::ClaimRequest {
+                    vfio: false,
+                    owner: Some(owner),
+                    request_id: format!("reconcile-{address}"),
+                    target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+                        address,
+                        expected_generation: g,
+                    })),
+                })
+                .await
+                .expect("claim");
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("claims");
+    }
+    let list = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner();
+    let attached = list
+        .devices
+        .iter()
+        .filter(|d| d.state == proto::DeviceState::Attached as i32)
+        .count();
+    assert_eq!(
+        attached,
+        DOMAINS * VFS_PER_DOMAIN,
+        "every domain's VFs attached"
     );
 
+    // The controller lists all but `UNLISTED` domains; the acting audit also lists the
+    // orphans' owners, so that every run frees nothing and runs alike.
+    let listed: Vec<String> = (UNLISTED..DOMAINS)
+        .map(|i| domain_uuid(i).to_string())
+        .collect();
+    let with_orphans: Vec<String> = listed
+        .iter()
+        .cloned()
+        .chain((0..ORPHANS).map(|k| uuid::Uuid::from_u128(0xe000_0000 + k as u128).to_string()))
+        .collect();
+    let snapshot = list.host_generation;
+    let reconcile = |act: bool, seq: usize| proto::ReconcileRequest {
+        expected_consumer_ids: if act {
+            with_orphans.clone()
+        } else {
+            listed.clone()
+        },
+        snapshot_generation: snapshot,
+        act,
+        request_id: if act {
+            format!("audit-{seq}")
+        } else {
+            String::new()
+        },
+    };
+    let reps = runs * 3;
+    let mut dry = Vec::new();
+    let mut act = Vec::new();
+    for i in 0..=reps {
+        let t0 = Instant::now();
+        let r = c
+            .reconcile(reconcile(false, i))
+            .await
+            .expect("dry-run reconcile")
+            .into_inner();
+        let took = t0.elapsed().as_secs_f64();
+        assert_eq!(r.orphans.len(), ORPHANS);
+        assert_eq!(r.protected.len(), UNLISTED * VFS_PER_DOMAIN);
+        let t0 = Instant::now();
+        let a = c
+            .reconcile(reconcile(true, i))
+            .await
+            .expect("acting reconcile")
+            .into_inner();
+        let took_act = t0.elapsed().as_secs_f64();
+        assert!(a.orphans.is_empty());
+        assert_eq!(a.protected.len(), UNLISTED * VFS_PER_DOMAIN);
+        // The first of each is a warm-up.
+        if i > 0 {
+            dry.push(took);
+            act.push(took_act);
+        }
+    }
+    drop(c);
+    drop(d);
+
+    // The baseline: the same domains listed with their live and persistent XML through
+    // the same URI, by the code the agent lists them with, on a connection kept open.
+    let lv = hostdevd::domains::Libvirt::new(uri);
+    let base: Vec<f64> = tokio::task::block_in_place(|| {
+        let n = lv.list().expect("list domains").len();
+        assert_eq!(n, DOMAINS);
+        (0..reps)
+            .map(|_| {
+                let t0 = Instant::now();
+                let n = lv.list().expect("list domains").len();
+                assert_eq!(n, DOMAINS);
+                t0.elapsed().as_secs_f64()
+            })
+            .collect()
+    });
+    let (b, b0, b1) = median_spread(base);
+    let (o, o0, o1) = median_spread(dry);
+    let (a, a0, a1) = median_spread(act);
+    let baseline = format!(
+        "list of the {DOMAINS} domains with their XML alone {:.1} ms ({:.1}–{:.1})",
+        b * 1e3,
+        b0 * 1e3,
+        b1 * 1e3
+    );
+    t.row(
+        &format!("reconcile of 4096 devices against {DOMAINS} domains (libvirt test driver), dry run: {ORPHANS} orphans, {} protected", UNLISTED * VFS_PER_DOMAIN),
+        &baseline,
+        format!(
+            "{:.1} ms ({:.1}–{:.1}) = **{:.2}×**",
+            o * 1e3,
+            o0 * 1e3,
+            o1 * 1e3,
+            o / b
+        ),
+        "≤ 2×",
+        Some(o / b <= 2.0),
+    );
+    t.row(
+        &format!("reconcile of 4096 devices against {DOMAINS} domains, acting (lists the domains afresh first; nothing to free)"),
+        "same list alone",
+        format!(
+            "{:.1} ms ({:.1}–{:.1}) = **{:.2}×**",
+            a * 1e3,
+            a0 * 1e3,
+            a1 * 1e3,
+            a / b
+        ),
+        "≤ 2×",
+        Some(a / b <= 2.0),
+    );
+}
+
+/// Watch fan-out: 100 watchers vs 1, 10,000 changes.
+async fn watch_row(t: &mut Table, dir: &Path) {
+    let small = host(64);
     // 8. Watch fan-out: 100 watchers vs 1, 10,000 changes.
     let mut fan = Vec::new();
     for watchers in [1usize, 100] {
-        let state = disk.path().join(format!("state-watch-{watchers}"));
-        let d = start_daemon(&small, disk.path(), &state);
+        let state = dir.join(format!("state-watch-{watchers}"));
+        let d = start_daemon(&small, dir, &state);
         let (mut c, _) = wait_ready(&d).await;
         let from = c
             .list_devices(proto::ListDevicesRequest {})
@@ -636,7 +952,9 @@ async fn main() {
         "no change lost; p99 ≤ 10 ms",
         Some(complete == w && p99 <= 0.010),
     );
+}
 
+fn write_report(t: &Table, runs: usize) {
     let mut md = String::new();
     let _ = writeln!(md, "# Benchmarks\n");
     let _ = writeln!(
