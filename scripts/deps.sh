@@ -54,6 +54,9 @@ if [ "$tests" = 1 ]; then
   command -v dpkg-shlibdeps >/dev/null 2>&1 || need+=(dpkg-dev)
   command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
   dpkg -s libvirt0 >/dev/null 2>&1 || need+=(libvirt0)
+  # The sysfs write-fault tests (tests/hardware.rs): a FUSE file that fails writes with
+  # a chosen errno, mounted through fusermount3.
+  command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
   # The real-kernel suite (tests/vm/run.sh): QEMU (TCG), a static busybox for the
   # initramfs, cpio and kmod to build it, xz for the kernel's compressed modules, file
   # to tell a static busybox. The kernel package itself is downloaded by the suite.

@@ -1,7 +1,8 @@
 //! Hardware actions and hotplug through the real agent on a real socket, on a fake
 //! sysfs tree whose kernel side is played by `support::fakekernel` (it answers sysfs
 //! writes as the kernel would and sends real netlink uevents, so this needs root, which
-//! CI has). The same actions against a real kernel are in tests/vm/.
+//! CI has). Write faults (EBUSY, EIO, EINVAL) come from `support::faultfs`, a FUSE file
+//! planted in the tree. The same actions against a real kernel are in tests/vm/.
 
 mod support;
 
@@ -385,4 +386,171 @@ async fn hotplug_removal_marks_a_claim_lost_and_an_overflow_rescans_everything()
     assert!(st.uevent_resyncs >= 1, "an overflow was seen: {st:?}");
     assert!(st.hotplug.expect("hotplug").detail.contains("full rescan"));
     s.stop().await;
+}
+
+// ---- sysfs write faults -------------------------------------------------------------
+//
+// The kernel's own errors on sysfs writes, returned through a FUSE file planted in the
+// tree (support::faultfs): each failure names the step and the errno, keeps the claim
+// and its recorded binding, and leaves the device's other records unchanged.
+
+fn errno_of(s: &tonic::Status) -> String {
+    reason(s).1.get("errno").cloned().unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sriov_numvfs_write_errors_are_reported_and_the_vfs_are_kept() {
+    use nix::errno::Errno;
+    require_root();
+    let t = tree();
+    let fs = support::faultfs::FaultFs::mount(&[("sriov_numvfs", "4\n")]);
+    fs.plant(&t.bus_link(PF).join("sriov_numvfs"), "sriov_numvfs");
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let before = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .devices;
+    let vfs_before: Vec<(String, u64)> = before
+        .iter()
+        .filter(|d| d.address != PF)
+        .map(|d| (d.address.clone(), d.generation))
+        .collect();
+    for errno in [Errno::EBUSY, Errno::EIO, Errno::EINVAL] {
+        fs.fail_writes("sriov_numvfs", Some(errno));
+        let pf = device(&mut c, PF).await.expect("PF");
+        let tries = fs.attempts("sriov_numvfs").len();
+        let e = set_vfs(&mut c, 2, pf.generation)
+            .await
+            .expect_err("the kernel refused the write");
+        assert_eq!(e.code(), Code::Internal, "{errno}: {e:?}");
+        let (why, meta) = reason(&e);
+        assert_eq!(why, "HARDWARE_STEP_FAILED", "{errno}");
+        assert_eq!(errno_of(&e), errno.to_string(), "{errno}: {meta:?}");
+        assert!(
+            e.message().contains("sriov_numvfs")
+                && e.message().contains(&format!("os error {}", errno as i32)),
+            "the message names the file and the kernel's error: {}",
+            e.message()
+        );
+        // Going from 4 to 2 writes 0 first: that first write failed, nothing followed.
+        assert_eq!(fs.attempts("sriov_numvfs")[tries..], ["0".to_string()]);
+        assert_eq!(fs.content("sriov_numvfs"), "4\n");
+        // The PF takes a new generation (a refused write may still have changed the
+        // hardware); every VF keeps its record and generation.
+        let pf_after = device(&mut c, PF).await.expect("PF");
+        assert!(pf_after.generation > pf.generation, "{errno}");
+        let after = c
+            .list_devices(proto::ListDevicesRequest {})
+            .await
+            .expect("list")
+            .into_inner()
+            .devices;
+        let vfs_after: Vec<(String, u64)> = after
+            .iter()
+            .filter(|d| d.address != PF)
+            .map(|d| (d.address.clone(), d.generation))
+            .collect();
+        assert_eq!(vfs_after, vfs_before, "{errno}: the VFs were left alone");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_vfio_bind_keeps_the_claim_and_a_failed_restore_keeps_the_binding() {
+    use nix::errno::Errno;
+    require_root();
+    let t = tree();
+    let a = {
+        let mut f = t.bus_link(PF);
+        f.push("virtfn0");
+        std::fs::canonicalize(&f)
+            .expect("virtfn0")
+            .file_name()
+            .expect("name")
+            .to_string_lossy()
+            .into_owned()
+    };
+    let fs =
+        support::faultfs::FaultFs::mount(&[("driver_override", "(null)\n"), ("vfio_unbind", "")]);
+    fs.plant(&t.bus_link(&a).join("driver_override"), "driver_override");
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+
+    // 1. The first bind step fails with EIO: the claim stands, with its binding recorded
+    // (the original driver, so that a release restores it), and the device is untouched.
+    fs.fail_writes("driver_override", Some(Errno::EIO));
+    let e = claim(&mut c, &a, 7, true)
+        .await
+        .expect_err("driver_override refused");
+    assert_eq!(e.code(), Code::Internal, "{e:?}");
+    assert_eq!(reason(&e).0, "HARDWARE_STEP_FAILED");
+    assert_eq!(
+        reason(&e).1.get("step").map(String::as_str),
+        Some("set driver_override")
+    );
+    assert_eq!(errno_of(&e), Errno::EIO.to_string());
+    let d = device(&mut c, &a).await.expect("device");
+    assert_eq!(d.driver, "iavf", "nothing was unbound");
+    assert_eq!(d.owner, Some(owner(7)), "the claim stands");
+    assert_eq!(d.vfio_binding.len(), 1);
+    assert_eq!(d.vfio_binding[0].original_driver, "iavf");
+
+    // 2. With the fault gone, a release restores (nothing to undo but the override) and
+    // frees the device.
+    fs.fail_writes("driver_override", None);
+    release(&mut c, &a, 7)
+        .await
+        .expect("release after a failed bind");
+    let d = device(&mut c, &a).await.expect("device");
+    assert!(d.owner.is_none(), "released");
+    assert_eq!(d.driver, "iavf");
+    assert!(
+        fs.attempts("driver_override").contains(&"\n".to_string()),
+        "the release cleared the override: {:?}",
+        fs.attempts("driver_override")
+    );
+
+    // 3. A bound VF whose restore fails with EINVAL at "unbind vfio-pci": the release is
+    // refused, the claim, binding and generation stay, and the device stays on vfio-pci.
+    claim(&mut c, &a, 8, true).await.expect("claim --vfio");
+    let bound = device(&mut c, &a).await.expect("device");
+    assert_eq!(bound.driver, "vfio-pci");
+    fs.plant(
+        &t.sysfs_root().join("bus/pci/drivers/vfio-pci/unbind"),
+        "vfio_unbind",
+    );
+    fs.fail_writes("vfio_unbind", Some(Errno::EINVAL));
+    let e = release(&mut c, &a, 8).await.expect_err("unbind refused");
+    assert_eq!(e.code(), Code::Internal, "{e:?}");
+    assert_eq!(
+        reason(&e).1.get("step").map(String::as_str),
+        Some("unbind vfio-pci")
+    );
+    assert_eq!(errno_of(&e), Errno::EINVAL.to_string());
+    assert_eq!(fs.attempts("vfio_unbind"), vec![a.clone()]);
+    let d = device(&mut c, &a).await.expect("device");
+    assert_eq!(
+        d.generation, bound.generation,
+        "a refused release changes nothing"
+    );
+    assert_eq!(d.driver, "vfio-pci");
+    assert_eq!(d.vfio_binding, bound.vfio_binding);
+    assert_eq!((d.owner, d.state), (bound.owner, bound.state));
+
+    // 4. Once the kernel accepts the unbind, the same release goes through and the
+    // original driver is back.
+    fs.fail_writes("vfio_unbind", None);
+    release(&mut c, &a, 8)
+        .await
+        .expect("release once the unbind works");
+    let d = until(&mut c, "VF back on iavf", |l| {
+        l.iter()
+            .any(|d| d.address == a && d.driver == "iavf" && d.owner.is_none())
+    })
+    .await;
+    assert!(d.iter().any(|d| d.address == a));
 }

@@ -6,6 +6,7 @@
 //! It polls the files (every 2 ms), so the agent's writes land in regular files first:
 //! what the agent's own step checks see is exactly the kernel's delayed answer.
 
+use std::collections::HashSet;
 use std::fs;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::symlink;
@@ -53,8 +54,9 @@ impl FakeKernel {
         let stop = Arc::new(AtomicBool::new(false));
         let (s, d, flag) = (sysfs.to_path_buf(), dev.to_path_buf(), stop.clone());
         let handle = std::thread::spawn(move || {
+            let mut empty_overrides = HashSet::new();
             while !flag.load(Ordering::Relaxed) {
-                tick(&s, &d);
+                tick(&s, &d, &mut empty_overrides);
                 std::thread::sleep(Duration::from_millis(2));
             }
         });
@@ -132,7 +134,7 @@ fn do_unbind(sysfs: &Path, dev: &Path, a: &str) {
     send_uevent("unbind", a);
 }
 
-fn tick(sysfs: &Path, dev: &Path) {
+fn tick(sysfs: &Path, dev: &Path, empty_overrides: &mut HashSet<PathBuf>) {
     let bus = sysfs.join("bus/pci");
     if let Ok(drivers) = fs::read_dir(bus.join("drivers")) {
         for d in drivers.flatten() {
@@ -165,9 +167,17 @@ fn tick(sysfs: &Path, dev: &Path) {
         let Ok(dir) = fs::canonicalize(e.path()) else {
             continue;
         };
+        // A cleared override reads "(null)". Only an override found empty on two ticks
+        // in a row is rewritten: one seen once may be the agent's own write between its
+        // O_TRUNC and its write(2).
         let ov = dir.join("driver_override");
         if fs::read_to_string(&ov).is_ok_and(|s| s.trim().is_empty()) {
-            let _ = fs::write(&ov, "(null)\n");
+            if !empty_overrides.insert(ov.clone()) {
+                let _ = fs::write(&ov, "(null)\n");
+                empty_overrides.remove(&ov);
+            }
+        } else {
+            empty_overrides.remove(&ov);
         }
         // sriov_numvfs = 0: the kernel removes every VF, each with a remove event.
         let numvfs = fs::read_to_string(dir.join("sriov_numvfs")).unwrap_or_default();

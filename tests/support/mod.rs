@@ -6,6 +6,7 @@
 
 pub use hostdevd::simhost as fakesys;
 pub mod fakekernel;
+pub mod faultfs;
 pub mod lspci;
 pub mod server;
 
