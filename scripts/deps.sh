@@ -57,6 +57,9 @@ if [ "$tests" = 1 ]; then
   # The sysfs write-fault tests (tests/hardware.rs): a FUSE file that fails writes with
   # a chosen errno, mounted through fusermount3.
   command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
+  # A real libvirtd (session mode, as nobody) killed and restarted under the agent
+  # (tests/libvirt.rs).
+  [ -x /usr/sbin/libvirtd ] || need+=(libvirt-daemon)
   # The real-kernel suite (tests/vm/run.sh): QEMU (TCG), a static busybox for the
   # initramfs, cpio and kmod to build it, xz for the kernel's compressed modules, file
   # to tell a static busybox. The kernel package itself is downloaded by the suite.

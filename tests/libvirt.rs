@@ -1,7 +1,8 @@
 //! Ownership tied to libvirt domains and VFIO holders, against real libvirt (its
 //! in-process `test:///` driver) and a fake proc tree: attach and detach, strays, the
-//! fresh query before a free, libvirt unreachable, VFIO holders, and the real daemon
-//! binary over a `test:///PATH/host.xml` host file.
+//! fresh query before a free, libvirt unreachable, a real libvirtd killed and restarted
+//! under the agent, VFIO holders, and the real daemon binary over a
+//! `test:///PATH/host.xml` host file.
 //!
 //! The test driver's `test:///default` state is shared by every connection in this
 //! process, so each test uses its own PCI bus and its own domain names.
@@ -566,4 +567,122 @@ async fn daemon_binary_with_a_host_file() {
         "{st}: {}",
         std::fs::read_to_string(&log).unwrap_or_default()
     );
+}
+
+/// Polls GetDevice until `f` holds, or fails after 30 s.
+async fn until_device(
+    c: &mut HostDevClient<Channel>,
+    a: &str,
+    what: &str,
+    f: impl Fn(&proto::Device) -> bool,
+) -> proto::Device {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let d = device(c, a).await;
+        if f(&d) {
+            return d;
+        }
+        assert!(Instant::now() < deadline, "{a}: never {what}: {d:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Polls GetStatus until libvirt's health is `ok`, or fails after 30 s.
+async fn until_libvirt(c: &mut HostDevClient<Channel>, ok: bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = c
+            .get_status(proto::GetStatusRequest {})
+            .await
+            .expect("status")
+            .into_inner();
+        let h = s.libvirt.expect("libvirt health");
+        if h.ok == ok {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "libvirt health never {ok}: {h:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A real libvirtd (session mode, its test driver) killed and restarted under the agent.
+/// While it is down every free is refused with UNAVAILABLE and changes nothing, and an
+/// attached device stays attached: a lost connection is not an empty domain list. Once
+/// it is back the agent reconnects by itself, frees what no domain uses, and still
+/// refuses what a domain uses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libvirtd_killed_and_restarted_under_the_agent() {
+    let mut lvd = support::libvirtd::Libvirtd::start();
+    let uri = lvd.uri();
+    let h = host(0x3e, 150);
+    let (used, unused) = (h.vfs[1].clone(), h.vfs[2].clone());
+    // The test driver's state lives while a connection holds it: this one, which also
+    // defines and starts the domain that uses `used`.
+    let define = |uri: &str| {
+        let conn = Connect::open(Some(uri)).expect("holder connection");
+        let dom = conn
+            .define_domain_xml(&domain_xml("vm-3e", 0x3e01, &[&used], &[]))
+            .expect("define");
+        dom.create().expect("start");
+        conn
+    };
+    let holder = define(&uri);
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let s = start(&h, proc_dir.path(), &uri, 100).await;
+    let mut c = s.client().await;
+    claim(&mut c, &used, 0x3e01).await;
+    claim(&mut c, &unused, 0x3e02).await;
+    until_libvirt(&mut c, true).await;
+    let attached = until_device(&mut c, &used, "attached", |d| d.state == ATTACHED).await;
+    let idle = device(&mut c, &unused).await;
+    assert_eq!(idle.state, CLAIMED);
+
+    // libvirt crashes.
+    lvd.kill();
+    drop(holder);
+    let err = release(&mut c, &unused, 0x3e02, idle.generation)
+        .await
+        .expect_err("libvirt is down");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert_eq!(info(&err).0, "LIBVIRT_UNREACHABLE");
+    let err = release(&mut c, &used, 0x3e01, attached.generation)
+        .await
+        .expect_err("attached, and libvirt is down");
+    assert!(
+        matches!(err.code(), Code::Unavailable | Code::FailedPrecondition),
+        "{err:?}"
+    );
+    let err = reconcile(&mut c, &[], true)
+        .await
+        .expect_err("no acting audit without libvirt");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    until_libvirt(&mut c, false).await;
+    // Several poll intervals with libvirt down: nothing moved.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let d = device(&mut c, &used).await;
+    assert_eq!((d.state, d.generation), (ATTACHED, attached.generation));
+    let d = device(&mut c, &unused).await;
+    assert_eq!((d.state, d.generation), (CLAIMED, idle.generation));
+
+    // libvirt comes back (the test driver starts empty; the domain is defined again, as
+    // a real libvirtd reloads its persistent domains).
+    lvd.restart();
+    let holder = define(&uri);
+    until_libvirt(&mut c, true).await;
+    let d = until_device(&mut c, &used, "attached again", |d| d.state == ATTACHED).await;
+    let err = release(&mut c, &used, 0x3e01, d.generation)
+        .await
+        .expect_err("a running domain uses it");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_eq!(info(&err).1["domain_name"], "vm-3e");
+    let g = device(&mut c, &unused).await.generation;
+    release(&mut c, &unused, 0x3e02, g)
+        .await
+        .expect("libvirt is back and no domain uses it");
+    assert_eq!(device(&mut c, &unused).await.state, FREE);
+    drop(holder);
+    s.stop().await;
 }

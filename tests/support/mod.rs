@@ -7,6 +7,7 @@
 pub use hostdevd::simhost as fakesys;
 pub mod fakekernel;
 pub mod faultfs;
+pub mod libvirtd;
 pub mod lspci;
 pub mod server;
 
