@@ -23,7 +23,7 @@ mod tests;
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
-use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
@@ -45,6 +45,8 @@ pub const DB_FILE: &str = "hostdevd.db";
 pub const LOCK_FILE: &str = "hostdevd.lock";
 /// Where a new database is built before it is renamed to [`DB_FILE`].
 const NEW_DB_FILE: &str = "hostdevd.db.new";
+/// The database file's mode (its log and index follow it).
+const DB_MODE: u32 = 0o600;
 /// How long a write waits for a reader that holds a lock (an operator's sqlite3 session)
 /// before it fails. WAL readers never block our writes, so this only covers checkpoints.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -96,7 +98,16 @@ impl Store {
                     "the file is empty; a database created by hostdevd never is",
                 ));
             }
-            Ok(_) => {}
+            Ok(meta) => {
+                // A database made before the mode was set explicitly may be readable by
+                // others: tighten it (its log and index follow when SQLite reopens them).
+                if meta.permissions().mode() & 0o077 != 0 {
+                    if let Err(e) = fs::set_permissions(&path, fs::Permissions::from_mode(DB_MODE))
+                    {
+                        tracing::warn!(path = %path.display(), error = %e, "cannot make the database owner-only");
+                    }
+                }
+            }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 let wal = sibling(&path, "-wal");
                 if fs::symlink_metadata(&wal).is_ok() {
@@ -398,6 +409,14 @@ fn create_database(dir: &Path, path: &Path) -> Result<(), StoreError> {
             Err(e) => return Err(StoreError::io(&leftover, "removing a leftover file", e)),
         }
     }
+    // The ledger names every consumer on this host: owner-only, whatever the umask.
+    // SQLite gives its journal, write-ahead log and index the database file's mode.
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(DB_MODE)
+        .open(&tmp)
+        .map_err(|e| StoreError::io(&tmp, "creating the database", e))?;
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
         | OpenFlags::SQLITE_OPEN_CREATE
         | OpenFlags::SQLITE_OPEN_NO_MUTEX;

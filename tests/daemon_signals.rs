@@ -1,8 +1,8 @@
 //! The daemon's signals, on the real binary: SIGHUP reloads the managed-device selection
 //! (a broken config is refused and the old selection stays), SIGTERM drains and exits
-//! cleanly, removing the socket.
+//! cleanly, removing the socket; and the modes of the socket and the state files.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -110,4 +110,92 @@ async fn sighup_reloads_the_selection_and_sigterm_stops_cleanly() {
     };
     assert!(status.success(), "exit status {status}");
     assert!(!socket.exists(), "socket removed on a clean stop");
+}
+
+/// The socket and the state files have their intended modes whatever the umask: the
+/// daemon runs here under umask 000, so every mode below is set by hostdevd itself.
+/// The ledger names every consumer on the host, so it is owner-only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn socket_and_state_files_have_their_modes_under_any_umask() {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let mut f = FakeSys::new();
+    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
+        .netdev("0000:3b:00.0", "ens1f0");
+    let tree = f.build();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg_path = dir.path().join("config.toml");
+    let mut cfg = config(&tree, dir.path(), &["ens1f0"]);
+    cfg = cfg.replace("[api]\n", "[api]\nsocket_mode = \"0660\"\n");
+    std::fs::write(&cfg_path, cfg).expect("config");
+    let socket = dir.path().join("hostdevd.sock");
+    let _daemon = Daemon(
+        Command::new("sh")
+            .arg("-c")
+            .arg("umask 000 && exec \"$0\" serve --config \"$1\"")
+            .arg(env!("CARGO_BIN_EXE_hostdevd"))
+            .arg(&cfg_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start hostdevd"),
+    );
+    wait_for("the socket", async || {
+        hostdevd::client::connect(&socket).await.is_ok()
+    })
+    .await;
+    // One claim, so that the write-ahead log and its index exist.
+    let mut c = hostdevd::client::connect(&socket).await.expect("connect");
+    let list = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner();
+    let vf = list
+        .devices
+        .iter()
+        .find(|d| d.managed)
+        .expect("a managed VF");
+    c.claim(proto::ClaimRequest {
+        owner: Some(proto::Owner {
+            consumer_id: uuid::Uuid::from_u128(1).to_string(),
+            label: "vm-1".into(),
+        }),
+        request_id: "modes".into(),
+        target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+            address: vf.address.clone(),
+            expected_generation: vf.generation,
+        })),
+        vfio: false,
+    })
+    .await
+    .expect("claim");
+    let mode = |p: &Path| {
+        std::fs::metadata(p)
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+            .permissions()
+            .mode()
+            & 0o7777
+    };
+    assert!(std::fs::metadata(&socket)
+        .expect("socket")
+        .file_type()
+        .is_socket());
+    let state = dir.path().join("state");
+    let want = [
+        (socket.clone(), 0o660),
+        (state.clone(), 0o750),
+        (state.join("hostdevd.lock"), 0o640),
+        (state.join("hostdevd.db"), 0o600),
+        (state.join("hostdevd.db-wal"), 0o600),
+        (state.join("hostdevd.db-shm"), 0o600),
+    ];
+    let got: Vec<(PathBuf, u32)> = want.iter().map(|(p, _)| (p.clone(), mode(p))).collect();
+    assert_eq!(
+        got.iter()
+            .map(|(p, m)| format!("{} {m:o}", p.display()))
+            .collect::<Vec<_>>(),
+        want.iter()
+            .map(|(p, m)| format!("{} {m:o}", p.display()))
+            .collect::<Vec<_>>()
+    );
 }

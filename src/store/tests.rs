@@ -573,3 +573,20 @@ fn store_moves_to_the_writer_thread() {
     assert_send::<Store>();
     assert_send::<StoreError>();
 }
+
+#[test]
+fn the_database_is_owner_only_and_an_older_open_one_is_tightened() {
+    let dir = TempDir::new().expect("tempdir");
+    let db = dir.path().join(DB_FILE);
+    drop(reopen(dir.path()));
+    assert_eq!(
+        fs::metadata(&db).expect("db").permissions().mode() & 0o777,
+        0o600
+    );
+    fs::set_permissions(&db, fs::Permissions::from_mode(0o644)).expect("chmod");
+    drop(reopen(dir.path()));
+    assert_eq!(
+        fs::metadata(&db).expect("db").permissions().mode() & 0o777,
+        0o600
+    );
+}
