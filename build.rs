@@ -11,6 +11,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("hostdev_descriptor.bin"))
         .skip_protoc_run()
+        // Decode errors are the caller's bad input: INVALID_ARGUMENT (src/api/codec.rs).
+        .codec_path("crate::api::codec::HostDevCodec")
         .compile_fds(fds)?;
     Ok(())
 }

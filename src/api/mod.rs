@@ -1,6 +1,7 @@
 //! The gRPC service `hostdev.v1.HostDev`: request validation, the caller check, and the
 //! wiring of each RPC to the writer (mutations) or the published view (reads).
 
+pub mod codec;
 pub mod convert;
 pub mod guard;
 pub mod status;

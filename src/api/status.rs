@@ -30,6 +30,9 @@ pub enum ApiError {
     Write(#[from] WriteError),
     #[error("{0}")]
     PermissionDenied(String),
+    /// A request message that protobuf cannot decode.
+    #[error("malformed request message: {0}")]
+    Malformed(#[source] prost::DecodeError),
     #[error("watch cannot resume from generation {from}: this agent can replay from {oldest} up to its host generation {current}; list devices again and watch from the listed host generation")]
     TooOld {
         from: u64,
@@ -194,6 +197,11 @@ pub fn to_status(e: &ApiError) -> Status {
         ApiError::Write(WriteError::ShuttingDown) => {
             let d = ErrorDetails::with_error_info("SHUTTING_DOWN", ERROR_DOMAIN, HashMap::new());
             Status::with_error_details(Code::Unavailable, msg, d)
+        }
+        ApiError::Malformed(_) => {
+            let d =
+                ErrorDetails::with_error_info("MALFORMED_MESSAGE", ERROR_DOMAIN, HashMap::new());
+            Status::with_error_details(Code::InvalidArgument, msg, d)
         }
         ApiError::PermissionDenied(_) => {
             let d =
