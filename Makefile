@@ -5,7 +5,7 @@
 #   make package  the .deb and .rpm, into target/packages/
 #   make fuzz     every cargo-fuzz target for FUZZ_SECONDS (25) each
 #   make deny     cargo deny: licences, bans, sources (advisories where reachable)
-.PHONY: demo test deps test-deps fmt clippy unit python doc bench package packaging vm torture fuzz deny
+.PHONY: demo test deps test-deps fmt clippy unit python doc bench package packaging vm torture fuzz fuzz-bounded deny
 
 demo: deps
 	cargo run --quiet --bin hostdevd -- demo
@@ -44,7 +44,7 @@ packaging:
 vm:
 	./tests/vm/run.sh
 
-test: test-deps fmt clippy unit doc python vm packaging
+test: test-deps fmt clippy unit doc python vm packaging fuzz-bounded deny
 	@echo "make test: all suites passed"
 
 # The long crash torture (SIGKILL under concurrent clients, 500 rounds); `make test`
@@ -62,6 +62,11 @@ bench: deps
 FUZZ_SECONDS ?= 25
 fuzz: deps
 	FUZZ_SECONDS=$(FUZZ_SECONDS) ./fuzz/run.sh
+
+# What `make test` runs: every fuzz target from its committed corpus for a bounded time.
+FUZZ_TEST_SECONDS ?= 10
+fuzz-bounded: deps
+	FUZZ_SECONDS=$(FUZZ_TEST_SECONDS) ./fuzz/run.sh
 
 # Licences, bans and sources always. The advisory database is fetched from github.com,
 # which this project's machines cannot reach; HOSTDEVD_DENY_ADVISORIES=1 adds the
