@@ -128,11 +128,6 @@ impl WatchLimits {
             slots: Arc::new(tokio::sync::Semaphore::new(max_streams)),
         }
     }
-
-    /// Watch streams open now.
-    pub fn open_streams(&self) -> usize {
-        self.max_streams - self.slots.available_permits()
-    }
 }
 
 impl Default for WatchLimits {

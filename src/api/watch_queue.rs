@@ -212,8 +212,9 @@ impl WatchSender {
         }
     }
 
-    /// Events waiting for the client (for tests and metrics).
-    pub fn queued(&self) -> (usize, usize) {
+    /// Items and bytes waiting for the client.
+    #[cfg(test)]
+    fn queued(&self) -> (usize, usize) {
         let g = self.0.lock();
         (g.items.len(), g.bytes)
     }
