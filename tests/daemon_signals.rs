@@ -56,6 +56,22 @@ async fn wait_for(what: &str, mut f: impl AsyncFnMut() -> bool) {
     }
 }
 
+/// Runs `cmd CONFIG` (the daemon, or a wrapper that execs it) until its socket answers.
+async fn serve(cmd: &mut Command, cfg_path: &Path, socket: &Path) -> Daemon {
+    let daemon = Daemon(
+        cmd.arg(cfg_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start hostdevd"),
+    );
+    wait_for("the socket", async || {
+        hostdevd::client::connect(socket).await.is_ok()
+    })
+    .await;
+    daemon
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_the_selection_and_sigterm_stops_cleanly() {
     let mut f = FakeSys::new();
@@ -68,18 +84,11 @@ async fn sighup_reloads_the_selection_and_sigterm_stops_cleanly() {
     let cfg_path = dir.path().join("config.toml");
     std::fs::write(&cfg_path, config(&tree, dir.path(), &["ens1f0"])).expect("config");
     let socket = dir.path().join("hostdevd.sock");
-    let mut daemon = Daemon(
-        Command::new(env!("CARGO_BIN_EXE_hostdevd"))
-            .args(["serve", "--config"])
-            .arg(&cfg_path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start hostdevd"),
-    );
-    wait_for("the socket", async || {
-        hostdevd::client::connect(&socket).await.is_ok()
-    })
+    let mut daemon = serve(
+        Command::new(env!("CARGO_BIN_EXE_hostdevd")).args(["serve", "--config"]),
+        &cfg_path,
+        &socket,
+    )
     .await;
     let first = managed(&socket).await;
     assert_eq!(first.len(), 2, "only ens1f0's VFs: {first:?}");
@@ -128,20 +137,14 @@ async fn socket_and_state_files_have_their_modes_under_any_umask() {
     cfg = cfg.replace("[api]\n", "[api]\nsocket_mode = \"0660\"\n");
     std::fs::write(&cfg_path, cfg).expect("config");
     let socket = dir.path().join("hostdevd.sock");
-    let _daemon = Daemon(
+    let _daemon = serve(
         Command::new("sh")
             .arg("-c")
             .arg("umask 000 && exec \"$0\" serve --config \"$1\"")
-            .arg(env!("CARGO_BIN_EXE_hostdevd"))
-            .arg(&cfg_path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start hostdevd"),
-    );
-    wait_for("the socket", async || {
-        hostdevd::client::connect(&socket).await.is_ok()
-    })
+            .arg(env!("CARGO_BIN_EXE_hostdevd")),
+        &cfg_path,
+        &socket,
+    )
     .await;
     // One claim, so that the write-ahead log and its index exist.
     let mut c = hostdevd::client::connect(&socket).await.expect("connect");

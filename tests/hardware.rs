@@ -394,6 +394,19 @@ async fn hotplug_removal_marks_a_claim_lost_and_an_overflow_rescans_everything()
 // tree (support::faultfs): each failure names the step and the errno, keeps the claim
 // and its recorded binding, and leaves the device's other records unchanged.
 
+/// Every device but the PF, with its generation.
+async fn vf_generations(c: &mut HostDevClient<Channel>) -> Vec<(String, u64)> {
+    c.list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .devices
+        .into_iter()
+        .filter(|d| d.address != PF)
+        .map(|d| (d.address, d.generation))
+        .collect()
+}
+
 fn errno_of(s: &tonic::Status) -> String {
     reason(s).1.get("errno").cloned().unwrap_or_default()
 }
@@ -408,17 +421,7 @@ async fn sriov_numvfs_write_errors_are_reported_and_the_vfs_are_kept() {
     let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
     let s = start(&t, 3000, 1 << 20).await;
     let mut c = s.client().await;
-    let before = c
-        .list_devices(proto::ListDevicesRequest {})
-        .await
-        .expect("list")
-        .into_inner()
-        .devices;
-    let vfs_before: Vec<(String, u64)> = before
-        .iter()
-        .filter(|d| d.address != PF)
-        .map(|d| (d.address.clone(), d.generation))
-        .collect();
+    let vfs_before = vf_generations(&mut c).await;
     for errno in [Errno::EBUSY, Errno::EIO, Errno::EINVAL] {
         fs.fail_writes("sriov_numvfs", Some(errno));
         let pf = device(&mut c, PF).await.expect("PF");
@@ -443,18 +446,11 @@ async fn sriov_numvfs_write_errors_are_reported_and_the_vfs_are_kept() {
         // hardware); every VF keeps its record and generation.
         let pf_after = device(&mut c, PF).await.expect("PF");
         assert!(pf_after.generation > pf.generation, "{errno}");
-        let after = c
-            .list_devices(proto::ListDevicesRequest {})
-            .await
-            .expect("list")
-            .into_inner()
-            .devices;
-        let vfs_after: Vec<(String, u64)> = after
-            .iter()
-            .filter(|d| d.address != PF)
-            .map(|d| (d.address.clone(), d.generation))
-            .collect();
-        assert_eq!(vfs_after, vfs_before, "{errno}: the VFs were left alone");
+        assert_eq!(
+            vf_generations(&mut c).await,
+            vfs_before,
+            "{errno}: the VFs were left alone"
+        );
     }
 }
 
