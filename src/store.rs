@@ -241,6 +241,7 @@ impl Store {
         }
         {
             let mut upsert = tx.prepare_cached(schema::UPSERT_RECORD).map_err(sql)?;
+            let mut fix_address = tx.prepare_cached(schema::FIX_RECORD_ADDRESS).map_err(sql)?;
             let mut remove = tx.prepare_cached(schema::DELETE_RECORD).map_err(sql)?;
             let mut log = tx.prepare_cached(schema::UPSERT_REQUEST).map_err(sql)?;
             let mut prune = tx.prepare_cached(schema::DELETE_REQUEST).map_err(sql)?;
@@ -253,16 +254,19 @@ impl Store {
                         source: Some(e),
                     })?;
                     let consumer = record.claim.as_ref().map(|c| c.owner.consumer.to_string());
+                    let id = to_sql_int(path, "record id", record.id.0)?;
+                    let address = record.address().to_string();
                     upsert
                         .execute(params![
-                            to_sql_int(path, "record id", record.id.0)?,
-                            record.address().to_string(),
+                            id,
+                            address,
                             to_sql_int(path, "generation", record.generation.0)?,
                             record.present,
                             consumer,
                             json,
                         ])
                         .map_err(sql)?;
+                    fix_address.execute(params![id, address]).map_err(sql)?;
                 }
                 for id in &cs.removals {
                     remove

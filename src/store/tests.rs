@@ -235,6 +235,70 @@ fn every_kind_of_change_survives_reopen() {
     assert_eq!(snapshot.requests[0].request_id.as_str(), "req-c");
 }
 
+/// A database written by the first schema (with the owner and time indexes) opens,
+/// migrates to the current schema in place and loads the same ledger.
+#[test]
+fn a_version_1_database_migrates_and_keeps_its_ledger() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut model = Model::default();
+    let store = Store::open(tmp.path()).expect("open");
+    let claimed = record(1, 0, 2, Some(4));
+    let mut cs = change(0, 2);
+    cs.upserts = vec![claimed.clone(), record(2, 1, 1, None)];
+    cs.requests = vec![entry(4, "req-a", &claimed, 100)];
+    let store = commit_and_check(store, &mut model, &[cs]);
+    drop(store);
+    {
+        // Back to version 1 as it shipped: its indexes, its version number.
+        let conn = Connection::open(tmp.path().join(DB_FILE)).expect("sqlite");
+        conn.execute_batch(
+            "CREATE INDEX records_by_consumer ON records (consumer) WHERE consumer IS NOT NULL;
+             CREATE INDEX requests_by_at ON requests (at);
+             PRAGMA user_version = 1;",
+        )
+        .expect("downgrade");
+    }
+    let store = reopen(tmp.path());
+    assert_eq!(store.load().expect("load"), model.snapshot());
+    drop(store);
+    let conn = Connection::open(tmp.path().join(DB_FILE)).expect("sqlite");
+    let version: i64 = conn
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .expect("user_version");
+    assert_eq!(version, schema_version());
+    let indexes: Vec<String> = conn
+        .prepare(
+            "SELECT name FROM sqlite_schema WHERE type = 'index' AND sql IS NOT NULL ORDER BY name",
+        )
+        .expect("prepare")
+        .query_map([], |r| r.get(0))
+        .expect("query")
+        .collect::<Result<_, _>>()
+        .expect("names");
+    assert_eq!(indexes, vec!["records_by_address".to_string()]);
+}
+
+/// The ledger never moves a record id to another address, but the store does not rely
+/// on it: the address column follows the record, so a reopen never sees a disagreement.
+#[test]
+fn a_record_that_changes_address_is_stored_with_the_new_one() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut model = Model::default();
+    let store = Store::open(tmp.path()).expect("open");
+    let mut cs = change(0, 1);
+    cs.upserts = vec![record(1, 0, 1, None)];
+    let store = commit_and_check(store, &mut model, &[cs]);
+    let mut cs = change(1, 2);
+    cs.upserts = vec![record(1, 5, 2, Some(3))];
+    let store = commit_and_check(store, &mut model, &[cs]);
+    drop(store);
+    let conn = Connection::open(tmp.path().join(DB_FILE)).expect("sqlite");
+    let column: String = conn
+        .query_row("SELECT address FROM records WHERE id = 1", [], |r| r.get(0))
+        .expect("row");
+    assert_eq!(column, address(5).to_string());
+}
+
 #[test]
 fn a_batch_is_one_transaction() {
     let tmp = TempDir::new().expect("tempdir");
