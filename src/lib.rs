@@ -11,6 +11,7 @@
 //! - [`sysfs`]: the read-only inventory of a sysfs root (pure, synchronous).
 //! - [`ledger`]: the ownership state machine (pure, synchronous, no I/O).
 //! - [`store`]: the durable ledger in SQLite (WAL, fsync per commit).
+//! - [`memory`]: the allocator set up for a small resident set (arenas, trims).
 //! - [`writer`]: the single writer thread: decides commands in batches against the
 //!   ledger, commits each batch once (group commit), publishes views and watch events.
 //! - [`api`]: the gRPC service `hostdev.v1.HostDev`, the caller check, the error map, and
@@ -41,6 +42,7 @@ pub mod domains;
 pub mod hardware;
 pub mod hotplug;
 pub mod ledger;
+pub mod memory;
 pub mod metrics;
 pub mod pci;
 pub mod rescan;

@@ -29,6 +29,8 @@ pub use hardware::{BindVfio, Bound, SetVfCount, VfCountSet};
 
 /// How many commands one batch takes at most.
 const MAX_BATCH: usize = 512;
+/// How often at most the writer hands freed memory back to the kernel when it goes idle.
+const TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Why the writer could not carry out a command.
 #[derive(Debug, thiserror::Error)]
@@ -273,6 +275,7 @@ impl Writer {
             events: events.clone(),
             store_error: store_error.clone(),
             hardware,
+            trimmer: crate::memory::Trimmer::new(TRIM_INTERVAL),
         };
         let handle = std::thread::Builder::new()
             .name("hostdevd-writer".into())
@@ -385,6 +388,9 @@ struct Worker {
     store_error: Arc<Mutex<Option<String>>>,
     metrics: Arc<Metrics>,
     hardware: Option<Hardware>,
+    /// Hands the pages freed by bursts of work back to the kernel once the writer is
+    /// idle (see `memory`).
+    trimmer: crate::memory::Trimmer,
 }
 
 impl Worker {
@@ -402,9 +408,16 @@ impl Worker {
         loop {
             let first = match next.take() {
                 Some(c) => c,
-                None => match self.rx.blocking_recv() {
-                    Some(c) => c,
-                    None => return,
+                None => match self.rx.try_recv() {
+                    Ok(c) => c,
+                    Err(_) => {
+                        // Nothing waiting: a moment to give back what the last burst freed.
+                        self.trimmer.maybe_trim();
+                        match self.rx.blocking_recv() {
+                            Some(c) => c,
+                            None => return,
+                        }
+                    }
                 },
             };
             if self.acts_on_hardware(&first) {
@@ -495,6 +508,17 @@ impl Worker {
     }
 
     fn run_batch(&mut self, batch: Vec<Command>) {
+        self.trimmer.worked();
+        // A full inventory (start-up, a reload, a resync) frees a whole scan's worth of
+        // memory once applied: give it back right after.
+        let full_scan = batch.iter().any(|c| matches!(c, Command::Inventory(..)));
+        self.apply_batch(batch);
+        if full_scan {
+            self.trimmer.trim_now();
+        }
+    }
+
+    fn apply_batch(&mut self, batch: Vec<Command>) {
         let now = now_unix();
         let before = self.view_now();
         let mut changes = Vec::new();

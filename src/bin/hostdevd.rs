@@ -238,6 +238,7 @@ fn run_scan(args: &ScanArgs) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
+    hostdevd::memory::configure_allocator();
     let cli = Cli::parse();
     match cli.command {
         Command::Scan(_) => init_logging("warn"),
