@@ -35,6 +35,13 @@ pub struct Rescanner {
     selection: RwLock<Selection>,
     pub inventory: SharedInventory,
     writer: Writer,
+    /// Taken by each rescan from before it reads sysfs until the ledger has applied what
+    /// it read, so rescans apply in the order they read. Without it a hotplug rescan and
+    /// a hardware action's rescan could overlap, and the one that read sysfs first (a VF
+    /// still there) could apply last, over the fresher one (the VF gone), with no event
+    /// left to correct it. An async mutex: it is meant to be held across the awaits of
+    /// the scan thread and the writer, and no other lock is taken while it is held.
+    turn: tokio::sync::Mutex<()>,
 }
 
 fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
@@ -66,12 +73,14 @@ impl Rescanner {
             selection: RwLock::new(selection),
             inventory: Arc::new(RwLock::new(BTreeMap::new())),
             writer,
+            turn: tokio::sync::Mutex::new(()),
         }
     }
 
     /// A full scan, applied to the ledger; with `selection`, that selection is used from
     /// now on (a reload).
     pub async fn full(&self, selection: Option<Selection>) -> Result<(), RescanError> {
+        let _turn = self.turn.lock().await;
         let (root, dev, names) = (
             self.sysfs_root.clone(),
             self.dev_root.clone(),
@@ -101,6 +110,7 @@ impl Rescanner {
         if addresses.is_empty() {
             return Ok(());
         }
+        let _turn = self.turn.lock().await;
         // One level of relatives only: a VF's event rescans its PF (whose VF list
         // changed), not all the PF's other VFs, which have events of their own.
         let named = addresses;

@@ -19,11 +19,19 @@ use tonic_types::StatusExt;
 
 const PF: &str = "0000:3b:00.0";
 
-fn require_root() {
+/// Held by each test while it runs: the tests take turns. Their uevents go to one
+/// multicast group that every test daemon in this process listens on, so one test's
+/// burst would overflow the others' sockets, and their stand-in kernels would compete
+/// for the two cores.
+static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Checks for root and waits for this test's turn.
+async fn alone() -> tokio::sync::MutexGuard<'static, ()> {
     assert!(
         nix::unistd::Uid::effective().is_root(),
         "tests/hardware.rs needs root (netlink uevents are sent as the kernel would); CI runs as root"
     );
+    ALONE.lock().await
 }
 
 /// A PF with 4 VFs on iavf, each VF in its own IOMMU group, and a device on vfio-pci
@@ -155,7 +163,7 @@ async fn set_vfs(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_with_vfio_binds_and_release_restores_the_driver() {
-    require_root();
+    let _alone = alone().await;
     let t = tree();
     let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
     let s = start(&t, 3000, 1 << 20).await;
@@ -216,15 +224,23 @@ async fn claim_with_vfio_binds_and_release_restores_the_driver() {
     assert_eq!(d.state, proto::DeviceState::Free as i32);
     assert!(d.vfio_binding.is_empty());
     assert!(!t.dev_root().join("vfio/41").exists());
-    let override_now =
-        std::fs::read_to_string(t.bus_link(&a).join("driver_override")).expect("override");
-    assert_eq!(override_now.trim(), "(null)");
+    // The cleared override reads "(null)" once the stand-in kernel has seen it.
+    let override_path = t.bus_link(&a).join("driver_override");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = std::fs::read_to_string(&override_path).expect("override");
+        if now.trim() == "(null)" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the override reads {now:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     s.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_restore_keeps_the_claim_and_names_the_step() {
-    require_root();
+    let _alone = alone().await;
     let t = tree();
     let k = FakeKernel::start(t.sysfs_root(), t.dev_root());
     let s = start(&t, 300, 1 << 20).await;
@@ -274,7 +290,7 @@ async fn a_failed_restore_keeps_the_claim_and_names_the_step() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vf_count_changes_are_fenced_and_refused_while_a_vf_is_claimed() {
-    require_root();
+    let _alone = alone().await;
     let t = tree();
     let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
     let s = start(&t, 3000, 1 << 20).await;
@@ -346,7 +362,7 @@ async fn vf_count_changes_are_fenced_and_refused_while_a_vf_is_claimed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hotplug_removal_marks_a_claim_lost_and_an_overflow_rescans_everything() {
-    require_root();
+    let _alone = alone().await;
     let t = tree();
     // The smallest receive buffer the kernel allows, so a burst overflows it.
     let s = start(&t, 3000, 1).await;
@@ -414,7 +430,7 @@ fn errno_of(s: &tonic::Status) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sriov_numvfs_write_errors_are_reported_and_the_vfs_are_kept() {
     use nix::errno::Errno;
-    require_root();
+    let _alone = alone().await;
     let t = tree();
     let fs = support::faultfs::FaultFs::mount(&[("sriov_numvfs", "4\n")]);
     fs.plant(&t.bus_link(PF).join("sriov_numvfs"), "sriov_numvfs");
@@ -454,21 +470,87 @@ async fn sriov_numvfs_write_errors_are_reported_and_the_vfs_are_kept() {
     }
 }
 
+/// A VF's address from the tree itself (before any agent runs): its PF's `virtfn{i}`.
+fn virtfn(t: &FakeTree, i: u32) -> String {
+    std::fs::canonicalize(t.bus_link(PF).join(format!("virtfn{i}")))
+        .expect("virtfn")
+        .file_name()
+        .expect("name")
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// A device vanishing between the check and the act: the VF is hot-removed while the
+/// agent's first bind write is in the kernel, which then fails it with ENODEV. The
+/// claim is kept and turns lost (never dropped), and its owner releases it with the lost
+/// record's generation; nothing is written to a device that is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_vanishing_during_its_vfio_bind_turns_lost_and_is_released() {
+    use nix::errno::Errno;
+    let _alone = alone().await;
+    let t = std::sync::Arc::new(tree());
+    let a = virtfn(&t, 2);
+    let fs = support::faultfs::FaultFs::mount(&[("driver_override", "(null)\n")]);
+    fs.plant(&t.bus_link(&a).join("driver_override"), "driver_override");
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    {
+        let (t, a) = (t.clone(), a.clone());
+        fs.during_write("driver_override", move || {
+            t.remove_device(&a);
+            send_uevent("remove", &a);
+        });
+    }
+    fs.fail_writes("driver_override", Some(Errno::ENODEV));
+    let e = claim(&mut c, &a, 11, true)
+        .await
+        .expect_err("the device went away under the bind");
+    assert_eq!(e.code(), Code::Internal, "{e:?}");
+    assert_eq!(
+        reason(&e).1.get("step").map(String::as_str),
+        Some("set driver_override")
+    );
+    assert_eq!(errno_of(&e), Errno::ENODEV.to_string());
+    let list = until(&mut c, "the claimed VF lost", |l| {
+        l.iter()
+            .any(|d| d.address == a && d.state == proto::DeviceState::Lost as i32 && !d.present)
+    })
+    .await;
+    let lost = list.into_iter().find(|d| d.address == a).expect("lost VF");
+    assert_eq!(lost.owner, Some(owner(11)), "the claim is kept");
+    assert_eq!(
+        lost.vfio_binding.len(),
+        1,
+        "with the binding it was recording"
+    );
+    let writes = fs.attempts("driver_override").len();
+    c.release(proto::ReleaseRequest {
+        address: a.clone(),
+        owner: Some(owner(11)),
+        request_id: "release-lost".into(),
+        generation: lost.generation,
+    })
+    .await
+    .expect("the owner releases the lost claim");
+    assert_eq!(
+        fs.attempts("driver_override").len(),
+        writes,
+        "nothing is restored on a device that is gone"
+    );
+    assert!(
+        device(&mut c, &a).await.is_none_or(|d| d.owner.is_none()),
+        "no claim remains"
+    );
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_vfio_bind_keeps_the_claim_and_a_failed_restore_keeps_the_binding() {
     use nix::errno::Errno;
-    require_root();
+    let _alone = alone().await;
     let t = tree();
-    let a = {
-        let mut f = t.bus_link(PF);
-        f.push("virtfn0");
-        std::fs::canonicalize(&f)
-            .expect("virtfn0")
-            .file_name()
-            .expect("name")
-            .to_string_lossy()
-            .into_owned()
-    };
+    let a = virtfn(&t, 0);
     let fs =
         support::faultfs::FaultFs::mount(&[("driver_override", "(null)\n"), ("vfio_unbind", "")]);
     fs.plant(&t.bus_link(&a).join("driver_override"), "driver_override");
@@ -509,6 +591,17 @@ async fn a_failed_vfio_bind_keeps_the_claim_and_a_failed_restore_keeps_the_bindi
         "the release cleared the override: {:?}",
         fs.attempts("driver_override")
     );
+    // The stand-in kernel shows the cleared override as "(null)" a tick later (the
+    // kernel does so at once); wait for it, so it cannot land on the next bind's write.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while fs.content("driver_override") != "(null)\n" {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            fs.content("driver_override")
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 
     // 3. A bound VF whose restore fails with EINVAL at "unbind vfio-pci": the release is
     // refused, the claim, binding and generation stay, and the device stays on vfio-pci.

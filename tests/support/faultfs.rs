@@ -21,7 +21,10 @@ const ROOT: u64 = 1;
 /// Attributes are never cached: each stat and read asks this filesystem again.
 const TTL: Duration = Duration::ZERO;
 
-#[derive(Debug, Default)]
+/// Run inside a write, before it is answered: what the kernel does meanwhile.
+type Hook = Box<dyn Fn() + Send>;
+
+#[derive(Default)]
 struct File {
     name: String,
     content: Vec<u8>,
@@ -29,9 +32,11 @@ struct File {
     fail: Option<i32>,
     /// Every write attempt, failed or not.
     attempts: Vec<String>,
+    /// Runs during each write, before its answer (e.g. the device is hot-removed).
+    during_write: Option<Hook>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Files(Vec<File>);
 
 impl Files {
@@ -186,6 +191,9 @@ impl Filesystem for FaultFilesystem {
             return reply.error(libc::ENOENT);
         };
         f.attempts.push(String::from_utf8_lossy(data).into_owned());
+        if let Some(hook) = &f.during_write {
+            hook();
+        }
         if let Some(errno) = f.fail {
             return reply.error(errno);
         }
@@ -308,6 +316,12 @@ impl FaultFs {
     /// Makes every later write to `name` fail with `errno` (`None`: succeed).
     pub fn fail_writes(&self, name: &str, errno: Option<nix::errno::Errno>) {
         self.with(name, |f| f.fail = errno.map(|e| e as i32));
+    }
+
+    /// Runs `hook` inside every later write to `name`, before the write is answered:
+    /// something that happens in the kernel while the agent's write is in progress.
+    pub fn during_write(&self, name: &str, hook: impl Fn() + Send + 'static) {
+        self.with(name, |f| f.during_write = Some(Box::new(hook)));
     }
 
     /// Every write attempted on `name` so far.
