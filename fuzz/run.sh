@@ -17,9 +17,10 @@
 # which stable rustc takes only with RUSTC_BOOTSTRAP=1. It is set in both cases, with
 # CARGO_CACHE_RUSTC_INFO=0: cargo's cached target probe (target/.rustc_info.json) would
 # otherwise replay a "-Z is only accepted on the nightly compiler" failure from a run
-# made without RUSTC_BOOTSTRAP. hostdevd has no unsafe code, so the default is no
-# sanitizer (coverage-guided, debug assertions on): ASan would only watch the C
-# libraries (SQLite, libvirt), which no target reaches.
+# made without RUSTC_BOOTSTRAP. hostdevd's only unsafe code is two allocator settings
+# (src/memory.rs) that no target reaches, so the default is no sanitizer
+# (coverage-guided, debug assertions on): ASan would only watch the C libraries
+# (SQLite, libvirt), which no target reaches either.
 #
 # The committed seeds live in fuzz/corpus/<target>/ and are only read; the fuzzer's own
 # corpus grows in fuzz/target/corpus/<target>/ (ignored by git). A crash leaves its input
