@@ -18,12 +18,13 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use crate::hardware::{Hardware, HardwareError};
 use crate::ledger::{
     ChangeSet, ClaimRequest, DeviceFacts, DeviceState, DeviceView, DomainDevices, Ledger,
-    LedgerError, Outcome, RecordId, ReleaseRequest, Stray, TransferRequest,
+    LedgerError, Outcome, RecordId, ReleaseRequest, RequestEntry, Stray, TransferRequest,
 };
 use crate::metrics::{Metrics, Op};
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 use crate::store::{Store, StoreError};
 
+mod closed;
 mod hardware;
 pub use hardware::{BindVfio, Bound, SetVfCount, VfCountSet};
 
@@ -43,6 +44,12 @@ pub enum WriteError {
     ShuttingDown,
     #[error(transparent)]
     Hardware(#[from] HardwareError),
+    /// GetRequestOutcome already answered that this request id was not applied.
+    #[error("request {request_id} of consumer {consumer} was closed: GetRequestOutcome answered that it was not applied, so nothing sent with it applies afterwards; nothing was changed; send the request again with a new request id")]
+    RequestClosed {
+        consumer: ConsumerId,
+        request_id: RequestId,
+    },
 }
 
 type Reply<T> = oneshot::Sender<Result<T, WriteError>>;
@@ -77,6 +84,9 @@ pub enum Command {
     Domains(Vec<DomainDevices>, Reply<()>),
     /// Answered once every command queued before it is decided and committed.
     Sync(Reply<()>),
+    /// Like `Sync`, then the request's recorded outcome; without one the request id is
+    /// closed, so that nothing sent with it applies afterwards.
+    Settle(ConsumerId, RequestId, Reply<Option<RequestEntry>>),
     /// Free orphans found by a reconcile (each result in order).
     FreeOrphans(
         Vec<OrphanFree>,
@@ -276,6 +286,7 @@ impl Writer {
             store_error: store_error.clone(),
             hardware,
             trimmer: crate::memory::Trimmer::new(TRIM_INTERVAL),
+            closed: closed::ClosedRequests::default(),
         };
         let handle = std::thread::Builder::new()
             .name("hostdevd-writer".into())
@@ -350,6 +361,17 @@ impl Writer {
     pub async fn sync(&self) -> Result<(), WriteError> {
         self.call(Command::Sync).await
     }
+    /// Once every command sent before it is decided and committed: the request's
+    /// recorded outcome, or `None`, and then the request id is closed (a later Claim,
+    /// Release or Transfer with it is refused with [`WriteError::RequestClosed`]).
+    pub async fn settle(
+        &self,
+        consumer: ConsumerId,
+        request_id: RequestId,
+    ) -> Result<Option<RequestEntry>, WriteError> {
+        self.call(|r| Command::Settle(consumer, request_id, r))
+            .await
+    }
     pub async fn domains(&self, domains: Vec<DomainDevices>) -> Result<(), WriteError> {
         self.call(|r| Command::Domains(domains, r)).await
     }
@@ -372,6 +394,9 @@ impl Writer {
 /// A decided command waiting for its batch to commit.
 enum Pending {
     Applied(Reply<Applied>, Op, Result<Applied, LedgerError>),
+    /// Refused before the ledger was asked (a closed request id).
+    Refused(Reply<Applied>, WriteError),
+    Entry(Reply<Option<RequestEntry>>, Option<RequestEntry>),
     Unit(Reply<()>),
     Orphans(
         Reply<Vec<Result<Applied, WriteError>>>,
@@ -391,6 +416,8 @@ struct Worker {
     /// Hands the pages freed by bursts of work back to the kernel once the writer is
     /// idle (see `memory`).
     trimmer: crate::memory::Trimmer,
+    /// Request ids GetRequestOutcome answered as not applied.
+    closed: closed::ClosedRequests,
 }
 
 impl Worker {
@@ -447,6 +474,20 @@ impl Worker {
             }
             Applied { outcome, replayed }
         };
+        let key = match &cmd {
+            Command::Claim(req, _) => Some((req.owner.consumer, &req.request_id)),
+            Command::Release(req, _) => Some((req.consumer, &req.request_id)),
+            Command::Transfer(req, _) => Some((req.from, &req.request_id)),
+            _ => None,
+        };
+        if let Some(Err(refused)) = key.map(|(c, r)| self.open_request(c, r)) {
+            match cmd {
+                Command::Claim(_, reply)
+                | Command::Release(_, reply)
+                | Command::Transfer(_, reply) => return Pending::Refused(reply, refused),
+                _ => {}
+            }
+        }
         match cmd {
             Command::Claim(req, reply) => Pending::Applied(
                 reply,
@@ -495,6 +536,13 @@ impl Worker {
                 Pending::Unit(reply)
             }
             Command::Sync(reply) => Pending::Unit(reply),
+            Command::Settle(consumer, request_id, reply) => {
+                let entry = self.ledger.request(consumer, &request_id).cloned();
+                if entry.is_none() {
+                    self.closed.close(consumer, request_id);
+                }
+                Pending::Entry(reply, entry)
+            }
             // Routed to `run_alone` by `run`; answered here only if one slips through.
             Command::BindVfio(_, reply) => {
                 let _ = reply.send(Err(WriteError::Hardware(HardwareError::Disabled)));
@@ -550,6 +598,13 @@ impl Worker {
                             }
                             let _ = r.send(res.map_err(WriteError::from));
                         }
+                        Pending::Refused(r, e) => {
+                            self.metrics.rejected("REQUEST_CLOSED");
+                            let _ = r.send(Err(e));
+                        }
+                        Pending::Entry(r, entry) => {
+                            let _ = r.send(Ok(entry));
+                        }
                         Pending::Unit(r) => {
                             let _ = r.send(Ok(()));
                         }
@@ -578,6 +633,13 @@ impl Worker {
                         Pending::Applied(r, _, Ok(_)) => {
                             let _ = r.send(Err(WriteError::Store(e.clone())));
                         }
+                        Pending::Refused(r, refused) => {
+                            self.metrics.rejected("REQUEST_CLOSED");
+                            let _ = r.send(Err(refused));
+                        }
+                        Pending::Entry(r, _) => {
+                            let _ = r.send(Err(WriteError::Store(e.clone())));
+                        }
                         Pending::Unit(r) => {
                             let _ = r.send(Err(WriteError::Store(e.clone())));
                         }
@@ -588,6 +650,20 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Refuses a request whose id GetRequestOutcome closed, unless its outcome is recorded
+    /// (then the ledger replays it: a retry of an applied request keeps its answer).
+    fn open_request(&self, consumer: ConsumerId, request_id: &RequestId) -> Result<(), WriteError> {
+        if self.closed.is_closed(consumer, request_id)
+            && self.ledger.request(consumer, request_id).is_none()
+        {
+            return Err(WriteError::RequestClosed {
+                consumer,
+                request_id: request_id.clone(),
+            });
+        }
+        Ok(())
     }
 
     fn view_now(&self) -> Arc<View> {

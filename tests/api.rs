@@ -160,6 +160,35 @@ async fn list_claim_release_round_trip() {
     assert_eq!(out.operation, "claimed");
     assert_eq!(out.generation, claimed.generation);
 
+    // No outcome for a request: NOT_FOUND, and final. The id is closed, so a late copy
+    // of a lost call is refused (ABORTED, REQUEST_CLOSED), not applied; a new id works.
+    let e = c
+        .get_request_outcome(proto::GetRequestOutcomeRequest {
+            consumer_id: owner(2).consumer_id,
+            request_id: "lost-call".into(),
+        })
+        .await
+        .expect_err("never sent");
+    assert_eq!(e.code(), Code::NotFound);
+    assert!(e.message().contains("new request id"), "{}", e.message());
+    let other = "0000:5e:00.0";
+    let g = device(&mut c, other).await.generation;
+    let e = claim(&mut c, other, 2, "lost-call", g)
+        .await
+        .expect_err("closed");
+    assert_eq!(e.code(), Code::Aborted);
+    assert_eq!(
+        e.get_details_error_info().expect("info").reason,
+        "REQUEST_CLOSED"
+    );
+    assert_eq!(device(&mut c, other).await.generation, g, "nothing changed");
+    let ok = claim(&mut c, other, 2, "lost-call-2", g)
+        .await
+        .expect("a new request id");
+    release(&mut c, other, 2, "lost-call-2-free", ok.generation)
+        .await
+        .expect("release");
+
     let rel = release(&mut c, vf, 1, "free-1", claimed.generation)
         .await
         .expect("release");
@@ -575,12 +604,27 @@ fn a_second_uid_may_read_but_not_mutate() {
     assert!(!write.status.success());
     let err = String::from_utf8_lossy(&write.stderr);
     assert!(err.contains("uid 65534"), "{err}");
+    // A reader asking for an unknown request's outcome only looks: the id stays open.
+    let asked = child(&[
+        "outcome",
+        "--owner",
+        &owner(1).consumer_id,
+        "--request-id",
+        "asked-by-a-reader",
+    ]);
+    assert!(!asked.status.success());
+    let err = String::from_utf8_lossy(&asked.stderr);
+    assert!(err.contains("not applied so far"), "{err}");
     rt.block_on(async {
         let mut c = s.client().await;
+        let g = device(&mut c, "0000:3b:10.0").await.generation;
         assert_eq!(
             device(&mut c, "0000:3b:10.0").await.state,
             proto::DeviceState::Free as i32
         );
+        claim(&mut c, "0000:3b:10.0", 1, "asked-by-a-reader", g)
+            .await
+            .expect("a reader's question closes nothing");
         s.stop().await;
     });
 }

@@ -359,7 +359,7 @@ fn claim_release_transfer_and_their_refusals() {
     assert_eq!(oj["operation"], "claimed");
     let missing = a.ctl(&["outcome", "--owner", INSTANCE, "--request-id", "never"]);
     assert!(
-        refusal(&missing, 1).contains("safe to retry"),
+        refusal(&missing, 1).contains("with a new request id"),
         "{missing:?}"
     );
 

@@ -771,15 +771,32 @@ impl HostDev for HostDevService {
         let r = req.get_ref();
         let consumer = convert::consumer("consumer_id", &r.consumer_id)?;
         let request_id = convert::request_id(&r.request_id)?;
-        // Wait for every command already queued (the vanished client's among them) to
-        // be decided and committed, so the answer covers them.
-        self.writer.sync().await.map_err(ApiError::from)?;
-        let view = self.writer.view();
-        let entry = view.ledger.request(consumer, &request_id).ok_or_else(|| {
-            ApiError::NotFound(format!(
-                "no request {request_id} of consumer {consumer} is recorded: it was not applied (or was pruned), so it is safe to retry with the same request id: if the lost call is still being handled, the retry gets its answer instead of a second change"
-            ))
-        })?;
+        // Once every command already queued (the vanished client's among them) is
+        // decided and committed: its outcome. For a caller allowed to mutate, a request
+        // without one is closed at that moment, so that a call the agent has not even
+        // read yet cannot apply after this answer; a reader only looks.
+        let entry = if self.access.check(&req, "close a request id").is_ok() {
+            self.writer
+                .settle(consumer, request_id.clone())
+                .await
+                .map_err(ApiError::from)?
+                .ok_or_else(|| {
+                    ApiError::NotFound(format!(
+                        "no request {request_id} of consumer {consumer} is recorded: it was not applied (or was pruned), and now it never will be: this agent refuses that request id from now on (ABORTED, REQUEST_CLOSED); send the request again with a new request id"
+                    ))
+                })?
+        } else {
+            self.writer.sync().await.map_err(ApiError::from)?;
+            let view = self.writer.view();
+            view.ledger
+                .request(consumer, &request_id)
+                .cloned()
+                .ok_or_else(|| {
+                    ApiError::NotFound(format!(
+                        "no request {request_id} of consumer {consumer} is recorded yet: it was not applied so far; a caller allowed to mutate gets a final answer (the request id is then closed)"
+                    ))
+                })?
+        };
         let operation = match entry.outcome {
             Outcome::Claimed { .. } => "claimed",
             Outcome::Released { .. } => "released",

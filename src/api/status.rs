@@ -194,6 +194,17 @@ pub fn to_status(e: &ApiError) -> Status {
             }
             Status::with_error_details(code, msg, d)
         }
+        ApiError::Write(WriteError::RequestClosed {
+            consumer,
+            request_id,
+        }) => {
+            let meta = HashMap::from([
+                ("consumer_id".to_string(), consumer.to_string()),
+                ("request_id".to_string(), request_id.to_string()),
+            ]);
+            let d = ErrorDetails::with_error_info("REQUEST_CLOSED", ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::Aborted, msg, d)
+        }
         ApiError::Write(WriteError::ShuttingDown) => {
             let d = ErrorDetails::with_error_info("SHUTTING_DOWN", ERROR_DOMAIN, HashMap::new());
             Status::with_error_details(Code::Unavailable, msg, d)

@@ -180,6 +180,7 @@ impl Worker {
     /// A release that first gives a recorded binding back (only if the ledger would
     /// accept the release: checked on an O(1) copy of it).
     fn release_restoring(&mut self, req: &ReleaseRequest) -> Result<Applied, WriteError> {
+        self.open_request(req.consumer, &req.request_id)?;
         let now = now_unix();
         if let Some(binding) =
             self.ledger
