@@ -9,16 +9,17 @@
 //! after the transaction that holds its change has committed (I4); if the commit fails,
 //! every change of the batch is undone in memory and every caller gets the error.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use imbl::OrdMap;
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::hardware::{Hardware, HardwareError};
 use crate::ledger::{
-    ChangeSet, ClaimRequest, DeviceFacts, DeviceState, DeviceView, DomainDevices, Ledger,
-    LedgerError, Outcome, RecordId, ReleaseRequest, RequestEntry, Stray, TransferRequest,
+    ChangeSet, ClaimRequest, DeviceFacts, DeviceRecord, DeviceState, DeviceView, DomainDevices,
+    Ledger, LedgerError, Outcome, RecordId, ReleaseRequest, RequestEntry, Stray, TransferRequest,
 };
 use crate::metrics::{Metrics, Op};
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
@@ -30,6 +31,8 @@ pub use hardware::{BindVfio, Bound, SetVfCount, VfCountSet};
 
 /// How many commands one batch takes at most.
 const MAX_BATCH: usize = 512;
+/// Batches that touch more records than this re-derive every device state (a rescan).
+const INCREMENTAL_LIMIT: usize = 256;
 /// How often at most the writer hands freed memory back to the kernel when it goes idle.
 const TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -124,24 +127,30 @@ impl Event {
 
 /// A consistent read view, published after every commit.
 ///
-/// Publishing one costs O(devices) for the derived states only: the ledger is a
-/// structurally shared clone, and the per-device list is built on first read.
+/// Publishing one is cheap: the ledger is a structurally shared clone, the derived states
+/// are a structurally shared map in which a batch of claims and releases re-derives only
+/// the records around the ones it changed, and the per-device list is built on first
+/// read. Batches that change the inventory or the domains re-derive every state.
 #[derive(Debug, Default)]
 pub struct View {
     pub host_generation: Generation,
     pub strays: Vec<Stray>,
     /// The committed ledger (records, request log), shared with the writer's copy.
     pub ledger: Ledger,
-    states: BTreeMap<RecordId, DeviceState>,
+    states: OrdMap<RecordId, DeviceState>,
     devices: std::sync::OnceLock<Vec<DeviceView>>,
 }
 
 impl View {
     fn new(ledger: &Ledger) -> View {
+        View::with_states(ledger, ledger.states().into_iter().collect())
+    }
+
+    fn with_states(ledger: &Ledger, states: OrdMap<RecordId, DeviceState>) -> View {
         View {
             host_generation: ledger.host_generation(),
             strays: ledger.strays(),
-            states: ledger.states(),
+            states,
             ledger: ledger.clone(),
             devices: std::sync::OnceLock::new(),
         }
@@ -149,12 +158,24 @@ impl View {
 
     /// Every record with its derived state, by address (present first, then lost).
     pub fn devices(&self) -> &[DeviceView] {
-        self.devices
-            .get_or_init(|| self.ledger.views_with(&self.states))
+        self.devices.get_or_init(|| {
+            let mut out: Vec<DeviceView> = self
+                .ledger
+                .records()
+                .filter_map(|r| {
+                    self.states.get(&r.id).map(|s| DeviceView {
+                        record: r.clone(),
+                        state: s.clone(),
+                    })
+                })
+                .collect();
+            out.sort_by_key(|v| (v.record.address(), !v.record.present, v.record.id));
+            out
+        })
     }
 
     /// Every record's derived state, by record id.
-    pub fn states(&self) -> &BTreeMap<RecordId, DeviceState> {
+    pub fn states(&self) -> &OrdMap<RecordId, DeviceState> {
         &self.states
     }
 
@@ -673,11 +694,52 @@ impl Worker {
         }
     }
 
+    /// The view after `changes`, and the records whose states were re-derived (`None`:
+    /// all of them). Claims, releases and transfers re-derive around what they touched;
+    /// a batch that changed domains, or many records, derives every state again.
+    fn next_view(
+        &self,
+        before: &View,
+        changes: &[ChangeSet],
+    ) -> (View, Option<BTreeSet<RecordId>>) {
+        let domains_changed = changes.iter().any(|cs| cs.before_domains.is_some());
+        let touched: usize = changes.iter().map(|cs| cs.before.len()).sum();
+        if domains_changed || touched > INCREMENTAL_LIMIT {
+            return (View::new(&self.ledger), None);
+        }
+        let mut versions: Vec<&DeviceRecord> = Vec::new();
+        let mut ids = BTreeSet::new();
+        for cs in changes {
+            for (id, old) in &cs.before {
+                ids.insert(*id);
+                versions.extend(old.iter());
+                versions.extend(self.ledger.record(*id));
+            }
+        }
+        let mut states = before.states.clone();
+        for id in &ids {
+            if self.ledger.record(*id).is_none() {
+                states.remove(id);
+            }
+        }
+        for (id, state) in self.ledger.states_around(&versions) {
+            ids.insert(id);
+            states.insert(id, state);
+        }
+        let view = View::with_states(&self.ledger, states);
+        debug_assert_eq!(
+            view.states,
+            self.ledger.states().into_iter().collect::<OrdMap<_, _>>(),
+            "re-deriving around the changed records gives every state"
+        );
+        (view, Some(ids))
+    }
+
     /// Publishes the new view, logs each state change and emits watch events: one per
     /// changed or removed record, and one per device whose derived state changed because
     /// of a relative (stamped with the batch's host generation).
     fn publish(&mut self, before: &View, changes: &[ChangeSet]) {
-        let view = View::new(&self.ledger);
+        let (view, rederived) = self.next_view(before, changes);
         let mut written: BTreeSet<RecordId> = BTreeSet::new();
         let mut events = Vec::new();
         for cs in changes {
@@ -699,7 +761,16 @@ impl Worker {
                 .map(|r| r.generation)
                 .unwrap_or_default()
         };
-        for (id, state) in &view.states {
+        // Only a re-derived or written record can have a new state; `None` means every
+        // state was derived afresh. Record-id order either way.
+        let candidates: Box<dyn Iterator<Item = (&RecordId, &DeviceState)>> = match &rederived {
+            None => Box::new(view.states.iter()),
+            Some(ids) => Box::new(
+                ids.union(&written)
+                    .filter_map(|id| view.states.get(id).map(|st| (id, st))),
+            ),
+        };
+        for (id, state) in candidates {
             let changed = written.contains(id);
             if !changed && before.states.get(id).is_none_or(|old| old == state) {
                 continue;

@@ -224,6 +224,42 @@ impl Ledger {
             .collect()
     }
 
+    /// The derived states that a change of `touched` records can have changed, while the
+    /// domains stayed the same: each touched record still here, and every record whose
+    /// state reads one of them (see [`Self::blocker`]): its physical function, its virtual
+    /// functions, the members of its IOMMU group, any record at its address. `touched`
+    /// holds both versions of each changed record (before and after), so a record that
+    /// moved group or lost its PF is covered on both sides. One blocking index and one
+    /// pass over the records, in record-id order; no state is allocated for the rest.
+    pub fn states_around(&self, touched: &[&DeviceRecord]) -> Vec<(RecordId, DeviceState)> {
+        let mut addresses = BTreeSet::new();
+        let mut pfs = BTreeSet::new();
+        let mut groups = BTreeSet::new();
+        let mut ids = BTreeSet::new();
+        for t in touched {
+            ids.insert(t.id);
+            addresses.insert(t.address());
+            if let Some(pf) = t.facts.physfn {
+                pfs.insert(pf);
+            }
+            if let Some(g) = t.facts.iommu_group {
+                groups.insert(g);
+            }
+        }
+        let index = BlockIndex::build(self);
+        self.records
+            .values()
+            .filter(|r| {
+                ids.contains(&r.id)
+                    || addresses.contains(&r.address())
+                    || pfs.contains(&r.address())
+                    || r.facts.physfn.is_some_and(|pf| addresses.contains(&pf))
+                    || r.facts.iommu_group.is_some_and(|g| groups.contains(&g))
+            })
+            .map(|r| (r.id, self.state_with(r, &index)))
+            .collect()
+    }
+
     /// One record by id (present or lost).
     pub fn record(&self, id: RecordId) -> Option<&DeviceRecord> {
         self.records.get(&id)
