@@ -107,6 +107,9 @@ pub struct Ledger {
     domains: Vec<DomainDevices>,
     /// Derived from `domains`: which domains reference each address.
     refs: BTreeMap<PciAddress, Vec<DomainRef>>,
+    /// Derived from `records`: the ids of claimed records, present or lost, so that the
+    /// blocking index and a release's lookup visit the claims, not every device.
+    claimed: imbl::OrdSet<RecordId>,
     request_log_limit: usize,
 }
 
@@ -150,6 +153,7 @@ impl Ledger {
             if rec.present {
                 ledger.present.insert(rec.address(), id);
             }
+            ledger.track_claim(&rec);
             ledger.records.insert(id, rec);
         }
         for entry in snapshot.requests {
@@ -595,11 +599,16 @@ impl Ledger {
         consumer: ConsumerId,
         generation: Generation,
     ) -> Result<RecordId, LedgerError> {
+        // The present instance, and lost ones (always claimed), in record-id order.
         let mut candidates: Vec<&DeviceRecord> = self
-            .records
-            .values()
-            .filter(|r| r.address() == address && (r.present || r.claim.is_some()))
+            .record_at(address)
+            .into_iter()
+            .chain(
+                self.claimed_records()
+                    .filter(|r| !r.present && r.address() == address),
+            )
             .collect();
+        candidates.sort_by_key(|r| r.id);
         if candidates.is_empty() {
             return Err(LedgerError::UnknownDevice { address });
         }
@@ -757,11 +766,13 @@ impl Ledger {
                 if now.present && self.present.get(&now.address()) == Some(id) {
                     self.present.remove(&now.address());
                 }
+                self.claimed.remove(id);
             }
             if let Some(rec) = before {
                 if rec.present {
                     self.present.insert(rec.address(), *id);
                 }
+                self.track_claim(rec);
                 self.records.insert(*id, rec.clone());
             }
         }
@@ -817,6 +828,7 @@ impl Ledger {
         let want = self.attachment_for(&attached);
         let mut updated = attached;
         updated.attached = want;
+        self.track_claim(&updated);
         self.records.insert(id, updated.clone());
         tx.cs.upserts.retain(|r| r.id != id);
         tx.cs.upserts.push(updated);
@@ -827,7 +839,22 @@ impl Ledger {
         self.remember(tx, rec.id);
         tx.cs.upserts.retain(|r| r.id != rec.id);
         tx.cs.upserts.push(rec.clone());
+        self.track_claim(&rec);
         self.records.insert(rec.id, rec);
+    }
+
+    /// Keeps `claimed` in step with a record about to be stored.
+    fn track_claim(&mut self, rec: &DeviceRecord) {
+        if rec.claim.is_some() {
+            self.claimed.insert(rec.id);
+        } else {
+            self.claimed.remove(&rec.id);
+        }
+    }
+
+    /// The claimed records, in record-id order.
+    fn claimed_records(&self) -> impl Iterator<Item = &DeviceRecord> {
+        self.claimed.iter().filter_map(|id| self.records.get(id))
     }
 
     /// Deletes a record; the removal itself is a change with its own generation.
@@ -838,6 +865,7 @@ impl Ledger {
             if self.present.get(&rec.address()) == Some(&id) {
                 self.present.remove(&rec.address());
             }
+            self.claimed.remove(&id);
             tx.cs.removed.push((rec.address(), generation));
         }
         tx.cs.upserts.retain(|r| r.id != id);
@@ -946,7 +974,7 @@ impl BlockIndex {
             claimed_vf_of: BTreeMap::new(),
             claimed_in_group: BTreeMap::new(),
         };
-        for r in ledger.records.values().filter(|r| r.claim.is_some()) {
+        for r in ledger.claimed_records() {
             if let Some(pf) = r.facts.physfn {
                 idx.claimed_vf_of.entry(pf).or_insert(r.address());
             }
