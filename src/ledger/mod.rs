@@ -185,9 +185,10 @@ impl Ledger {
         self.records.values()
     }
 
-    /// Lost records (claimed, gone from sysfs).
+    /// Lost records (claimed, gone from sysfs), in record-id order. A lost record always
+    /// holds its claim (releasing one removes it), so only the claims are visited.
     pub fn lost(&self) -> impl Iterator<Item = &DeviceRecord> {
-        self.records.values().filter(|r| !r.present)
+        self.claimed_records().filter(|r| !r.present)
     }
 
     pub fn request(&self, consumer: ConsumerId, request_id: &RequestId) -> Option<&RequestEntry> {
