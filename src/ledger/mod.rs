@@ -231,7 +231,7 @@ impl Ledger {
 
     /// The derived states that a change of `touched` records can have changed, while the
     /// domains stayed the same: each touched record still here, and every record whose
-    /// state reads one of them (see [`Self::blocker`]): its physical function, its virtual
+    /// state reads one of them (see `blocker`): its physical function, its virtual
     /// functions, the members of its IOMMU group, any record at its address. `touched`
     /// holds both versions of each changed record (before and after), so a record that
     /// moved group or lost its PF is covered on both sides. One blocking index and one
