@@ -13,7 +13,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::api::guard::FreeGuard;
 use crate::api::proto::host_dev_server::HostDevServer;
-use crate::api::{proto, Access, AgentInfo, HealthInfo, HostDevService, QueueLimits, WatchLimits};
+use crate::api::{proto, Access, AgentInfo, HealthInfo, HostDevService, WatchLimits};
 use crate::config::{Config, ConfigError, Selection};
 use crate::hardware::Hardware;
 use crate::hotplug::{Notice, UeventSocket};
@@ -374,13 +374,7 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<(), Daemon
             writer_uids: cfg.api.writer_uids.clone(),
             writer_gids: cfg.api.writer_gids.clone(),
         })
-        .with_watch_limits(WatchLimits::new(
-            cfg.api.max_watch_streams,
-            QueueLimits {
-                events: cfg.api.watch_client_events,
-                bytes: cfg.api.watch_client_bytes,
-            },
-        ));
+        .with_watch_limits(WatchLimits::from_config(&cfg.api));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     if let Some(addr) = cfg.metrics.listen {
         let l = tokio::net::TcpListener::bind(addr)

@@ -130,9 +130,9 @@ impl WatchLimits {
     }
 }
 
-impl Default for WatchLimits {
-    fn default() -> Self {
-        let c = crate::config::ApiConfig::default();
+impl WatchLimits {
+    /// The limits `[api]` sets.
+    pub fn from_config(c: &crate::config::ApiConfig) -> Self {
         WatchLimits::new(
             c.max_watch_streams,
             QueueLimits {
@@ -140,6 +140,12 @@ impl Default for WatchLimits {
                 bytes: c.watch_client_bytes,
             },
         )
+    }
+}
+
+impl Default for WatchLimits {
+    fn default() -> Self {
+        WatchLimits::from_config(&crate::config::ApiConfig::default())
     }
 }
 

@@ -341,8 +341,3 @@ impl FaultFs {
             .unwrap_or_else(|e| panic!("symlink {} -> {name}: {e}", attr.display()));
     }
 }
-
-/// Errno names as the agent reports them, for assertions.
-pub fn errno_name(e: nix::errno::Errno) -> String {
-    e.to_string()
-}
