@@ -54,7 +54,8 @@ torture:
 
 # The performance harness: end-to-end ratios (writes BENCHMARKS.md), then the criterion
 # micro-benchmarks.
-bench: deps
+bench:
+	./scripts/deps.sh --dev
 	cargo bench --bench e2e
 	cargo bench --bench micro
 

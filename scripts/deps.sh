@@ -3,6 +3,7 @@
 # apt-get when missing (as root), or prints the exact command to run otherwise.
 #
 #   scripts/deps.sh            the demo's needs
+#   scripts/deps.sh --dev      plus what building the tests and benchmarks needs
 #   scripts/deps.sh --tests    plus the test suites' (Python venv, packaging tools)
 #   scripts/deps.sh --fuzz     plus a C++ compiler (libFuzzer) and cargo-fuzz
 #   scripts/deps.sh --deny     plus git (the advisory database fetch) and cargo-deny
@@ -12,11 +13,13 @@
 set -euo pipefail
 
 tests=0
+dev=0
 fuzz=0
 deny=0
 for arg in "$@"; do
   case "$arg" in
-    --tests) tests=1 ;;
+    --tests) tests=1; dev=1 ;;
+    --dev) dev=1 ;;
     --fuzz) fuzz=1 ;;
     --deny) deny=1 ;;
     *) echo "deps.sh: unknown argument $arg" >&2; exit 2 ;;
@@ -71,11 +74,15 @@ if [ "$tests" = 1 ]; then
   command -v file >/dev/null 2>&1 || need+=(file)
 fi
 command -v cc >/dev/null 2>&1 || need+=(gcc)
-# libvirt: headers and pkg-config file to build the virt crate (libvirt-dev pulls in
-# libvirt0, the runtime library, whose in-process test:/// driver the demo and tests use).
-command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
-pkg-config --exists libvirt 2>/dev/null || need+=(libvirt-dev)
+# libvirt0: the client library the agent loads at run time; its in-process test:/// driver
+# is what the demo and the tests talk to.
 ls /usr/lib/*/libvirt.so.0 >/dev/null 2>&1 || need+=(libvirt0)
+if [ "$dev" = 1 ]; then
+  # The tests and benchmarks drive libvirt through the virt crate (a dev-dependency), which links it:
+  # headers and pkg-config file to build it.
+  command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+  pkg-config --exists libvirt 2>/dev/null || need+=(libvirt-dev)
+fi
 
 if [ "${#need[@]}" -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then

@@ -453,43 +453,15 @@ async fn daemon_binary_with_a_host_file() {
         ),
     )
     .expect("host.xml");
-    let socket = dir.path().join("hostdevd.sock");
-    let config = dir.path().join("config.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "sysfs_root = {:?}\ndev_root = {:?}\nproc_root = {:?}\nstate_dir = {:?}\n\
-             [api]\nsocket = {:?}\nsocket_mode = \"0600\"\nwriter_uids = [{}]\n\
-             [libvirt]\nuri = \"test://{}\"\npoll_interval_ms = 100\n\
-             [[devices]]\naddress = \"*:*:*.*\"\n",
-            h.tree.sysfs_root(),
-            h.tree.dev_root(),
-            dir.path().join("proc"),
-            dir.path().join("state"),
-            socket,
-            nix::unistd::getuid().as_raw(),
+    let (mut child, socket, log) = spawn_hostdevd(
+        &h,
+        dir.path(),
+        &format!(
+            "[libvirt]\nuri = \"test://{}\"\npoll_interval_ms = 100\n",
             host_xml.display()
         ),
     )
-    .expect("config");
-    let log = dir.path().join("hostdevd.log");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_hostdevd"))
-        .args(["serve", "--config"])
-        .arg(&config)
-        .stderr(std::fs::File::create(&log).expect("log"))
-        .spawn()
-        .expect("spawn hostdevd");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !socket.exists() {
-        if let Ok(Some(st)) = child.try_wait() {
-            panic!(
-                "hostdevd exited with {st}:\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-        }
-        assert!(Instant::now() < deadline, "hostdevd did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    .await;
     let mut c = hostdevd::client::connect(&socket).await.expect("connect");
     let list = c
         .list_devices(proto::ListDevicesRequest {})
@@ -555,6 +527,10 @@ async fn daemon_binary_with_a_host_file() {
         "{health:?}"
     );
     let _ = &h.pf;
+    assert!(
+        maps(&child).contains("libvirt.so.0"),
+        "the agent loads libvirt's client library once it queries"
+    );
 
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.id() as i32),
@@ -567,6 +543,79 @@ async fn daemon_binary_with_a_host_file() {
         "{st}: {}",
         std::fs::read_to_string(&log).unwrap_or_default()
     );
+}
+
+/// Starts the real daemon binary on `h`'s tree with `libvirt` as its `[libvirt]` table and
+/// waits for its socket: the child, the socket and the stderr log.
+async fn spawn_hostdevd(
+    h: &Host,
+    dir: &Path,
+    libvirt: &str,
+) -> (std::process::Child, std::path::PathBuf, std::path::PathBuf) {
+    let socket = dir.join("hostdevd.sock");
+    let config = dir.join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "sysfs_root = {:?}\ndev_root = {:?}\nproc_root = {:?}\nstate_dir = {:?}\n\
+             [api]\nsocket = {:?}\nsocket_mode = \"0600\"\nwriter_uids = [{}]\n\
+             {libvirt}\
+             [[devices]]\naddress = \"*:*:*.*\"\n",
+            h.tree.sysfs_root(),
+            h.tree.dev_root(),
+            dir.join("proc"),
+            dir.join("state"),
+            socket,
+            nix::unistd::getuid().as_raw(),
+        ),
+    )
+    .expect("config");
+    let log = dir.join("hostdevd.log");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("spawn hostdevd");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !socket.exists() {
+        if let Ok(Some(st)) = child.try_wait() {
+            panic!(
+                "hostdevd exited with {st}:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        assert!(Instant::now() < deadline, "hostdevd did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (child, socket, log)
+}
+
+/// The files a running child has mapped (/proc/PID/maps).
+fn maps(child: &std::process::Child) -> String {
+    std::fs::read_to_string(format!("/proc/{}/maps", child.id())).expect("maps")
+}
+
+/// With `[libvirt] enabled = false` the agent serves without ever loading libvirt's client
+/// library (nor the 56 libraries it pulls in).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_with_libvirt_disabled_never_loads_it() {
+    let h = host(0x3e, 160);
+    let dir = tempfile::tempdir().expect("dir");
+    let (mut child, socket, _log) =
+        spawn_hostdevd(&h, dir.path(), "[libvirt]\nenabled = false\n").await;
+    let mut c = hostdevd::client::connect(&socket).await.expect("connect");
+    let status = c
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner();
+    assert!(status.libvirt.is_some());
+    let m = maps(&child);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(!m.contains("libvirt"), "libvirt mapped:\n{m}");
+    assert!(!m.contains("libglib"), "glib mapped:\n{m}");
 }
 
 /// Polls GetDevice until `f` holds, or fails after 30 s.

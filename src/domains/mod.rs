@@ -1,5 +1,6 @@
 //! libvirt: the domains defined on this host (running or not) and the host PCI
-//! addresses each references, read through the `virt` crate, and the background poller
+//! addresses each references, read through libvirt's client library (loaded on first use,
+//! see [`ffi`]), and the background poller
 //! that keeps the writer's domain set current and reports libvirt's health.
 //!
 //! Every call here blocks (libvirt's API is synchronous), so callers run it on a plain
@@ -8,13 +9,13 @@
 //! Lifecycle events are not subscribed to; polling at `poll_interval_ms` is the
 //! mechanism, and the check at free time is always a fresh full query.
 
+pub mod ffi;
 pub mod xml;
 
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use virt::connect::Connect;
-use virt::error::ErrorNumber;
+use ffi::Connection;
 
 use crate::api::HealthInfo;
 use crate::ledger::{DomainDevices, DomainRef};
@@ -28,14 +29,14 @@ pub enum DomainsError {
     Unreachable {
         uri: String,
         #[source]
-        source: virt::error::Error,
+        source: ffi::Error,
     },
     #[error("libvirt at {uri} unreachable: {what} failed: {source}")]
     Call {
         uri: String,
         what: &'static str,
         #[source]
-        source: virt::error::Error,
+        source: ffi::Error,
     },
     #[error("libvirt at {uri} unreachable: no answer within {ms} ms")]
     Timeout { uri: String, ms: u128 },
@@ -54,7 +55,7 @@ pub enum DomainsError {
 /// A libvirt connection by URI, opened on first use and reopened after a failure.
 pub struct Libvirt {
     uri: String,
-    conn: Mutex<Option<Connect>>,
+    conn: Mutex<Option<Arc<Connection>>>,
 }
 
 impl std::fmt::Debug for Libvirt {
@@ -63,16 +64,8 @@ impl std::fmt::Debug for Libvirt {
     }
 }
 
-/// libvirt's default error handler prints every error to stderr; errors are returned
-/// and logged here instead.
-fn quiet_libvirt() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(virt::error::clear_error_callback);
-}
-
 impl Libvirt {
     pub fn new(uri: impl Into<String>) -> Libvirt {
-        quiet_libvirt();
         Libvirt {
             uri: uri.into(),
             conn: Mutex::new(None),
@@ -83,14 +76,14 @@ impl Libvirt {
         &self.uri
     }
 
-    fn cached(&self) -> Option<Connect> {
+    fn cached(&self) -> Option<Arc<Connection>> {
         match self.conn.lock() {
             Ok(g) => g.clone(),
             Err(p) => p.into_inner().clone(),
         }
     }
 
-    fn set(&self, c: Option<Connect>) {
+    fn set(&self, c: Option<Arc<Connection>>) {
         match self.conn.lock() {
             Ok(mut g) => *g = c,
             Err(p) => *p.into_inner() = c,
@@ -112,10 +105,12 @@ impl Libvirt {
                 }
             }
         }
-        let c = Connect::open(Some(&self.uri)).map_err(|source| DomainsError::Unreachable {
-            uri: self.uri.clone(),
-            source,
-        })?;
+        let c = Connection::open(&self.uri)
+            .map(Arc::new)
+            .map_err(|source| DomainsError::Unreachable {
+                uri: self.uri.clone(),
+                source,
+            })?;
         let v = list_on(&c, &self.uri)?;
         self.set(Some(c));
         Ok(v)
@@ -140,7 +135,7 @@ impl Libvirt {
     }
 }
 
-fn list_on(c: &Connect, uri: &str) -> Result<Vec<DomainDevices>, DomainsError> {
+fn list_on(c: &Connection, uri: &str) -> Result<Vec<DomainDevices>, DomainsError> {
     let call = |what| {
         move |source| DomainsError::Call {
             uri: uri.to_string(),
@@ -163,11 +158,11 @@ fn list_on(c: &Connect, uri: &str) -> Result<Vec<DomainDevices>, DomainsError> {
     Ok(out)
 }
 
-fn is_no_domain(e: &virt::error::Error) -> bool {
-    matches!(e.code(), virt::enumutil::Enum::Known(ErrorNumber::NoDomain))
+fn is_no_domain(e: &ffi::Error) -> bool {
+    e.code == ffi::ERR_NO_DOMAIN
 }
 
-fn describe(d: &virt::domain::Domain, uri: &str) -> Result<DomainDevices, DomainsError> {
+fn describe(d: &ffi::Domain, uri: &str) -> Result<DomainDevices, DomainsError> {
     let call = |what| {
         move |source| DomainsError::Call {
             uri: uri.to_string(),
@@ -190,7 +185,7 @@ fn describe(d: &virt::domain::Domain, uri: &str) -> Result<DomainDevices, Domain
         // A running domain's next boot may use devices its live definition does not
         // (edited config), and either one makes the device referenced (I3).
         let persistent = d
-            .xml_desc(virt::sys::VIR_DOMAIN_XML_INACTIVE)
+            .xml_desc(ffi::XML_INACTIVE)
             .map_err(call("reading a domain's persistent XML"))?;
         addresses.extend(pci_addresses(&persistent).map_err(xml_err)?);
         addresses.sort();

@@ -105,6 +105,13 @@ dpkg-deb -c "$deb" >"$work/deb-list"
 dpkg-deb -f "$deb" Depends >"$work/deb-depends"
 grep -q 'libvirt0' "$work/deb-depends" || fail "the .deb does not depend on libvirt0: $(cat "$work/deb-depends")"
 grep -q 'libc6' "$work/deb-depends" || fail "the .deb has no shared-library dependencies (libc6): $(cat "$work/deb-depends")"
+# The binaries load libvirt at run time: linked, it would cost every process 56 libraries.
+dpkg-deb -x "$deb" "$work/deb-root"
+for b in hostdevd hostdevctl; do
+  readelf -d "$work/deb-root/usr/bin/$b" >"$work/needed-$b"
+  grep -q 'NEEDED.*libc.so' "$work/needed-$b" || fail "$b: no NEEDED entries read"
+  if grep -q 'NEEDED.*libvirt' "$work/needed-$b"; then fail "$b links libvirt"; fi
+done
 dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles >"$work/deb-conffiles"
 grep -qx '/etc/hostdevd/config.toml' "$work/deb-conffiles" || fail "config.toml is not a conffile"
 # (Listings go to files first: grep -q in a pipeline would end it early, and pipefail
