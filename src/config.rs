@@ -60,6 +60,9 @@ fn d_writers() -> Vec<u32> {
 fn d_watch() -> usize {
     65_536
 }
+fn d_watch_bytes() -> usize {
+    4 << 20
+}
 /// The most Watch streams a configuration may allow.
 pub const MAX_WATCH_STREAMS: usize = 1 << 20;
 
@@ -150,6 +153,10 @@ pub struct ApiConfig {
     /// Watch events kept for resuming watchers. Default 65536.
     #[serde(default = "d_watch")]
     pub watch_buffer: usize,
+    /// Memory those events may take, in bytes (device views, approximately); the oldest
+    /// go first past either limit. Default 4194304.
+    #[serde(default = "d_watch_bytes")]
+    pub watch_buffer_bytes: usize,
     /// Watch streams open at once; one more gets RESOURCE_EXHAUSTED. Default 1024.
     #[serde(default = "d_max_watchers")]
     pub max_watch_streams: usize,
@@ -189,6 +196,7 @@ impl Default for ApiConfig {
             writer_uids: d_writers(),
             writer_gids: Vec::new(),
             watch_buffer: d_watch(),
+            watch_buffer_bytes: d_watch_bytes(),
             max_watch_streams: d_max_watchers(),
             watch_client_events: d_watch_client_events(),
             watch_client_bytes: d_watch_client_bytes(),
@@ -382,6 +390,8 @@ impl Config {
                 api.max_watch_streams,
                 MAX_WATCH_STREAMS,
             ),
+            ("watch_buffer", api.watch_buffer, 1 << 24),
+            ("watch_buffer_bytes", api.watch_buffer_bytes, 1 << 30),
             ("watch_client_events", api.watch_client_events, 1 << 24),
             ("watch_client_bytes", api.watch_client_bytes, 1 << 30),
         ] {

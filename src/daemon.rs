@@ -117,9 +117,16 @@ impl Agent {
             sysfs_root: cfg.sysfs_root.clone(),
             step_timeout: Duration::from_millis(cfg.hardware.step_timeout_ms),
         };
-        let (writer, _thread) =
-            Writer::start_with(ledger, store, cfg.api.watch_buffer, Some(hardware))
-                .map_err(DaemonError::Thread)?;
+        let (writer, _thread) = Writer::start_with(
+            ledger,
+            store,
+            crate::writer::EventBuffer {
+                events: cfg.api.watch_buffer,
+                bytes: cfg.api.watch_buffer_bytes,
+            },
+            Some(hardware),
+        )
+        .map_err(DaemonError::Thread)?;
         let names = Arc::new(PciNames::system_default());
         // Subscribe before the first scan: the kernel queues what changes meanwhile.
         let uevents = if cfg.hotplug.enabled {

@@ -9,12 +9,12 @@
 //! after the transaction that holds its change has committed (I4); if the commit fails,
 //! every change of the batch is undone in memory and every caller gets the error.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use imbl::OrdMap;
-use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 
 use crate::hardware::{Hardware, HardwareError};
 use crate::ledger::{
@@ -26,7 +26,9 @@ use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 use crate::store::{Store, StoreError};
 
 mod closed;
+mod events;
 mod hardware;
+pub use events::{event_bytes, Event, EventBuffer, EventLog};
 pub use hardware::{BindVfio, Bound, SetVfCount, VfCountSet};
 
 /// How many commands one batch takes at most.
@@ -102,29 +104,6 @@ pub enum Command {
     SetVfCount(SetVfCount, Reply<VfCountSet>),
 }
 
-/// What a watcher receives.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Event {
-    Changed {
-        generation: Generation,
-        /// Shared by every watcher's queue: an event waiting for a slow client costs a
-        /// pointer, not a copy.
-        view: Arc<DeviceView>,
-    },
-    Removed {
-        generation: Generation,
-        address: PciAddress,
-    },
-}
-
-impl Event {
-    pub fn generation(&self) -> Generation {
-        match self {
-            Event::Changed { generation, .. } | Event::Removed { generation, .. } => *generation,
-        }
-    }
-}
-
 /// A consistent read view, published after every commit.
 ///
 /// Publishing one is cheap: the ledger is a structurally shared clone, the derived states
@@ -198,60 +177,6 @@ impl View {
     }
 }
 
-/// Recent events for resuming watchers, and the channel live events go out on.
-#[derive(Debug)]
-pub struct EventLog {
-    ring: VecDeque<Event>,
-    capacity: usize,
-    /// Watchers may resume from any generation >= this.
-    oldest: Generation,
-    tx: broadcast::Sender<Event>,
-}
-
-impl EventLog {
-    fn new(capacity: usize, start: Generation) -> Self {
-        let (tx, _) = broadcast::channel(capacity.max(16));
-        EventLog {
-            ring: VecDeque::new(),
-            capacity: capacity.max(16),
-            oldest: start,
-            tx,
-        }
-    }
-
-    fn push(&mut self, ev: Event) {
-        if self.ring.len() == self.capacity {
-            if let Some(old) = self.ring.pop_front() {
-                self.oldest = old.generation();
-            }
-        }
-        self.ring.push_back(ev.clone());
-        // No receivers is fine: nobody watches.
-        let _ = self.tx.send(ev);
-    }
-
-    /// The oldest generation a watcher may resume from.
-    pub fn oldest(&self) -> Generation {
-        self.oldest
-    }
-
-    /// Events after `from` still in the ring, and a receiver for what follows, taken
-    /// together so no event falls between them. `None` when `from` is too old.
-    pub fn resume(&self, from: Generation) -> Option<(Vec<Event>, broadcast::Receiver<Event>)> {
-        if from < self.oldest {
-            return None;
-        }
-        let rx = self.tx.subscribe();
-        let backlog = self
-            .ring
-            .iter()
-            .filter(|e| e.generation() > from)
-            .cloned()
-            .collect();
-        Some((backlog, rx))
-    }
-}
-
 /// The handle the rest of the agent uses: send commands, read views, follow events.
 #[derive(Debug, Clone)]
 pub struct Writer {
@@ -278,7 +203,7 @@ impl Writer {
         store: Store,
         event_capacity: usize,
     ) -> std::io::Result<(Writer, std::thread::JoinHandle<()>)> {
-        Self::start_with(ledger, store, event_capacity, None)
+        Self::start_with(ledger, store, EventBuffer::events(event_capacity), None)
     }
 
     /// Like [`Writer::start`], with hardware actions (vfio-pci binding, VF counts) on
@@ -286,15 +211,12 @@ impl Writer {
     pub fn start_with(
         ledger: Ledger,
         store: Store,
-        event_capacity: usize,
+        events: EventBuffer,
         hardware: Option<Hardware>,
     ) -> std::io::Result<(Writer, std::thread::JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel(4096);
         let view = Arc::new(RwLock::new(Arc::new(View::new(&ledger))));
-        let events = Arc::new(Mutex::new(EventLog::new(
-            event_capacity,
-            ledger.host_generation(),
-        )));
+        let events = Arc::new(Mutex::new(EventLog::new(events, ledger.host_generation())));
         let store_error = Arc::new(Mutex::new(None));
         let metrics = Metrics::new();
         let mut worker = Worker {

@@ -993,4 +993,4 @@ impl BlockIndex {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
