@@ -480,7 +480,7 @@ impl Worker {
             }
             Command::Sync(reply) => Pending::Unit(reply),
             Command::Settle(consumer, request_id, reply) => {
-                let entry = self.ledger.request(consumer, &request_id).cloned();
+                let entry = self.ledger.request(consumer, &request_id);
                 if entry.is_none() {
                     self.closed.close(consumer, request_id);
                 }

@@ -796,7 +796,6 @@ impl HostDev for HostDevService {
             let view = self.writer.view();
             view.ledger
                 .request(consumer, &request_id)
-                .cloned()
                 .ok_or_else(|| {
                     ApiError::NotFound(format!(
                         "no request {request_id} of consumer {consumer} is recorded yet: it was not applied so far; a caller allowed to mutate gets a final answer (the request id is then closed)"

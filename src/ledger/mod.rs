@@ -92,6 +92,34 @@ pub struct DeviceView {
     pub state: DeviceState,
 }
 
+/// A request-log entry without its key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Logged {
+    outcome: Outcome,
+    at: u64,
+}
+
+impl Logged {
+    fn split(e: RequestEntry) -> (RequestKey, Logged) {
+        (
+            (e.consumer, e.request_id),
+            Logged {
+                outcome: e.outcome,
+                at: e.at,
+            },
+        )
+    }
+
+    fn entry(&self, key: &RequestKey) -> RequestEntry {
+        RequestEntry {
+            consumer: key.0,
+            request_id: key.1.clone(),
+            outcome: self.outcome.clone(),
+            at: self.at,
+        }
+    }
+}
+
 /// The ownership ledger.
 ///
 /// The maps are persistent (structurally shared), so a clone for a published read view
@@ -102,7 +130,9 @@ pub struct Ledger {
     records: imbl::OrdMap<RecordId, DeviceRecord>,
     /// The present instance at each address.
     present: imbl::OrdMap<PciAddress, RecordId>,
-    requests: imbl::OrdMap<RequestKey, RequestEntry>,
+    /// The request log: each entry's key holds its consumer and request id, which the
+    /// value does not repeat (the log is the bulk of the ledger's memory under load).
+    requests: imbl::OrdMap<RequestKey, Logged>,
     /// Domains on the host and what they reference.
     domains: Vec<DomainDevices>,
     /// Derived from `domains`: which domains reference each address.
@@ -157,9 +187,8 @@ impl Ledger {
             ledger.records.insert(id, rec);
         }
         for entry in snapshot.requests {
-            ledger
-                .requests
-                .insert((entry.consumer, entry.request_id.clone()), entry);
+            let (key, logged) = Logged::split(entry);
+            ledger.requests.insert(key, logged);
         }
         ledger
     }
@@ -191,8 +220,14 @@ impl Ledger {
         self.claimed_records().filter(|r| !r.present)
     }
 
-    pub fn request(&self, consumer: ConsumerId, request_id: &RequestId) -> Option<&RequestEntry> {
-        self.requests.get(&(consumer, request_id.clone()))
+    pub fn request(&self, consumer: ConsumerId, request_id: &RequestId) -> Option<RequestEntry> {
+        let key = (consumer, request_id.clone());
+        self.requests.get(&key).map(|l| l.entry(&key))
+    }
+
+    /// The whole request log, in (consumer, request id) order.
+    pub fn request_log(&self) -> impl Iterator<Item = RequestEntry> + '_ {
+        self.requests.iter().map(|(k, l)| l.entry(k))
     }
 
     pub fn domains(&self) -> &[DomainDevices] {
@@ -781,8 +816,8 @@ impl Ledger {
             self.requests.remove(&(e.consumer, e.request_id.clone()));
         }
         for e in &cs.before_requests {
-            self.requests
-                .insert((e.consumer, e.request_id.clone()), e.clone());
+            let (key, logged) = Logged::split(e.clone());
+            self.requests.insert(key, logged);
         }
         if let Some(domains) = &cs.before_domains {
             self.refs = Self::index_domains(domains);
@@ -888,8 +923,8 @@ impl Ledger {
             outcome: outcome.clone(),
             at: now,
         };
-        self.requests
-            .insert((consumer, request_id.clone()), entry.clone());
+        let (key, logged) = Logged::split(entry.clone());
+        self.requests.insert(key, logged);
         tx.cs.requests.push(entry);
         if self.requests.len() > self.request_log_limit {
             // Prune the oldest tenth in one go, so pruning is rare.
@@ -898,12 +933,12 @@ impl Ledger {
                 .requests
                 .iter()
                 .filter(|(k, _)| **k != (consumer, request_id.clone()))
-                .map(|(k, e)| (e.at, k.clone()))
+                .map(|(k, l)| (l.at, k.clone()))
                 .collect();
             by_age.sort();
             for (_, key) in by_age.into_iter().take(excess) {
                 if let Some(old) = self.requests.remove(&key) {
-                    tx.cs.before_requests.push(old);
+                    tx.cs.before_requests.push(old.entry(&key));
                     tx.cs.pruned_requests.push(key);
                 }
             }

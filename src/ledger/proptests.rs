@@ -369,7 +369,7 @@ proptest! {
         let snap = Snapshot {
             host_generation: l.host_generation(),
             records: l.records().map(|r| (r.id, r.clone())).collect(),
-            requests: l.requests.values().cloned().collect(),
+            requests: l.request_log().collect(),
         };
         let mut rebuilt = Ledger::from_snapshot(snap);
         // Domains are not stored (libvirt is asked again at start).

@@ -450,7 +450,7 @@ fn snapshot_round_trip_rebuilds_the_same_ledger() {
     let snap = Snapshot {
         host_generation: l.host_generation(),
         records: l.records().map(|r| (r.id, r.clone())).collect(),
-        requests: l.requests.values().cloned().collect(),
+        requests: l.request_log().collect(),
     };
     let rebuilt = Ledger::from_snapshot(snap);
     assert_eq!(rebuilt, l);
