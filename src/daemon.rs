@@ -106,7 +106,8 @@ impl Agent {
             _ => {}
         }
         store.meta_set("boot_id", &boot)?;
-        let ledger = Ledger::from_snapshot(snapshot);
+        let mut ledger = Ledger::from_snapshot(snapshot);
+        ledger.set_request_log_limit(cfg.api.request_log_entries);
         tracing::info!(
             host_generation = %ledger.host_generation(),
             records = ledger.records().count(),
