@@ -56,41 +56,51 @@ impl EventBuffer {
 /// ring.
 const LIVE_SLOTS: usize = 8192;
 
-/// The approximate memory one event holds on to: its view's structure and the strings it
-/// owns (allocator rounding not counted).
+/// The memory one event holds on to, as glibc's allocator hands it out: its shared view
+/// (one allocation with the reference counts) and each string and list it owns, each
+/// rounded up to the allocator's 16-byte chunks with their 8-byte header (32 at least).
 pub fn event_bytes(ev: &Event) -> usize {
     use std::mem::size_of;
+    fn alloc(n: usize) -> usize {
+        if n == 0 {
+            0
+        } else {
+            (n + 8).div_ceil(16).max(2) * 16
+        }
+    }
+    let text = |s: &Option<String>| s.as_ref().map_or(0, |s| alloc(s.len()));
     let Event::Changed { view, .. } = ev else {
         return size_of::<Event>();
     };
     let r = &view.record;
-    let text = |s: &Option<String>| s.as_ref().map_or(0, String::len);
-    let mut n = size_of::<Event>() + size_of::<DeviceView>() + 2 * size_of::<usize>();
+    let mut n = size_of::<Event>() + alloc(size_of::<DeviceView>() + 2 * size_of::<usize>());
     n += text(&r.facts.driver);
+    n += alloc(r.facts.physnets.len() * size_of::<crate::pci::PhysNet>());
     n += r
         .facts
         .physnets
         .iter()
-        .map(|p| size_of::<crate::pci::PhysNet>() + p.as_str().len())
+        .map(|p| alloc(p.as_str().len()))
         .sum::<usize>();
     if let Some(c) = &r.claim {
-        n += c.owner.label.as_str().len() + c.request_id.as_str().len();
+        n += alloc(c.owner.label.as_str().len()) + alloc(c.request_id.as_str().len());
         if let Some(b) = &c.vfio {
+            n += alloc(b.members.len() * size_of::<crate::ledger::BoundMember>());
             n += b
                 .members
                 .iter()
-                .map(|m| size_of::<crate::ledger::BoundMember>() + text(&m.original_driver))
+                .map(|m| text(&m.original_driver))
                 .sum::<usize>();
         }
     }
     if let Some(d) = &r.attached {
-        n += d.name.len();
+        n += alloc(d.name.len());
     }
     if let DeviceState::Unavailable {
         blocker: crate::ledger::Blocker::Domain(d),
     } = &view.state
     {
-        n += d.name.len();
+        n += alloc(d.name.len());
     }
     n
 }
@@ -227,11 +237,15 @@ mod tests {
         assert_eq!(generations(&log), (41..=50).collect::<Vec<_>>());
         assert_eq!(log.oldest(), Generation(40));
         // A bigger event pushes out as many as it needs, and is counted by its own size.
-        log.push(changed(51, 100 + 3 * one));
+        let big = changed(51, 100 + 3 * one);
+        let big_size = event_bytes(&big);
+        let keep = (limit.bytes - big_size) / one;
+        log.push(big);
         let (n, bytes) = log.kept();
+        assert_eq!(bytes, big_size + keep * one);
         assert!(bytes <= limit.bytes);
-        assert_eq!(n, 7, "{:?}", generations(&log));
-        assert_eq!(log.oldest(), Generation(44));
+        assert_eq!(n, keep + 1, "{:?}", generations(&log));
+        assert_eq!(log.oldest(), Generation(50 - keep as u64));
     }
 
     #[test]
@@ -251,10 +265,16 @@ mod tests {
     }
 
     #[test]
-    fn sizes_count_the_strings_an_event_owns() {
+    fn sizes_count_the_allocations_an_event_owns() {
+        // A 1000-byte driver name: one chunk of 1000 + 8 bytes, rounded up to 16.
         assert_eq!(
             event_bytes(&changed(1, 1000)) - event_bytes(&changed(1, 0)),
-            1000
+            1008
+        );
+        // A short one still takes the smallest chunk.
+        assert_eq!(
+            event_bytes(&changed(1, 4)) - event_bytes(&changed(1, 0)),
+            32
         );
         let removed = Event::Removed {
             generation: Generation(1),
