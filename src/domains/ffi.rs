@@ -65,10 +65,14 @@ impl std::error::Error for Error {}
 unsafe extern "C" fn ignore_error(_user: Ptr, _error: Ptr) {}
 
 fn load() -> Result<Api, String> {
+    load_from(LIBRARY)
+}
+
+fn load_from(library: &str) -> Result<Api, String> {
     // SAFETY: loading libvirt runs its constructors, which only initialise the library.
-    let lib = unsafe { libloading::Library::new(LIBRARY) }.map_err(|e| {
+    let lib = unsafe { libloading::Library::new(library) }.map_err(|e| {
         format!(
-            "libvirt's client library {LIBRARY} cannot be loaded ({e}); install libvirt0 \
+            "libvirt's client library {library} cannot be loaded ({e}); install libvirt0 \
              (Debian, Ubuntu) or libvirt-libs (RPM), or set [libvirt] enabled = false"
         )
     })?;
@@ -307,6 +311,25 @@ mod tests {
         assert!(e.message.contains("nonexistent"), "{e}");
         let again = Connection::open("test:///default");
         assert!(again.is_ok());
+    }
+
+    /// Without the library, the error says what to install or to turn libvirt off.
+    #[test]
+    fn a_missing_library_says_what_to_install() {
+        let e = load_from("libvirt-not-installed.so.0").expect_err("no such library");
+        assert!(
+            e.contains("libvirt-not-installed.so.0 cannot be loaded"),
+            "{e}"
+        );
+        assert!(e.contains("install libvirt0"), "{e}");
+        assert!(e.contains("enabled = false"), "{e}");
+    }
+
+    /// A library without libvirt's entry points is refused by name, not called.
+    #[test]
+    fn a_library_without_the_entry_points_is_refused() {
+        let e = load_from("libc.so.6").expect_err("libc is not libvirt");
+        assert!(e.contains("has no virSetErrorFunc"), "{e}");
     }
 
     #[test]
