@@ -12,14 +12,25 @@ use std::time::{Duration, Instant};
 
 /// Arenas at most: one for the writer thread's churn, one for everything else.
 const MAX_ARENAS: i32 = 2;
+/// Allocations at least this large get pages of their own (mmap), handed back on free.
+/// Set explicitly, it stays fixed: glibc otherwise raises it after the first such free
+/// (up to 32 MiB), and the connections' large buffers then land in the heap among the
+/// long-lived ledger, where the holes they leave cannot be given back. Measured at
+/// 4096 devices under the benchmark's load: 3-4 MiB less resident at the peak.
+const MMAP_THRESHOLD: i32 = 128 << 10;
+/// Free memory at the top of the heap beyond this goes back to the kernel at once.
+const TRIM_THRESHOLD: i32 = 256 << 10;
 
-/// Sets up the allocator. Call first thing in `main`, before any thread exists.
+/// Sets up the allocator (arenas, mmap and trim thresholds). Call first thing in `main`,
+/// before any thread exists.
 pub fn configure_allocator() {
     #[cfg(target_env = "gnu")]
     // SAFETY: mallopt only sets a parameter of the allocator; called before any other
     // thread exists, so no allocation races with it.
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, MAX_ARENAS);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD);
     }
 }
 
