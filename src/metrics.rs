@@ -171,6 +171,35 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
     let _ = writeln!(out, "hostdevd_lost_devices {lost}");
     header(
         &mut out,
+        "hostdevd_request_log_entries",
+        "gauge",
+        "Request-log entries kept for retries ([api] request_log_entries at most).",
+    );
+    let _ = writeln!(
+        out,
+        "hostdevd_request_log_entries {}",
+        view.ledger.request_log_len()
+    );
+    let (kept, kept_bytes) = match writer.events().lock() {
+        Ok(g) => g.kept(),
+        Err(p) => p.into_inner().kept(),
+    };
+    header(
+        &mut out,
+        "hostdevd_watch_buffer_events",
+        "gauge",
+        "Changes kept for resuming watchers ([api] watch_buffer at most).",
+    );
+    let _ = writeln!(out, "hostdevd_watch_buffer_events {kept}");
+    header(
+        &mut out,
+        "hostdevd_watch_buffer_bytes",
+        "gauge",
+        "Memory those changes hold ([api] watch_buffer_bytes at most).",
+    );
+    let _ = writeln!(out, "hostdevd_watch_buffer_bytes {kept_bytes}");
+    header(
+        &mut out,
         "hostdevd_requests_total",
         "counter",
         "Mutating requests applied, by operation (replays counted apart).",

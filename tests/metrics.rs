@@ -123,6 +123,14 @@ async fn metrics_count_states_requests_rejections_and_commits() {
     let commits = value(&after, "hostdevd_store_commit_seconds_count").expect("histogram count");
     assert!(commits >= 2.0, "inventory and claim commits: {commits}");
     assert_eq!(value(&after, "hostdevd_libvirt_up"), Some(0.0));
+    // The claim is logged for retries (the refused one is not), and its change is kept
+    // for resuming watchers.
+    assert_eq!(value(&before, "hostdevd_request_log_entries"), Some(0.0));
+    assert_eq!(value(&after, "hostdevd_request_log_entries"), Some(1.0));
+    let kept = |t: &str| value(t, "hostdevd_watch_buffer_events").expect("ring events");
+    assert!(kept(&after) > kept(&before), "{after}");
+    let bytes = value(&after, "hostdevd_watch_buffer_bytes").expect("ring bytes");
+    assert!(bytes > 0.0 && bytes <= 4194304.0, "{bytes}");
     assert!(after.contains("# TYPE hostdevd_store_commit_seconds histogram"));
 }
 

@@ -227,6 +227,11 @@ impl Ledger {
         self.requests.get(&key).map(|l| l.entry(&key))
     }
 
+    /// How many request-log entries are kept.
+    pub fn request_log_len(&self) -> usize {
+        self.requests.len()
+    }
+
     /// The whole request log, in (consumer, request id) order.
     pub fn request_log(&self) -> impl Iterator<Item = RequestEntry> + '_ {
         self.requests.iter().map(|(k, l)| l.entry(k))
