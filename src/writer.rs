@@ -18,8 +18,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::hardware::{Hardware, HardwareError};
 use crate::ledger::{
-    ChangeSet, ClaimRequest, DeviceFacts, DeviceRecord, DeviceState, DeviceView, DomainDevices,
-    Ledger, LedgerError, Outcome, RecordId, ReleaseRequest, RequestEntry, Stray, TransferRequest,
+    ChangeSet, ClaimRequest, DeviceFacts, DeviceState, DeviceView, DomainDevices, Ledger,
+    LedgerError, Outcome, RecordId, ReleaseRequest, RequestEntry, Stray, TransferRequest,
 };
 use crate::metrics::{Metrics, Op};
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
@@ -28,7 +28,7 @@ use crate::store::{Store, StoreError};
 mod closed;
 mod events;
 mod hardware;
-pub use events::{event_bytes, Event, EventBuffer, EventLog};
+pub use events::{Event, EventBuffer, EventLog};
 pub use hardware::{BindVfio, Bound, SetVfCount, VfCountSet};
 
 /// How many commands one batch takes at most.
@@ -137,20 +137,8 @@ impl View {
 
     /// Every record with its derived state, by address (present first, then lost).
     pub fn devices(&self) -> &[DeviceView] {
-        self.devices.get_or_init(|| {
-            let mut out: Vec<DeviceView> = self
-                .ledger
-                .records()
-                .filter_map(|r| {
-                    self.states.get(&r.id).map(|s| DeviceView {
-                        record: r.clone(),
-                        state: s.clone(),
-                    })
-                })
-                .collect();
-            out.sort_by_key(|v| (v.record.address(), !v.record.present, v.record.id));
-            out
-        })
+        self.devices
+            .get_or_init(|| self.ledger.views_with(|id| self.states.get(&id)))
     }
 
     /// Every record's derived state, by record id.
@@ -166,9 +154,7 @@ impl View {
     /// The records at one address (the present instance first, then lost claims), without
     /// building the whole device list.
     pub fn device(&self, address: PciAddress) -> impl Iterator<Item = DeviceView> + '_ {
-        let present = self.ledger.record_at(address).into_iter();
-        let lost = self.ledger.lost().filter(move |r| r.address() == address);
-        present.chain(lost).filter_map(|r| {
+        self.ledger.records_at(address).filter_map(|r| {
             self.states.get(&r.id).map(|s| DeviceView {
                 record: r.clone(),
                 state: s.clone(),
@@ -629,22 +615,14 @@ impl Worker {
         if domains_changed || touched > INCREMENTAL_LIMIT {
             return (View::new(&self.ledger), None);
         }
-        let mut versions: Vec<&DeviceRecord> = Vec::new();
+        let (removed, around) = self.ledger.rederive(changes);
         let mut ids = BTreeSet::new();
-        for cs in changes {
-            for (id, old) in &cs.before {
-                ids.insert(*id);
-                versions.extend(old.iter());
-                versions.extend(self.ledger.record(*id));
-            }
-        }
         let mut states = before.states.clone();
-        for id in &ids {
-            if self.ledger.record(*id).is_none() {
-                states.remove(id);
-            }
+        for id in removed {
+            states.remove(&id);
+            ids.insert(id);
         }
-        for (id, state) in self.ledger.states_around(&versions) {
+        for (id, state) in around {
             ids.insert(id);
             states.insert(id, state);
         }

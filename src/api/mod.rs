@@ -128,9 +128,7 @@ impl WatchLimits {
             slots: Arc::new(tokio::sync::Semaphore::new(max_streams)),
         }
     }
-}
 
-impl WatchLimits {
     /// The limits `[api]` sets.
     pub fn from_config(c: &crate::config::ApiConfig) -> Self {
         WatchLimits::new(

@@ -115,11 +115,6 @@ fn api() -> Result<&'static Api, Error> {
     })
 }
 
-/// Whether libvirt's client library can be loaded here (loading it if not yet done).
-pub fn available() -> Result<(), Error> {
-    api().map(|_| ())
-}
-
 /// The calling thread's last libvirt error (libvirt keeps it per thread), then cleared.
 fn last_error(api: &Api) -> Error {
     // SAFETY: both read the calling thread's error slot; the message pointer is valid

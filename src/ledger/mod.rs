@@ -216,6 +216,14 @@ impl Ledger {
         self.records.values()
     }
 
+    /// Every record at an address: the present instance first, then the lost ones (in
+    /// record-id order).
+    pub fn records_at(&self, address: PciAddress) -> impl Iterator<Item = &DeviceRecord> {
+        self.record_at(address)
+            .into_iter()
+            .chain(self.lost().filter(move |r| r.address() == address))
+    }
+
     /// Lost records (claimed, gone from sysfs), in record-id order. A lost record always
     /// holds its claim (releasing one removes it), so only the claims are visited.
     pub fn lost(&self) -> impl Iterator<Item = &DeviceRecord> {
@@ -243,16 +251,21 @@ impl Ledger {
 
     /// Every device with its derived state, ordered by address (present before lost).
     pub fn views(&self) -> Vec<DeviceView> {
-        self.views_with(&self.states())
+        let states = self.states();
+        self.views_with(|id| states.get(&id))
     }
 
-    /// [`Self::views`] from states already derived (by [`Self::states`]).
-    pub fn views_with(&self, states: &BTreeMap<RecordId, DeviceState>) -> Vec<DeviceView> {
+    /// [`Self::views`] from states already derived (by [`Self::states`], or kept up to
+    /// date by the writer), looked up by record id.
+    pub fn views_with<'s>(
+        &self,
+        state: impl Fn(RecordId) -> Option<&'s DeviceState>,
+    ) -> Vec<DeviceView> {
         let mut out: Vec<DeviceView> = self
             .records
             .values()
             .filter_map(|r| {
-                states.get(&r.id).map(|s| DeviceView {
+                state(r.id).map(|s| DeviceView {
                     record: r.clone(),
                     state: s.clone(),
                 })
@@ -305,6 +318,24 @@ impl Ledger {
             })
             .map(|r| (r.id, self.state_with(r, &index)))
             .collect()
+    }
+
+    /// What `changes` (applied to this ledger, none of them changing the domains) did to
+    /// the derived states: the records they removed, and the state of every record
+    /// [`Self::states_around`] the ones they touched, before and after.
+    pub fn rederive(&self, changes: &[ChangeSet]) -> (Vec<RecordId>, Vec<(RecordId, DeviceState)>) {
+        let mut versions: Vec<&DeviceRecord> = Vec::new();
+        let mut removed = Vec::new();
+        for cs in changes {
+            for (id, old) in &cs.before {
+                versions.extend(old.iter());
+                match self.records.get(id) {
+                    Some(now) => versions.push(now),
+                    None => removed.push(*id),
+                }
+            }
+        }
+        (removed, self.states_around(&versions))
     }
 
     /// One record by id (present or lost).
@@ -642,15 +673,7 @@ impl Ledger {
         consumer: ConsumerId,
         generation: Generation,
     ) -> Result<RecordId, LedgerError> {
-        // The present instance, and lost ones (always claimed), in record-id order.
-        let mut candidates: Vec<&DeviceRecord> = self
-            .record_at(address)
-            .into_iter()
-            .chain(
-                self.claimed_records()
-                    .filter(|r| !r.present && r.address() == address),
-            )
-            .collect();
+        let mut candidates: Vec<&DeviceRecord> = self.records_at(address).collect();
         candidates.sort_by_key(|r| r.id);
         if candidates.is_empty() {
             return Err(LedgerError::UnknownDevice { address });

@@ -260,15 +260,11 @@ impl World {
                 // after a batch without domain changes) gives every state.
                 if cs.before_domains.is_none() {
                     let mut states = before.states();
-                    let mut versions = Vec::new();
-                    for (id, old) in &cs.before {
-                        versions.extend(old.iter());
-                        versions.extend(self.ledger.record(*id));
-                        if self.ledger.record(*id).is_none() {
-                            states.remove(id);
-                        }
+                    let (removed, around) = self.ledger.rederive(std::slice::from_ref(&cs));
+                    for id in &removed {
+                        states.remove(id);
                     }
-                    states.extend(self.ledger.states_around(&versions));
+                    states.extend(around);
                     prop_assert_eq!(&states, &self.ledger.states());
                 }
                 // I5: generations only grow; every written record got a new one.

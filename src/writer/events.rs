@@ -33,7 +33,7 @@ impl Event {
 }
 
 /// How many recent events the agent keeps for resuming watchers: at most `events` of
-/// them and `bytes` of memory (see [`event_bytes`]), the oldest dropped first.
+/// them and `bytes` of memory (as the allocator hands it out), the oldest dropped first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EventBuffer {
     pub events: usize,
@@ -59,7 +59,7 @@ const LIVE_SLOTS: usize = 8192;
 /// The memory one event holds on to, as glibc's allocator hands it out: its shared view
 /// (one allocation with the reference counts) and each string and list it owns, each
 /// rounded up to the allocator's 16-byte chunks with their 8-byte header (32 at least).
-pub fn event_bytes(ev: &Event) -> usize {
+fn event_bytes(ev: &Event) -> usize {
     use std::mem::size_of;
     fn alloc(n: usize) -> usize {
         if n == 0 {
@@ -108,10 +108,10 @@ pub fn event_bytes(ev: &Event) -> usize {
 /// Recent events for resuming watchers, and the channel live events go out on.
 #[derive(Debug)]
 pub struct EventLog {
-    /// Each event with its [`event_bytes`].
+    /// Each event with its `event_bytes`.
     ring: VecDeque<(Event, usize)>,
     limit: EventBuffer,
-    /// The sum of the ring's [`event_bytes`].
+    /// The sum of the ring's `event_bytes`.
     bytes: usize,
     /// Watchers may resume from any generation >= this.
     oldest: Generation,
