@@ -78,6 +78,26 @@ fn bench(c: &mut Criterion) {
         })
     });
 
+    // What the writer re-derives after one claim: the states around the claimed device.
+    let g = ledger.record_at(addr).expect("present").generation;
+    let (_, claimed) = ledger
+        .claim(
+            &ClaimRequest {
+                target: ClaimTarget::Address {
+                    address: addr,
+                    expected_generation: g,
+                },
+                owner: owner(),
+                request_id: "rederive".parse().expect("rid"),
+            },
+            n + 1,
+        )
+        .expect("claim");
+    c.bench_function("ledger rederive after one claim, 4096 devices", |b| {
+        b.iter(|| black_box(ledger.rederive(std::slice::from_ref(&claimed)).1.len()))
+    });
+    ledger.undo(&claimed);
+
     c.bench_function("ledger views (list), 4096 devices", |b| {
         b.iter(|| black_box(ledger.views().len()))
     });

@@ -142,7 +142,33 @@ pub struct Ledger {
     /// Derived from `records`: the ids of claimed records, present or lost, so that the
     /// blocking index and a release's lookup visit the claims, not every device.
     claimed: imbl::OrdSet<RecordId>,
+    /// Derived from `records`: each record under the keys that relate it to others (its
+    /// address, its physical function, its IOMMU group), so that re-deriving the states
+    /// around a change visits the related records, not every device.
+    related: imbl::OrdSet<(Link, RecordId)>,
     request_log_limit: usize,
+}
+
+/// A key of the `related` index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Link {
+    /// Records at this address (the present one and lost ones).
+    At(PciAddress),
+    /// Virtual functions of the physical function at this address.
+    VfOf(PciAddress),
+    /// Members of this IOMMU group.
+    Group(u32),
+}
+
+impl Link {
+    /// The keys a record is indexed under.
+    fn of(r: &DeviceRecord) -> [Option<Link>; 3] {
+        [
+            Some(Link::At(r.address())),
+            r.facts.physfn.map(Link::VfOf),
+            r.facts.iommu_group.map(Link::Group),
+        ]
+    }
 }
 
 /// Collects one operation's changes and before-images while it mutates the ledger.
@@ -185,8 +211,7 @@ impl Ledger {
             if rec.present {
                 ledger.present.insert(rec.address(), id);
             }
-            ledger.track_claim(&rec);
-            ledger.records.insert(id, rec);
+            ledger.store_record(rec);
         }
         for entry in snapshot.requests {
             let (key, logged) = Logged::split(entry);
@@ -219,9 +244,11 @@ impl Ledger {
     /// Every record at an address: the present instance first, then the lost ones (in
     /// record-id order).
     pub fn records_at(&self, address: PciAddress) -> impl Iterator<Item = &DeviceRecord> {
-        self.record_at(address)
-            .into_iter()
-            .chain(self.lost().filter(move |r| r.address() == address))
+        self.record_at(address).into_iter().chain(
+            self.linked(Link::At(address))
+                .filter_map(|id| self.records.get(&id))
+                .filter(|r| !r.present),
+        )
     }
 
     /// Lost records (claimed, gone from sysfs), in record-id order. A lost record always
@@ -290,32 +317,21 @@ impl Ledger {
     /// functions, the members of its IOMMU group, any record at its address. `touched`
     /// holds both versions of each changed record (before and after), so a record that
     /// moved group or lost its PF is covered on both sides. One blocking index and one
-    /// pass over the records, in record-id order; no state is allocated for the rest.
+    /// lookup each in the `related` index; the result is in record-id order.
     pub fn states_around(&self, touched: &[&DeviceRecord]) -> Vec<(RecordId, DeviceState)> {
-        let mut addresses = BTreeSet::new();
-        let mut pfs = BTreeSet::new();
-        let mut groups = BTreeSet::new();
         let mut ids = BTreeSet::new();
         for t in touched {
             ids.insert(t.id);
-            addresses.insert(t.address());
-            if let Some(pf) = t.facts.physfn {
-                pfs.insert(pf);
-            }
-            if let Some(g) = t.facts.iommu_group {
-                groups.insert(g);
+            let mut keys = vec![Link::At(t.address()), Link::VfOf(t.address())];
+            keys.extend(t.facts.physfn.map(Link::At));
+            keys.extend(t.facts.iommu_group.map(Link::Group));
+            for key in keys {
+                ids.extend(self.linked(key));
             }
         }
         let index = BlockIndex::build(self);
-        self.records
-            .values()
-            .filter(|r| {
-                ids.contains(&r.id)
-                    || addresses.contains(&r.address())
-                    || pfs.contains(&r.address())
-                    || r.facts.physfn.is_some_and(|pf| addresses.contains(&pf))
-                    || r.facts.iommu_group.is_some_and(|g| groups.contains(&g))
-            })
+        ids.into_iter()
+            .filter_map(|id| self.records.get(&id))
             .map(|r| (r.id, self.state_with(r, &index)))
             .collect()
     }
@@ -828,18 +844,16 @@ impl Ledger {
     /// of one batch must be undone in reverse order.
     pub fn undo(&mut self, cs: &ChangeSet) {
         for (id, before) in cs.before.iter().rev() {
-            if let Some(now) = self.records.remove(id) {
+            if let Some(now) = self.drop_record(*id) {
                 if now.present && self.present.get(&now.address()) == Some(id) {
                     self.present.remove(&now.address());
                 }
-                self.claimed.remove(id);
             }
             if let Some(rec) = before {
                 if rec.present {
                     self.present.insert(rec.address(), *id);
                 }
-                self.track_claim(rec);
-                self.records.insert(*id, rec.clone());
+                self.store_record(rec.clone());
             }
         }
         for e in &cs.requests {
@@ -894,8 +908,7 @@ impl Ledger {
         let want = self.attachment_for(&attached);
         let mut updated = attached;
         updated.attached = want;
-        self.track_claim(&updated);
-        self.records.insert(id, updated.clone());
+        self.store_record(updated.clone());
         tx.cs.upserts.retain(|r| r.id != id);
         tx.cs.upserts.push(updated);
         generation
@@ -905,17 +918,43 @@ impl Ledger {
         self.remember(tx, rec.id);
         tx.cs.upserts.retain(|r| r.id != rec.id);
         tx.cs.upserts.push(rec.clone());
-        self.track_claim(&rec);
-        self.records.insert(rec.id, rec);
+        self.store_record(rec);
     }
 
-    /// Keeps `claimed` in step with a record about to be stored.
-    fn track_claim(&mut self, rec: &DeviceRecord) {
+    /// Stores a record (new or a new version), keeping the derived indexes in step.
+    fn store_record(&mut self, rec: DeviceRecord) {
         if rec.claim.is_some() {
             self.claimed.insert(rec.id);
         } else {
             self.claimed.remove(&rec.id);
         }
+        let (id, links) = (rec.id, Link::of(&rec));
+        let old = self.records.insert(id, rec).map(|old| Link::of(&old));
+        if old != Some(links) {
+            for key in old.iter().flatten().flatten() {
+                self.related.remove(&(*key, id));
+            }
+            for key in links.into_iter().flatten() {
+                self.related.insert((key, id));
+            }
+        }
+    }
+
+    /// Removes a record and its entries in the derived indexes.
+    fn drop_record(&mut self, id: RecordId) -> Option<DeviceRecord> {
+        let rec = self.records.remove(&id)?;
+        self.claimed.remove(&id);
+        for key in Link::of(&rec).into_iter().flatten() {
+            self.related.remove(&(key, id));
+        }
+        Some(rec)
+    }
+
+    /// The ids of the records under one key of the `related` index.
+    fn linked(&self, key: Link) -> impl Iterator<Item = RecordId> + '_ {
+        self.related
+            .range((key, RecordId(0))..=(key, RecordId(u64::MAX)))
+            .map(|(_, id)| *id)
     }
 
     /// The claimed records, in record-id order.
@@ -927,11 +966,10 @@ impl Ledger {
     fn remove(&mut self, tx: &mut Tx, id: RecordId) -> Generation {
         self.remember(tx, id);
         let generation = self.bump(tx);
-        if let Some(rec) = self.records.remove(&id) {
+        if let Some(rec) = self.drop_record(id) {
             if self.present.get(&rec.address()) == Some(&id) {
                 self.present.remove(&rec.address());
             }
-            self.claimed.remove(&id);
             tx.cs.removed.push((rec.address(), generation));
         }
         tx.cs.upserts.retain(|r| r.id != id);
