@@ -61,6 +61,9 @@ fn d_watch() -> usize {
     65_536
 }
 fn d_request_log() -> usize {
+    crate::store::DEFAULT_REQUEST_LOG_ENTRIES
+}
+fn d_request_log_memory() -> usize {
     crate::ledger::DEFAULT_REQUEST_LOG_LIMIT
 }
 fn d_watch_bytes() -> usize {
@@ -160,10 +163,14 @@ pub struct ApiConfig {
     /// go first past either limit. Default 4194304.
     #[serde(default = "d_watch_bytes")]
     pub watch_buffer_bytes: usize,
-    /// Request-log entries kept (per consumer and request id, the first answer a retry
-    /// gets); the oldest tenth is pruned past it. Default 20000.
+    /// Request-log entries kept on disk (per consumer and request id, the first answer
+    /// a retry gets); the oldest tenth is pruned past it. Default 100000.
     #[serde(default = "d_request_log")]
     pub request_log_entries: usize,
+    /// The newest of them also kept in memory; a retry of an older one is looked up on
+    /// disk. Default 1024.
+    #[serde(default = "d_request_log_memory")]
+    pub request_log_in_memory: usize,
     /// Watch streams open at once; one more gets RESOURCE_EXHAUSTED. Default 1024.
     #[serde(default = "d_max_watchers")]
     pub max_watch_streams: usize,
@@ -205,6 +212,7 @@ impl Default for ApiConfig {
             watch_buffer: d_watch(),
             watch_buffer_bytes: d_watch_bytes(),
             request_log_entries: d_request_log(),
+            request_log_in_memory: d_request_log_memory(),
             max_watch_streams: d_max_watchers(),
             watch_client_events: d_watch_client_events(),
             watch_client_bytes: d_watch_client_bytes(),
@@ -400,6 +408,11 @@ impl Config {
             ),
             ("watch_buffer", api.watch_buffer, 1 << 24),
             ("request_log_entries", api.request_log_entries, 10_000_000),
+            (
+                "request_log_in_memory",
+                api.request_log_in_memory,
+                1_000_000,
+            ),
             ("watch_buffer_bytes", api.watch_buffer_bytes, 1 << 30),
             ("watch_client_events", api.watch_client_events, 1 << 24),
             ("watch_client_bytes", api.watch_client_bytes, 1 << 30),

@@ -90,9 +90,10 @@ impl Agent {
         let started = Instant::now();
         let selection = cfg.selection()?;
         let state_dir = cfg.state_dir.clone();
+        let in_memory = cfg.api.request_log_in_memory;
         let (store, snapshot) = tokio::task::spawn_blocking(move || {
             let store = Store::open(&state_dir)?;
-            let snapshot = store.load()?;
+            let snapshot = store.load_recent(in_memory)?;
             Ok::<_, StoreError>((store, snapshot))
         })
         .await
@@ -106,8 +107,9 @@ impl Agent {
             _ => {}
         }
         store.meta_set("boot_id", &boot)?;
+        store.set_request_log_limit(cfg.api.request_log_entries);
         let mut ledger = Ledger::from_snapshot(snapshot);
-        ledger.set_request_log_limit(cfg.api.request_log_entries);
+        ledger.set_request_log_limit(in_memory);
         tracing::info!(
             host_generation = %ledger.host_generation(),
             records = ledger.records().count(),

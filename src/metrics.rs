@@ -31,6 +31,8 @@ pub struct Metrics {
     commit_sum_us: AtomicU64,
     uevents: AtomicU64,
     uevent_resyncs: AtomicU64,
+    /// Request-log entries on disk, as of the last commit.
+    stored_requests: AtomicU64,
 }
 
 /// What a request did, for counting.
@@ -76,6 +78,11 @@ impl Metrics {
     }
 
     /// One store commit and how long it took.
+    /// How many request-log entries the store holds now.
+    pub fn stored_requests(&self, n: u64) {
+        self.stored_requests.store(n, Ordering::Relaxed);
+    }
+
     pub fn commit(&self, took: Duration, ok: bool) {
         if !ok {
             self.commit_failures.fetch_add(1, Ordering::Relaxed);
@@ -173,11 +180,22 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         &mut out,
         "hostdevd_request_log_entries",
         "gauge",
-        "Request-log entries kept for retries ([api] request_log_entries at most).",
+        "Request-log entries kept on disk for retries ([api] request_log_entries at most).",
     );
     let _ = writeln!(
         out,
         "hostdevd_request_log_entries {}",
+        m.stored_requests.load(Ordering::Relaxed)
+    );
+    header(
+        &mut out,
+        "hostdevd_request_log_in_memory",
+        "gauge",
+        "The newest of them also kept in memory ([api] request_log_in_memory at most).",
+    );
+    let _ = writeln!(
+        out,
+        "hostdevd_request_log_in_memory {}",
         view.ledger.request_log_len()
     );
     let (kept, kept_bytes) = match writer.events().lock() {

@@ -54,6 +54,9 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 const CACHE_KIB: i64 = -1024;
 /// How many `quick_check` complaints are quoted in a corruption error.
 const MAX_CHECK_MESSAGES: usize = 3;
+/// How many request-log entries the store keeps by default: the oldest tenth is pruned
+/// past it. Each costs some 150 bytes of disk.
+pub const DEFAULT_REQUEST_LOG_ENTRIES: usize = 100_000;
 
 /// The schema version this build writes and understands.
 pub fn schema_version() -> i64 {
@@ -68,6 +71,11 @@ pub struct Store {
     conn: Connection,
     path: PathBuf,
     dir: PathBuf,
+    /// How many request-log entries are kept.
+    request_limit: u64,
+    /// How many there are (counted at open and at each prune; a retried entry that was
+    /// rewritten counts again, which only brings the next recount forward).
+    request_rows: u64,
     _lock: Flock<File>,
 }
 
@@ -133,16 +141,54 @@ impl Store {
         let conn = Connection::open_with_flags(&path, flags)
             .map_err(|e| StoreError::sqlite(&path, "opening the database", e))?;
         prepare_connection(&conn, &path)?;
+        let request_rows = count_requests(&conn, &path)?;
         let store = Store {
             conn,
             path,
             dir: state_dir.to_path_buf(),
+            request_limit: DEFAULT_REQUEST_LOG_ENTRIES as u64,
+            request_rows,
             _lock: lock,
         };
         // A database without a host generation cannot honour I5; say so at start rather
         // than at the first claim.
         store.host_generation()?;
         Ok(store)
+    }
+
+    /// Sets how many request-log entries are kept (at least 1). The oldest tenth is
+    /// pruned, by time, in the commit that takes the log past it.
+    pub fn set_request_log_limit(&mut self, limit: usize) {
+        self.request_limit = u64::try_from(limit.max(1)).unwrap_or(u64::MAX);
+    }
+
+    /// How many request-log entries the store holds (see `request_rows`).
+    pub fn request_log_len(&self) -> u64 {
+        self.request_rows
+    }
+
+    /// One request's logged outcome, if the store holds it.
+    pub fn request(
+        &self,
+        consumer: ConsumerId,
+        request_id: &RequestId,
+    ) -> Result<Option<RequestEntry>, StoreError> {
+        let path = &self.path;
+        let sql = |e| StoreError::sqlite(path, "looking up a request", e);
+        let consumer_text = consumer.to_string();
+        let row = self
+            .conn
+            .prepare_cached(schema::SELECT_REQUEST)
+            .map_err(sql)?
+            .query_row(params![consumer_text, request_id.as_str()], |row| {
+                Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?))
+            })
+            .optional()
+            .map_err(sql)?;
+        row.map(|(outcome, at)| {
+            decode_request(path, &consumer_text, request_id.as_str(), &outcome, at)
+        })
+        .transpose()
     }
 
     /// The database file.
@@ -164,6 +210,12 @@ impl Store {
     /// time, then consumer and request id). Every record is decoded and checked against
     /// its indexed columns; a disagreement is reported as corruption.
     pub fn load(&self) -> Result<Snapshot, StoreError> {
+        self.load_recent(usize::MAX)
+    }
+
+    /// [`Self::load`] with only the newest `requests` entries of the request log (what
+    /// the ledger keeps in memory; it asks the store for the others).
+    pub fn load_recent(&self, requests: usize) -> Result<Snapshot, StoreError> {
         let path = &self.path;
         let sql = |e| StoreError::sqlite(path, "loading the ledger", e);
         // One read transaction, so the three reads see the same commit.
@@ -188,9 +240,12 @@ impl Store {
         drop(rows);
         drop(stmt);
 
+        let limit = i64::try_from(requests).unwrap_or(-1);
         let mut requests = Vec::new();
-        let mut stmt = tx.prepare_cached(schema::SELECT_REQUESTS).map_err(sql)?;
-        let mut rows = stmt.query([]).map_err(sql)?;
+        let mut stmt = tx
+            .prepare_cached(schema::SELECT_NEWEST_REQUESTS)
+            .map_err(sql)?;
+        let mut rows = stmt.query([limit]).map_err(sql)?;
         while let Some(row) = rows.next().map_err(sql)? {
             let consumer: String = row.get(0).map_err(sql)?;
             let request_id: String = row.get(1).map_err(sql)?;
@@ -198,6 +253,7 @@ impl Store {
             let at: i64 = row.get(3).map_err(sql)?;
             requests.push(decode_request(path, &consumer, &request_id, &outcome, at)?);
         }
+        requests.reverse();
         Ok(Snapshot {
             host_generation,
             records,
@@ -219,6 +275,9 @@ impl Store {
         };
         let path = &self.path;
         let sql = |e| StoreError::sqlite(path, "committing a batch", e);
+        let logged: usize = batch.iter().map(|cs| cs.requests.len()).sum();
+        let mut request_rows = self.request_rows.saturating_add(logged as u64);
+        let request_limit = self.request_limit;
         // IMMEDIATE takes the write lock up front, so a failure to get it surfaces here
         // and not halfway through the batch.
         let tx = self
@@ -246,7 +305,6 @@ impl Store {
             let mut fix_address = tx.prepare_cached(schema::FIX_RECORD_ADDRESS).map_err(sql)?;
             let mut remove = tx.prepare_cached(schema::DELETE_RECORD).map_err(sql)?;
             let mut log = tx.prepare_cached(schema::UPSERT_REQUEST).map_err(sql)?;
-            let mut prune = tx.prepare_cached(schema::DELETE_REQUEST).map_err(sql)?;
             for cs in batch {
                 for record in &cs.upserts {
                     let json = serde_json::to_string(record).map_err(|e| StoreError::Encode {
@@ -294,11 +352,9 @@ impl Store {
                     ])
                     .map_err(sql)?;
                 }
-                for (consumer, request_id) in &cs.pruned_requests {
-                    prune
-                        .execute(params![consumer.to_string(), request_id.as_str()])
-                        .map_err(sql)?;
-                }
+            }
+            if request_rows > request_limit {
+                request_rows = prune_requests(&tx, path, request_limit)?;
             }
             let updated = tx
                 .prepare_cached(schema::UPDATE_HOST_GENERATION)
@@ -316,7 +372,9 @@ impl Store {
         // transaction rolls it back, which also clears SQLite's error state so the next
         // commit starts clean. Auto-checkpoint failures after a successful COMMIT are
         // ignored by SQLite's default WAL hook, so an error here means "not committed".
-        tx.commit().map_err(sql)
+        tx.commit().map_err(sql)?;
+        self.request_rows = request_rows;
+        Ok(())
     }
 
     /// Reads a meta value (e.g. `boot_id`). The host generation reads as its decimal text.
@@ -563,6 +621,29 @@ fn apply_migrations(conn: &Connection, path: &Path, from: i64) -> Result<(), Sto
     // `user_version` is part of the transaction, so version and schema move together.
     conn.pragma_update(None, "user_version", schema::current_version())
         .map_err(sql)
+}
+
+fn count_requests(conn: &Connection, path: &Path) -> Result<u64, StoreError> {
+    let n: i64 = conn
+        .query_row(schema::COUNT_REQUESTS, [], |row| row.get(0))
+        .map_err(|e| StoreError::sqlite(path, "counting the request log", e))?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
+/// Deletes the oldest request-log entries (by time, then key) past `limit`, and a tenth
+/// of `limit` more so that the next prune is that many commits away. Returns how many
+/// entries are left.
+fn prune_requests(conn: &Connection, path: &Path, limit: u64) -> Result<u64, StoreError> {
+    let rows = count_requests(conn, path)?;
+    if rows <= limit {
+        return Ok(rows);
+    }
+    let excess = (rows - limit).saturating_add(limit / 10).min(rows);
+    let deleted = conn
+        .prepare_cached(schema::DELETE_OLDEST_REQUESTS)
+        .and_then(|mut stmt| stmt.execute([i64::try_from(excess).unwrap_or(i64::MAX)]))
+        .map_err(|e| StoreError::sqlite(path, "pruning the request log", e))?;
+    Ok(rows.saturating_sub(deleted as u64))
 }
 
 fn read_host_generation(conn: &Connection, path: &Path) -> Result<Generation, StoreError> {

@@ -89,9 +89,15 @@ pub enum Command {
     Domains(Vec<DomainDevices>, Reply<()>),
     /// Answered once every command queued before it is decided and committed.
     Sync(Reply<()>),
-    /// Like `Sync`, then the request's recorded outcome; without one the request id is
-    /// closed, so that nothing sent with it applies afterwards.
-    Settle(ConsumerId, RequestId, Reply<Option<RequestEntry>>),
+    /// Like `Sync`, then the request's recorded outcome (from memory or the store); with
+    /// `close` and no outcome, the request id is closed, so that nothing sent with it
+    /// applies afterwards.
+    Settle {
+        consumer: ConsumerId,
+        request_id: RequestId,
+        close: bool,
+        reply: Reply<Option<RequestEntry>>,
+    },
     /// Free orphans found by a reconcile (each result in order).
     FreeOrphans(
         Vec<OrphanFree>,
@@ -205,6 +211,7 @@ impl Writer {
         let events = Arc::new(Mutex::new(EventLog::new(events, ledger.host_generation())));
         let store_error = Arc::new(Mutex::new(None));
         let metrics = Metrics::new();
+        metrics.stored_requests(store.request_log_len());
         let mut worker = Worker {
             metrics: metrics.clone(),
             ledger,
@@ -298,8 +305,28 @@ impl Writer {
         consumer: ConsumerId,
         request_id: RequestId,
     ) -> Result<Option<RequestEntry>, WriteError> {
-        self.call(|r| Command::Settle(consumer, request_id, r))
-            .await
+        self.call(|reply| Command::Settle {
+            consumer,
+            request_id,
+            close: true,
+            reply,
+        })
+        .await
+    }
+    /// Once every command sent before it is decided and committed: the request's
+    /// recorded outcome, or `None`. Closes nothing.
+    pub async fn lookup(
+        &self,
+        consumer: ConsumerId,
+        request_id: RequestId,
+    ) -> Result<Option<RequestEntry>, WriteError> {
+        self.call(|reply| Command::Settle {
+            consumer,
+            request_id,
+            close: false,
+            reply,
+        })
+        .await
     }
     pub async fn domains(&self, domains: Vec<DomainDevices>) -> Result<(), WriteError> {
         self.call(|r| Command::Domains(domains, r)).await
@@ -325,11 +352,14 @@ enum Pending {
     Applied(Reply<Applied>, Op, Result<Applied, LedgerError>),
     /// Refused before the ledger was asked (a closed request id).
     Refused(Reply<Applied>, WriteError),
-    Entry(Reply<Option<RequestEntry>>, Option<RequestEntry>),
+    Entry(
+        Reply<Option<RequestEntry>>,
+        Result<Option<RequestEntry>, WriteError>,
+    ),
     Unit(Reply<()>),
     Orphans(
         Reply<Vec<Result<Applied, WriteError>>>,
-        Vec<Result<Applied, LedgerError>>,
+        Vec<Result<Applied, WriteError>>,
     ),
 }
 
@@ -409,7 +439,16 @@ impl Worker {
             Command::Transfer(req, _) => Some((req.from, &req.request_id)),
             _ => None,
         };
-        if let Some(Err(refused)) = key.map(|(c, r)| self.open_request(c, r)) {
+        // A retry of a request that memory no longer holds is answered from the store.
+        let recalled = match key {
+            Some((c, r)) => self.recall(c, r),
+            None => Ok(()),
+        };
+        let opened = recalled.and_then(|()| match key {
+            Some((c, r)) => self.open_request(c, r),
+            None => Ok(()),
+        });
+        if let Err(refused) = opened {
             match cmd {
                 Command::Claim(_, reply)
                 | Command::Release(_, reply)
@@ -437,6 +476,7 @@ impl Worker {
                 let results = list
                     .into_iter()
                     .map(|o| {
+                        self.recall(o.consumer, &request_id)?;
                         self.ledger
                             .release(
                                 &ReleaseRequest {
@@ -448,6 +488,7 @@ impl Worker {
                                 now,
                             )
                             .map(&mut keep)
+                            .map_err(WriteError::Ledger)
                     })
                     .collect();
                 Pending::Orphans(reply, results)
@@ -465,9 +506,16 @@ impl Worker {
                 Pending::Unit(reply)
             }
             Command::Sync(reply) => Pending::Unit(reply),
-            Command::Settle(consumer, request_id, reply) => {
-                let entry = self.ledger.request(consumer, &request_id);
-                if entry.is_none() {
+            Command::Settle {
+                consumer,
+                request_id,
+                close,
+                reply,
+            } => {
+                let entry = self
+                    .recall(consumer, &request_id)
+                    .map(|()| self.ledger.request(consumer, &request_id));
+                if close && matches!(entry, Ok(None)) {
                     self.closed.close(consumer, request_id);
                 }
                 Pending::Entry(reply, entry)
@@ -510,6 +558,7 @@ impl Worker {
             let started = std::time::Instant::now();
             let r = self.store.commit(&durable);
             self.metrics.commit(started.elapsed(), r.is_ok());
+            self.metrics.stored_requests(self.store.request_log_len());
             r
         };
         self.set_store_error(committed.as_ref().err().map(|e| e.to_string()));
@@ -528,20 +577,17 @@ impl Worker {
                             let _ = r.send(res.map_err(WriteError::from));
                         }
                         Pending::Refused(r, e) => {
-                            self.metrics.rejected("REQUEST_CLOSED");
+                            self.count_refused(&e);
                             let _ = r.send(Err(e));
                         }
                         Pending::Entry(r, entry) => {
-                            let _ = r.send(Ok(entry));
+                            let _ = r.send(entry);
                         }
                         Pending::Unit(r) => {
                             let _ = r.send(Ok(()));
                         }
                         Pending::Orphans(r, res) => {
-                            let _ = r.send(Ok(res
-                                .into_iter()
-                                .map(|x| x.map_err(WriteError::Ledger))
-                                .collect()));
+                            let _ = r.send(Ok(res));
                         }
                     }
                 }
@@ -563,7 +609,7 @@ impl Worker {
                             let _ = r.send(Err(WriteError::Store(e.clone())));
                         }
                         Pending::Refused(r, refused) => {
-                            self.metrics.rejected("REQUEST_CLOSED");
+                            self.count_refused(&refused);
                             let _ = r.send(Err(refused));
                         }
                         Pending::Entry(r, _) => {
@@ -579,6 +625,30 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Counts a request refused before the ledger was asked. A store that could not be
+    /// read is no rejection of the request: it was logged as an error by `recall`.
+    fn count_refused(&self, e: &WriteError) {
+        if matches!(e, WriteError::RequestClosed { .. }) {
+            self.metrics.rejected("REQUEST_CLOSED");
+        }
+    }
+
+    /// Makes sure the ledger holds the request's logged outcome if the store does: the
+    /// ledger keeps only the newest entries in memory.
+    fn recall(&mut self, consumer: ConsumerId, request_id: &RequestId) -> Result<(), WriteError> {
+        if self.ledger.knows_request(consumer, request_id) {
+            return Ok(());
+        }
+        let found = self.store.request(consumer, request_id).map_err(|e| {
+            tracing::error!(error = %e, "reading the request log failed");
+            WriteError::Store(Arc::new(e))
+        })?;
+        if let Some(entry) = found {
+            self.ledger.recall(entry);
+        }
+        Ok(())
     }
 
     /// Refuses a request whose id GetRequestOutcome closed, unless its outcome is recorded

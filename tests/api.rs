@@ -21,6 +21,11 @@ type Server = support::server::TestServer;
 /// A PF with `vfs` VFs (own IOMMU groups, NUMA split 0/1) and one plain device; every
 /// device managed (address wildcard), so PF/VF blocking is visible.
 async fn start(vfs: u32) -> Server {
+    start_tuned(vfs, |_| {}).await
+}
+
+/// [`start`] with the configuration changed by `tune` first.
+async fn start_tuned(vfs: u32, tune: impl FnOnce(&mut Config)) -> Server {
     let mut f = FakeSys::new();
     f.pf(PF, 0x8086, 0x1572, 64, vfs)
         .driver(PF, "i40e")
@@ -41,6 +46,7 @@ async fn start(vfs: u32) -> Server {
     // In-process test driver: no libvirtd, and no domain references a VF.
     cfg.libvirt.uri = "test:///default".into();
     let uids = vec![0, nix::unistd::getuid().as_raw()];
+    tune(&mut cfg);
     Server::start(cfg, 0o666, uids, Some(tree)).await
 }
 
@@ -309,6 +315,69 @@ async fn every_rejection_has_its_code_and_details_and_changes_nothing() {
     // Nothing changed through all of that.
     let after = listing(&mut c).await;
     assert_eq!(before, after);
+    s.stop().await;
+}
+
+/// The ledger keeps only the newest request-log entries in memory; a retry of an older
+/// request is answered from the store as the first time, by every path that looks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_older_than_memory_holds_are_answered_from_disk() {
+    let s = start_tuned(2, |cfg| cfg.api.request_log_in_memory = 2).await;
+    let mut c = s.client().await;
+    let (vf, other) = ("0000:3b:10.0", "0000:3b:10.1");
+    // Pushes every earlier entry out of memory: 2 kept, 16 logged.
+    async fn churn(c: &mut HostDevClient<Channel>, a: &str, round: u32) {
+        for i in 0..8 {
+            let g = device(c, a).await.generation;
+            let r = claim(c, a, 9, &format!("churn-{round}-{i}"), g)
+                .await
+                .expect("claim");
+            release(c, a, 9, &format!("unchurn-{round}-{i}"), r.generation)
+                .await
+                .expect("release");
+        }
+    }
+
+    let g = device(&mut c, vf).await.generation;
+    let first = claim(&mut c, vf, 1, "boot", g).await.expect("claim");
+    churn(&mut c, other, 0).await;
+    let again = claim(&mut c, vf, 1, "boot", g).await.expect("retry");
+    assert!(again.replayed, "the claim is replayed from disk");
+    assert_eq!(again.generation, first.generation);
+    let out = c
+        .get_request_outcome(proto::GetRequestOutcomeRequest {
+            consumer_id: owner(1).consumer_id,
+            request_id: "boot".into(),
+        })
+        .await
+        .expect("outcome from disk")
+        .into_inner();
+    assert_eq!(
+        (out.operation.as_str(), out.generation),
+        ("claimed", first.generation)
+    );
+
+    // A release, forgotten by memory while the device went to another owner: its
+    // retry replays and frees nothing.
+    let freed = release(&mut c, vf, 1, "shutdown", first.generation)
+        .await
+        .expect("release");
+    churn(&mut c, other, 1).await;
+    let next = claim(&mut c, vf, 2, "next-boot", freed.generation)
+        .await
+        .expect("claim by the next owner");
+    churn(&mut c, other, 2).await;
+    let retried = release(&mut c, vf, 1, "shutdown", first.generation)
+        .await
+        .expect("retry of the release");
+    assert!(retried.replayed);
+    assert_eq!(retried.generation, freed.generation);
+    let now = device(&mut c, vf).await;
+    assert_eq!(now.generation, next.generation, "nothing changed");
+    assert_eq!(
+        now.owner.expect("still claimed").consumer_id,
+        owner(2).consumer_id
+    );
     s.stop().await;
 }
 

@@ -127,6 +127,8 @@ async fn metrics_count_states_requests_rejections_and_commits() {
     // for resuming watchers.
     assert_eq!(value(&before, "hostdevd_request_log_entries"), Some(0.0));
     assert_eq!(value(&after, "hostdevd_request_log_entries"), Some(1.0));
+    assert_eq!(value(&before, "hostdevd_request_log_in_memory"), Some(0.0));
+    assert_eq!(value(&after, "hostdevd_request_log_in_memory"), Some(1.0));
     let kept = |t: &str| value(t, "hostdevd_watch_buffer_events").expect("ring events");
     assert!(kept(&after) > kept(&before), "{after}");
     let bytes = value(&after, "hostdevd_watch_buffer_bytes").expect("ring bytes");

@@ -464,18 +464,30 @@ impl HostDev for HostDevService {
             generation: Generation(r.generation),
         };
         // A retry of a recorded request replays its first answer (I7) and frees nothing
-        // new; a device nobody holds has nothing to free: the ledger answers both.
-        let replay = self
-            .writer
-            .view()
-            .ledger
-            .request(rel.consumer, &rel.request_id)
-            .is_some();
-        let claimed = self
-            .writer
-            .view()
-            .device(rel.address)
-            .any(|v| v.record.claim.is_some());
+        // new; a device nobody holds has nothing to free: the ledger answers both. A
+        // release that names the claim as it is now is no retry (a release applied would
+        // have moved the generation on); for any other, the writer looks in the request
+        // log, on disk too.
+        let (claimed, current) = {
+            let view = self.writer.view();
+            let claimed = view.device(rel.address).any(|v| v.record.claim.is_some());
+            let current = view.device(rel.address).any(|v| {
+                v.record.generation == rel.generation
+                    && v.record
+                        .claim
+                        .as_ref()
+                        .is_some_and(|c| c.owner.consumer == rel.consumer)
+            });
+            (claimed, current)
+        };
+        let replay = claimed
+            && !current
+            && self
+                .writer
+                .lookup(rel.consumer, rel.request_id.clone())
+                .await
+                .map_err(ApiError::from)?
+                .is_some();
         if claimed && !replay {
             self.check_free(rel.address).await?;
         }
@@ -790,10 +802,10 @@ impl HostDev for HostDevService {
                     ))
                 })?
         } else {
-            self.writer.sync().await.map_err(ApiError::from)?;
-            let view = self.writer.view();
-            view.ledger
-                .request(consumer, &request_id)
+            self.writer
+                .lookup(consumer, request_id.clone())
+                .await
+                .map_err(ApiError::from)?
                 .ok_or_else(|| {
                     ApiError::NotFound(format!(
                         "no request {request_id} of consumer {consumer} is recorded yet: it was not applied so far; a caller allowed to mutate gets a final answer (the request id is then closed)"

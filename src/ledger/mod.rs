@@ -30,10 +30,10 @@ pub use selector::Selector;
 
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 
-/// How many request-log entries are kept before the oldest are pruned. A retry finds its
-/// first answer while its entry is among these; 20,000 is hours of a busy hypervisor's
-/// claims and releases, and costs some 5 MiB (the log is the ledger's largest part).
-pub const DEFAULT_REQUEST_LOG_LIMIT: usize = 20_000;
+/// How many request-log entries the ledger keeps in memory: the newest, which is where
+/// retries land. The store keeps the whole log (see [`crate::store`]); the writer
+/// recalls an older entry from there before the ledger decides (see [`Ledger::recall`]).
+pub const DEFAULT_REQUEST_LOG_LIMIT: usize = 1024;
 
 /// A claim request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -132,8 +132,8 @@ pub struct Ledger {
     records: imbl::OrdMap<RecordId, DeviceRecord>,
     /// The present instance at each address.
     present: imbl::OrdMap<PciAddress, RecordId>,
-    /// The request log: each entry's key holds its consumer and request id, which the
-    /// value does not repeat (the log is the bulk of the ledger's memory under load).
+    /// The newest entries of the request log (the store holds all of it): each entry's
+    /// key holds its consumer and request id, which the value does not repeat.
     requests: imbl::OrdMap<RequestKey, Logged>,
     /// Domains on the host and what they reference.
     domains: Vec<DomainDevices>,
@@ -220,9 +220,23 @@ impl Ledger {
         ledger
     }
 
-    /// Sets how many request-log entries are kept (at least 1).
+    /// Sets how many request-log entries are kept in memory (at least 1).
     pub fn set_request_log_limit(&mut self, limit: usize) {
         self.request_log_limit = limit.max(1);
+    }
+
+    /// Whether the in-memory window of the request log holds this request.
+    pub fn knows_request(&self, consumer: ConsumerId, request_id: &RequestId) -> bool {
+        self.requests.contains_key(&(consumer, request_id.clone()))
+    }
+
+    /// Puts back an entry that the store holds but memory no longer does, so that a
+    /// retry of it is answered as the first time (I7). It is durable already: no change
+    /// set. The oldest entries make room if the window is full (the store keeps them).
+    pub fn recall(&mut self, entry: RequestEntry) {
+        let (key, logged) = Logged::split(entry);
+        self.requests.insert(key.clone(), logged);
+        self.prune_requests(&key);
     }
 
     pub fn host_generation(&self) -> Generation {
@@ -992,31 +1006,34 @@ impl Ledger {
             at: now,
         };
         let (key, logged) = Logged::split(entry.clone());
-        self.requests.insert(key, logged);
+        self.requests.insert(key.clone(), logged);
         tx.cs.requests.push(entry);
-        if self.requests.len() > self.request_log_limit {
-            // Prune the oldest tenth in one go, so pruning is rare.
-            let excess = self.requests.len() - self.request_log_limit + self.request_log_limit / 10;
-            // The `excess` oldest by (time, key), found without copying every key.
-            let mut by_age: Vec<(u64, &RequestKey)> = self
-                .requests
-                .iter()
-                .filter(|(k, _)| k.0 != consumer || k.1 != *request_id)
-                .map(|(k, l)| (l.at, k))
-                .collect();
-            let excess = excess.min(by_age.len());
-            if excess > 0 && excess < by_age.len() {
-                by_age.select_nth_unstable(excess - 1);
-            }
-            let oldest: Vec<RequestKey> =
-                by_age[..excess].iter().map(|(_, k)| (*k).clone()).collect();
-            for key in oldest {
-                if let Some(old) = self.requests.remove(&key) {
-                    tx.cs.before_requests.push(old.entry(&key));
-                    tx.cs.pruned_requests.push(key);
-                }
-            }
+        tx.cs.before_requests.extend(self.prune_requests(&key));
+    }
+
+    /// Drops the oldest tenth of the in-memory window once it is over its limit (so this
+    /// is rare), never `keep`; returns what it dropped.
+    fn prune_requests(&mut self, keep: &RequestKey) -> Vec<RequestEntry> {
+        if self.requests.len() <= self.request_log_limit {
+            return Vec::new();
         }
+        let excess = self.requests.len() - self.request_log_limit + self.request_log_limit / 10;
+        // The `excess` oldest by (time, key), found without copying every key.
+        let mut by_age: Vec<(u64, &RequestKey)> = self
+            .requests
+            .iter()
+            .filter(|(k, _)| *k != keep)
+            .map(|(k, l)| (l.at, k))
+            .collect();
+        let excess = excess.min(by_age.len());
+        if excess > 0 && excess < by_age.len() {
+            by_age.select_nth_unstable(excess - 1);
+        }
+        let oldest: Vec<RequestKey> = by_age[..excess].iter().map(|(_, k)| (*k).clone()).collect();
+        oldest
+            .into_iter()
+            .filter_map(|key| self.requests.remove(&key).map(|old| old.entry(&key)))
+            .collect()
     }
 }
 

@@ -257,9 +257,8 @@ pub struct ChangeSet {
     pub before: Vec<(RecordId, Option<DeviceRecord>)>,
     /// Request-log entries added.
     pub requests: Vec<RequestEntry>,
-    /// Request-log entries pruned.
-    pub pruned_requests: Vec<RequestKey>,
-    /// The pruned entries as they were. For undo only.
+    /// Entries the ledger dropped from its in-memory window of the request log (the
+    /// store keeps them). For undo only.
     pub before_requests: Vec<RequestEntry>,
     /// The domain set before a domain update. For undo only (domains are not stored:
     /// libvirt is asked again at start).
@@ -271,7 +270,6 @@ impl ChangeSet {
         self.upserts.is_empty()
             && self.removals.is_empty()
             && self.requests.is_empty()
-            && self.pruned_requests.is_empty()
             && self.host_generation == self.prev_host_generation
     }
 }

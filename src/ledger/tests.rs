@@ -457,9 +457,10 @@ fn snapshot_round_trip_rebuilds_the_same_ledger() {
 }
 
 #[test]
-fn request_log_is_pruned_oldest_first_and_undo_restores_it() {
+fn request_log_is_pruned_oldest_first_and_a_recalled_entry_is_replayed() {
     let mut l = ledger();
     l.set_request_log_limit(10);
+    let mut first = None;
     for i in 0..10u64 {
         let r = format!("r{i}");
         let g = gen_of(&l, "0000:3b:02.1");
@@ -476,9 +477,36 @@ fn request_log_is_pruned_oldest_first_and_undo_restores_it() {
                 i,
             )
             .expect("claim");
+        first.get_or_insert((g, l.request(owner(1).consumer, &rid("r0"))));
         release(&mut l, "0000:3b:02.1", 1, &format!("x{i}"), o.generation()).expect("rel");
     }
     assert!(l.requests.len() <= 10);
     assert!(l.request(owner(1).consumer, &rid("r9")).is_some());
     assert!(l.request(owner(1).consumer, &rid("r0")).is_none());
+
+    // What the store gives back for it: a retry is the first answer again, changing
+    // nothing (without it, the stale generation would be refused).
+    let Some((g0, Some(entry))) = first else {
+        panic!("the first claim was logged");
+    };
+    l.recall(entry.clone());
+    assert!(l.knows_request(owner(1).consumer, &rid("r0")));
+    assert!(l.requests.len() <= 10);
+    let before = l.clone();
+    let (outcome, cs) = l
+        .claim(
+            &ClaimRequest {
+                target: ClaimTarget::Address {
+                    address: addr("0000:3b:02.1"),
+                    expected_generation: g0,
+                },
+                owner: owner(1),
+                request_id: rid("r0"),
+            },
+            99,
+        )
+        .expect("replayed");
+    assert_eq!(outcome, entry.outcome);
+    assert!(cs.is_empty());
+    assert_eq!(l, before);
 }

@@ -74,12 +74,20 @@ pub(crate) const UPSERT_REQUEST: &str = "INSERT INTO requests
     ON CONFLICT (consumer, request_id) DO UPDATE SET
         outcome = excluded.outcome,
         at = excluded.at";
-pub(crate) const DELETE_REQUEST: &str =
-    "DELETE FROM requests WHERE consumer = ?1 AND request_id = ?2";
+pub(crate) const SELECT_REQUEST: &str =
+    "SELECT outcome, at FROM requests WHERE consumer = ?1 AND request_id = ?2";
+pub(crate) const COUNT_REQUESTS: &str = "SELECT COUNT(*) FROM requests";
+// No index on `at` (see migration 2): a prune sorts the table once per tenth of the limit.
+pub(crate) const DELETE_OLDEST_REQUESTS: &str =
+    "DELETE FROM requests WHERE (consumer, request_id) IN (
+        SELECT consumer, request_id FROM requests
+        ORDER BY at, consumer, request_id LIMIT ?1)";
 pub(crate) const SELECT_RECORDS: &str =
     "SELECT id, address, generation, present, consumer, record FROM records ORDER BY id";
-pub(crate) const SELECT_REQUESTS: &str = "SELECT consumer, request_id, outcome, at FROM requests
-    ORDER BY at, consumer, request_id";
+/// The newest `?1` entries (all of them for -1), newest first.
+pub(crate) const SELECT_NEWEST_REQUESTS: &str =
+    "SELECT consumer, request_id, outcome, at FROM requests
+    ORDER BY at DESC, consumer DESC, request_id DESC LIMIT ?1";
 pub(crate) const SELECT_META: &str = "SELECT CAST(value AS TEXT) FROM meta WHERE key = ?1";
 pub(crate) const UPSERT_META: &str = "INSERT INTO meta (key, value) VALUES (?1, ?2)
     ON CONFLICT (key) DO UPDATE SET value = excluded.value";

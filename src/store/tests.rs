@@ -102,9 +102,6 @@ impl Model {
                 self.requests
                     .insert((e.consumer, e.request_id.clone()), e.clone());
             }
-            for key in &cs.pruned_requests {
-                self.requests.remove(key);
-            }
             self.host_generation = cs.host_generation;
         }
     }
@@ -212,14 +209,11 @@ fn every_kind_of_change_survives_reopen() {
     cs.removals = vec![RecordId(1)];
     let store = commit_and_check(store, &mut model, &[cs]);
 
-    // More request entries, then a prune without a generation bump.
+    // More request entries.
     let mut cs = change(6, 7);
     let r3 = record(3, 2, 7, Some(8));
     cs.upserts = vec![r3.clone()];
     cs.requests = vec![entry(8, "req-b", &r3, 101), entry(8, "req-c", &r3, 99)];
-    let store = commit_and_check(store, &mut model, &[cs]);
-    let mut cs = change(7, 7);
-    cs.pruned_requests = vec![(consumer(7), request_id("req-a"))];
     let store = commit_and_check(store, &mut model, &[cs]);
 
     // A release: owner gone, consumer column back to NULL.
@@ -230,9 +224,71 @@ fn every_kind_of_change_survives_reopen() {
     let snapshot = store.load().expect("load");
     assert_eq!(snapshot.host_generation, Generation(8));
     assert_eq!(snapshot.records.len(), 2);
-    assert_eq!(snapshot.requests.len(), 2);
+    assert_eq!(snapshot.requests.len(), 3);
     // Requests come back ordered by time.
-    assert_eq!(snapshot.requests[0].request_id.as_str(), "req-c");
+    let order: Vec<&str> = snapshot
+        .requests
+        .iter()
+        .map(|e| e.request_id.as_str())
+        .collect();
+    assert_eq!(order, ["req-c", "req-a", "req-b"]);
+    // Each is found by its key; another consumer's same request id is not.
+    let found = store
+        .request(consumer(8), &request_id("req-b"))
+        .expect("lookup");
+    assert_eq!(found.as_ref(), snapshot.requests.get(2));
+    assert_eq!(
+        store
+            .request(consumer(7), &request_id("req-b"))
+            .expect("lookup"),
+        None
+    );
+    // The newest only, still oldest first.
+    let newest = store.load_recent(2).expect("load");
+    assert_eq!(newest.requests, snapshot.requests[1..]);
+    assert_eq!(newest.records, snapshot.records);
+}
+
+/// The request log on disk is pruned by the store, oldest first (by time), once it holds
+/// more than its limit; the count it keeps survives a reopen.
+#[test]
+fn request_log_is_pruned_oldest_first_on_disk() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut store = Store::open(tmp.path()).expect("open");
+    store.set_request_log_limit(10);
+    let rec = record(1, 0, 1, Some(1));
+    let mut cs = change(0, 1);
+    cs.upserts = vec![rec.clone()];
+    store.commit(&[cs]).expect("commit");
+    for i in 0..10u64 {
+        let mut cs = change(i + 1, i + 1);
+        // Times out of order with the commits: the prune goes by time.
+        cs.requests = vec![entry(1, &format!("r{i}"), &rec, 1000 - i)];
+        store.commit(&[cs]).expect("commit");
+    }
+    assert_eq!(store.request_log_len(), 10, "at the limit: nothing pruned");
+    let mut cs = change(11, 11);
+    cs.requests = vec![entry(1, "r10", &rec, 2000)];
+    store.commit(&[cs]).expect("commit");
+    // Past it: the oldest one over the limit and a tenth of the limit more (2 in all).
+    assert_eq!(store.request_log_len(), 9);
+    let kept: Vec<String> = store
+        .load()
+        .expect("load")
+        .requests
+        .iter()
+        .map(|e| e.request_id.as_str().to_owned())
+        .collect();
+    assert_eq!(
+        kept,
+        ["r7", "r6", "r5", "r4", "r3", "r2", "r1", "r0", "r10"]
+    );
+    assert!(store
+        .request(consumer(1), &request_id("r9"))
+        .expect("lookup")
+        .is_none());
+    drop(store);
+    assert_eq!(reopen(tmp.path()).request_log_len(), 9);
 }
 
 /// A database written by the first schema (with the owner and time indexes) opens,
