@@ -628,7 +628,8 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     );
     t.row(
         &format!(
-            "resident memory after all {runs} passes ({ops_total} changes; request log: {} entries)",
+            "resident memory after all {runs} passes ({ops_total} changes; request log: up to {} entries on disk, {} in memory)",
+            ops_total.min(hostdevd::store::DEFAULT_REQUEST_LOG_ENTRIES as u64),
             ops_total.min(hostdevd::ledger::DEFAULT_REQUEST_LOG_LIMIT as u64)
         ),
         "—",

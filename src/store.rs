@@ -6,6 +6,10 @@
 //! returns (invariant I4): a batch of change sets is all on disk or none of it is. The host
 //! generation it records never moves backwards (invariant I5).
 //!
+//! The store holds the whole request log, which it prunes itself (oldest first, past
+//! [`Store::set_request_log_limit`]); the ledger keeps only the newest entries in memory
+//! and asks [`Store::request`] for an older one.
+//!
 //! What the store refuses to do matters as much: a database that fails its integrity
 //! check, was written by a newer build, or is missing while its write-ahead log is
 //! present is reported and left byte for byte as found. It is never replaced, since a
@@ -55,7 +59,7 @@ const CACHE_KIB: i64 = -1024;
 /// How many `quick_check` complaints are quoted in a corruption error.
 const MAX_CHECK_MESSAGES: usize = 3;
 /// How many request-log entries the store keeps by default: the oldest tenth is pruned
-/// past it. Each costs some 150 bytes of disk.
+/// past it. Each takes about 190 bytes of disk (UUID request ids), 19 MB at this default.
 pub const DEFAULT_REQUEST_LOG_ENTRIES: usize = 100_000;
 
 /// The schema version this build writes and understands.
