@@ -4,7 +4,9 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use hostdevd::ledger::{ClaimRequest, ClaimTarget, DeviceFacts, Ledger, Owner, ReleaseRequest};
+use hostdevd::ledger::{
+    ChangeSet, ClaimRequest, ClaimTarget, DeviceFacts, Ledger, Outcome, Owner, ReleaseRequest,
+};
 use hostdevd::pci::{ConsumerId, DeviceId, OwnerLabel, PciAddress, VendorId};
 use hostdevd::store::Store;
 
@@ -38,6 +40,29 @@ fn owner() -> Owner {
     }
 }
 
+/// Claims the device at `address` at its current generation.
+fn claim(
+    ledger: &mut Ledger,
+    address: PciAddress,
+    request_id: &str,
+    now: u64,
+) -> (Outcome, ChangeSet) {
+    let g = ledger.record_at(address).expect("present").generation;
+    ledger
+        .claim(
+            &ClaimRequest {
+                target: ClaimTarget::Address {
+                    address,
+                    expected_generation: g,
+                },
+                owner: owner(),
+                request_id: request_id.parse().expect("rid"),
+            },
+            now,
+        )
+        .expect("claim")
+}
+
 fn bench(c: &mut Criterion) {
     c.bench_function("parse PCI address", |b| {
         b.iter(|| black_box("0000:3b:02.1").parse::<PciAddress>())
@@ -50,20 +75,7 @@ fn bench(c: &mut Criterion) {
     c.bench_function("ledger claim+release, 4096 devices", |b| {
         b.iter(|| {
             n += 1;
-            let g = ledger.record_at(addr).expect("present").generation;
-            let (o, _) = ledger
-                .claim(
-                    &ClaimRequest {
-                        target: ClaimTarget::Address {
-                            address: addr,
-                            expected_generation: g,
-                        },
-                        owner: owner(),
-                        request_id: format!("c{n}").parse().expect("rid"),
-                    },
-                    n,
-                )
-                .expect("claim");
+            let (o, _) = claim(&mut ledger, addr, &format!("c{n}"), n);
             ledger
                 .release(
                     &ReleaseRequest {
@@ -79,20 +91,7 @@ fn bench(c: &mut Criterion) {
     });
 
     // What the writer re-derives after one claim: the states around the claimed device.
-    let g = ledger.record_at(addr).expect("present").generation;
-    let (_, claimed) = ledger
-        .claim(
-            &ClaimRequest {
-                target: ClaimTarget::Address {
-                    address: addr,
-                    expected_generation: g,
-                },
-                owner: owner(),
-                request_id: "rederive".parse().expect("rid"),
-            },
-            n + 1,
-        )
-        .expect("claim");
+    let (_, claimed) = claim(&mut ledger, addr, "rederive", n + 1);
     c.bench_function("ledger rederive after one claim, 4096 devices", |b| {
         b.iter(|| black_box(ledger.rederive(std::slice::from_ref(&claimed)).1.len()))
     });

@@ -305,13 +305,7 @@ impl Writer {
         consumer: ConsumerId,
         request_id: RequestId,
     ) -> Result<Option<RequestEntry>, WriteError> {
-        self.call(|reply| Command::Settle {
-            consumer,
-            request_id,
-            close: true,
-            reply,
-        })
-        .await
+        self.settle_or_look(consumer, request_id, true).await
     }
     /// Once every command sent before it is decided and committed: the request's
     /// recorded outcome, or `None`. Closes nothing.
@@ -320,10 +314,18 @@ impl Writer {
         consumer: ConsumerId,
         request_id: RequestId,
     ) -> Result<Option<RequestEntry>, WriteError> {
+        self.settle_or_look(consumer, request_id, false).await
+    }
+    async fn settle_or_look(
+        &self,
+        consumer: ConsumerId,
+        request_id: RequestId,
+        close: bool,
+    ) -> Result<Option<RequestEntry>, WriteError> {
         self.call(|reply| Command::Settle {
             consumer,
             request_id,
-            close: false,
+            close,
             reply,
         })
         .await
