@@ -352,7 +352,8 @@ impl Writer {
 /// A decided command waiting for its batch to commit.
 enum Pending {
     Applied(Reply<Applied>, Op, Result<Applied, LedgerError>),
-    /// Refused before the ledger was asked (a closed request id).
+    /// Refused before the ledger was asked (a closed request id, or a request log that
+    /// could not be read).
     Refused(Reply<Applied>, WriteError),
     Entry(
         Reply<Option<RequestEntry>>,
