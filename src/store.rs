@@ -80,6 +80,9 @@ pub struct Store {
     /// How many there are (counted at open and at each prune; a retried entry that was
     /// rewritten counts again, which only brings the next recount forward).
     request_rows: u64,
+    /// Past how many entries the next prune is due: the limit, or further on after a
+    /// prune failed (so that a failing prune is not retried at every commit).
+    prune_at: u64,
     _lock: Flock<File>,
 }
 
@@ -152,6 +155,7 @@ impl Store {
             dir: state_dir.to_path_buf(),
             request_limit: DEFAULT_REQUEST_LOG_ENTRIES as u64,
             request_rows,
+            prune_at: DEFAULT_REQUEST_LOG_ENTRIES as u64,
             _lock: lock,
         };
         // A database without a host generation cannot honour I5; say so at start rather
@@ -160,10 +164,45 @@ impl Store {
         Ok(store)
     }
 
-    /// Sets how many request-log entries are kept (at least 1). The oldest tenth is
-    /// pruned, by time, in the commit that takes the log past it.
+    /// Sets how many request-log entries are kept (at least 1). Once the log is past
+    /// it, [`Self::prune_request_log`] deletes the oldest by time.
     pub fn set_request_log_limit(&mut self, limit: usize) {
         self.request_limit = u64::try_from(limit.max(1)).unwrap_or(u64::MAX);
+        self.prune_at = self.request_limit;
+    }
+
+    /// If the request log is past its limit, deletes the oldest entries (by time, then
+    /// key), a tenth of the limit more than needed so that the next prune is that many
+    /// entries away; returns whether it pruned. Its own transaction, apart from any
+    /// commit: a prune that fails (a full disk: deleting writes pages too) loses nothing
+    /// and blocks no commit, and is tried again a tenth of the limit later.
+    pub fn prune_request_log(&mut self) -> Result<bool, StoreError> {
+        if self.request_rows <= self.prune_at {
+            return Ok(false);
+        }
+        let path = &self.path;
+        let limit = self.request_limit;
+        let pruned = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(|e| StoreError::sqlite(path, "pruning the request log", e))
+            .and_then(|tx| {
+                let left = prune_requests(&tx, path, limit)?;
+                tx.commit()
+                    .map_err(|e| StoreError::sqlite(path, "pruning the request log", e))?;
+                Ok(left)
+            });
+        match pruned {
+            Ok(left) => {
+                self.request_rows = left;
+                self.prune_at = limit;
+                Ok(true)
+            }
+            Err(e) => {
+                self.prune_at = self.request_rows.saturating_add((limit / 10).max(1));
+                Err(e)
+            }
+        }
     }
 
     /// How many request-log entries the store holds (see `request_rows`).
@@ -280,8 +319,6 @@ impl Store {
         let path = &self.path;
         let sql = |e| StoreError::sqlite(path, "committing a batch", e);
         let logged: usize = batch.iter().map(|cs| cs.requests.len()).sum();
-        let mut request_rows = self.request_rows.saturating_add(logged as u64);
-        let request_limit = self.request_limit;
         // IMMEDIATE takes the write lock up front, so a failure to get it surfaces here
         // and not halfway through the batch.
         let tx = self
@@ -357,9 +394,6 @@ impl Store {
                     .map_err(sql)?;
                 }
             }
-            if request_rows > request_limit {
-                request_rows = prune_requests(&tx, path, request_limit)?;
-            }
             let updated = tx
                 .prepare_cached(schema::UPDATE_HOST_GENERATION)
                 .map_err(sql)?
@@ -377,7 +411,7 @@ impl Store {
         // commit starts clean. Auto-checkpoint failures after a successful COMMIT are
         // ignored by SQLite's default WAL hook, so an error here means "not committed".
         tx.commit().map_err(sql)?;
-        self.request_rows = request_rows;
+        self.request_rows = self.request_rows.saturating_add(logged as u64);
         Ok(())
     }
 

@@ -561,7 +561,6 @@ impl Worker {
             let started = std::time::Instant::now();
             let r = self.store.commit(&durable);
             self.metrics.commit(started.elapsed(), r.is_ok());
-            self.metrics.stored_requests(self.store.request_log_len());
             r
         };
         self.set_store_error(committed.as_ref().err().map(|e| e.to_string()));
@@ -594,6 +593,12 @@ impl Worker {
                         }
                     }
                 }
+                // Once the batch is answered: the request log's prune, when due, in a
+                // transaction of its own (a failed one is logged and tried again later).
+                if let Err(e) = self.store.prune_request_log() {
+                    tracing::warn!(error = %e, "pruning the request log failed; it is tried again later");
+                }
+                self.metrics.stored_requests(self.store.request_log_len());
             }
             Err(e) => {
                 tracing::error!(error = %e, changes = durable.len(), "store commit failed; the batch is undone");

@@ -381,6 +381,66 @@ async fn retries_older_than_memory_holds_are_answered_from_disk() {
     s.stop().await;
 }
 
+/// The request log on disk keeps `request_log_entries`: past it the oldest go, and a
+/// retry of one of those is a new request again (here refused: its generation is stale).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_request_log_on_disk_is_pruned_oldest_first() {
+    let s = start_tuned(2, |cfg| {
+        cfg.api.request_log_entries = 10;
+        cfg.api.request_log_in_memory = 4;
+    })
+    .await;
+    let mut c = s.client().await;
+    let vf = "0000:3b:10.0";
+    let g0 = device(&mut c, vf).await.generation;
+    let first = claim(&mut c, vf, 1, "first", g0).await.expect("claim");
+    let mut g = release(&mut c, vf, 1, "first-release", first.generation)
+        .await
+        .expect("release")
+        .generation;
+    let db = s
+        .socket
+        .parent()
+        .expect("state dir")
+        .join("state")
+        .join(hostdevd::store::DB_FILE);
+    let rows = || {
+        let conn =
+            rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+                .expect("open the agent's database");
+        conn.query_row("SELECT COUNT(*) FROM requests", [], |r| r.get::<_, i64>(0))
+            .expect("count")
+    };
+    // Entries made in the same second go by key: these ids sort in the order they are
+    // made, and consumer 2 after consumer 1.
+    let mut most = 0;
+    let mut last_claim = 0;
+    for i in 0..20 {
+        let r = claim(&mut c, vf, 2, &format!("c{i:02}"), g)
+            .await
+            .expect("claim");
+        last_claim = r.generation;
+        g = release(&mut c, vf, 2, &format!("r{i:02}"), r.generation)
+            .await
+            .expect("release")
+            .generation;
+        most = most.max(rows());
+    }
+    // Pruned after each batch once past 10, down to 9: never more than 11 between.
+    assert!(most <= 11, "{most} entries on disk, limit 10");
+    assert!(rows() >= 9);
+    let err = claim(&mut c, vf, 1, "first", g0)
+        .await
+        .expect_err("pruned: a new request, at a stale generation");
+    assert_eq!(info(&err).0, "STALE_GENERATION");
+    let last = release(&mut c, vf, 2, "r19", last_claim)
+        .await
+        .expect("kept: replayed");
+    assert!(last.replayed);
+    assert_eq!(last.generation, g);
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_by_selector_prefers_numa_and_runs_out_cleanly() {
     let s = start(4).await;

@@ -189,6 +189,10 @@ fn child_main(dir: &Path) {
                     writeln!(out, "{line}").expect("stdout");
                 }
                 out.flush().expect("stdout");
+                // As the agent's writer does after answering: a kill may land in it too.
+                store
+                    .prune_request_log()
+                    .expect("child: prune the request log");
             }
             Err(e) => {
                 eprintln!("child: commit failed, undoing: {e}");

@@ -77,7 +77,7 @@ pub(crate) const UPSERT_REQUEST: &str = "INSERT INTO requests
 pub(crate) const SELECT_REQUEST: &str =
     "SELECT outcome, at FROM requests WHERE consumer = ?1 AND request_id = ?2";
 pub(crate) const COUNT_REQUESTS: &str = "SELECT COUNT(*) FROM requests";
-// No index on `at` (see migration 2): a prune sorts the table once per tenth of the limit.
+// No index on `at` (see migration 2): a prune sorts the table, once per tenth of the limit.
 pub(crate) const DELETE_OLDEST_REQUESTS: &str =
     "DELETE FROM requests WHERE (consumer, request_id) IN (
         SELECT consumer, request_id FROM requests

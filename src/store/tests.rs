@@ -250,7 +250,7 @@ fn every_kind_of_change_survives_reopen() {
 }
 
 /// The request log on disk is pruned by the store, oldest first (by time), once it holds
-/// more than its limit; the count it keeps survives a reopen.
+/// more than its limit, in a transaction of its own; the count survives a reopen.
 #[test]
 fn request_log_is_pruned_oldest_first_on_disk() {
     let tmp = TempDir::new().expect("tempdir");
@@ -266,10 +266,16 @@ fn request_log_is_pruned_oldest_first_on_disk() {
         cs.requests = vec![entry(1, &format!("r{i}"), &rec, 1000 - i)];
         store.commit(&[cs]).expect("commit");
     }
-    assert_eq!(store.request_log_len(), 10, "at the limit: nothing pruned");
+    assert!(
+        !store.prune_request_log().expect("prune"),
+        "at the limit: nothing to prune"
+    );
+    assert_eq!(store.request_log_len(), 10);
     let mut cs = change(11, 11);
     cs.requests = vec![entry(1, "r10", &rec, 2000)];
     store.commit(&[cs]).expect("commit");
+    assert_eq!(store.request_log_len(), 11, "a commit never prunes");
+    assert!(store.prune_request_log().expect("prune"));
     // Past it: the oldest one over the limit and a tenth of the limit more (2 in all).
     assert_eq!(store.request_log_len(), 9);
     let kept: Vec<String> = store
