@@ -669,7 +669,7 @@ fn count_requests(conn: &Connection, path: &Path) -> Result<u64, StoreError> {
 }
 
 /// Deletes the oldest request-log entries (by time, then key) past `limit`, and a tenth
-/// of `limit` more so that the next prune is that many commits away. Returns how many
+/// of `limit` more so that the next prune is that many entries away. Returns how many
 /// entries are left.
 fn prune_requests(conn: &Connection, path: &Path, limit: u64) -> Result<u64, StoreError> {
     let rows = count_requests(conn, path)?;
