@@ -123,6 +123,12 @@ fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# TYPE {name} {kind}");
 }
 
+/// A metric of one series without labels: its header, then its value.
+fn single(out: &mut String, name: &str, kind: &str, help: &str, value: impl std::fmt::Display) {
+    header(out, name, kind, help);
+    let _ = writeln!(out, "{name} {value}");
+}
+
 /// Renders every metric in the Prometheus text format.
 pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
     let view = writer.view();
@@ -150,72 +156,64 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
     for (s, n) in &by_state {
         let _ = writeln!(out, "hostdevd_devices{{state=\"{s}\"}} {n}");
     }
-    header(
+    single(
         &mut out,
         "hostdevd_host_generation",
         "gauge",
         "The host-wide generation counter.",
+        view.host_generation,
     );
-    let _ = writeln!(out, "hostdevd_host_generation {}", view.host_generation);
-    header(
+    single(
         &mut out,
         "hostdevd_strays",
         "gauge",
         "Domains referencing devices without holding their claim.",
-    );
-    let _ = writeln!(out, "hostdevd_strays {}", view.strays.len());
-    header(
-        &mut out,
-        "hostdevd_lost_devices",
-        "gauge",
-        "Claims whose device is gone from sysfs.",
+        view.strays.len(),
     );
     let lost = view
         .states()
         .values()
         .filter(|s| **s == DeviceState::Lost)
         .count();
-    let _ = writeln!(out, "hostdevd_lost_devices {lost}");
-    header(
+    single(
+        &mut out,
+        "hostdevd_lost_devices",
+        "gauge",
+        "Claims whose device is gone from sysfs.",
+        lost,
+    );
+    single(
         &mut out,
         "hostdevd_request_log_entries",
         "gauge",
         "Request-log entries kept on disk for retries ([api] request_log_entries at most).",
+        m.stored_requests.load(Ordering::Relaxed),
     );
-    let _ = writeln!(
-        out,
-        "hostdevd_request_log_entries {}",
-        m.stored_requests.load(Ordering::Relaxed)
-    );
-    header(
+    single(
         &mut out,
         "hostdevd_request_log_in_memory",
         "gauge",
         "The newest of them also kept in memory ([api] request_log_in_memory at most).",
-    );
-    let _ = writeln!(
-        out,
-        "hostdevd_request_log_in_memory {}",
-        view.ledger.request_log_len()
+        view.ledger.request_log_len(),
     );
     let (kept, kept_bytes) = match writer.events().lock() {
         Ok(g) => g.kept(),
         Err(p) => p.into_inner().kept(),
     };
-    header(
+    single(
         &mut out,
         "hostdevd_watch_buffer_events",
         "gauge",
         "Changes kept for resuming watchers ([api] watch_buffer at most).",
+        kept,
     );
-    let _ = writeln!(out, "hostdevd_watch_buffer_events {kept}");
-    header(
+    single(
         &mut out,
         "hostdevd_watch_buffer_bytes",
         "gauge",
         "Memory those changes hold ([api] watch_buffer_bytes at most).",
+        kept_bytes,
     );
-    let _ = writeln!(out, "hostdevd_watch_buffer_bytes {kept_bytes}");
     header(
         &mut out,
         "hostdevd_requests_total",
@@ -275,45 +273,33 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         m.commit_sum_us.load(Ordering::Relaxed) as f64 / 1e6
     );
     let _ = writeln!(out, "hostdevd_store_commit_seconds_count {count}");
-    header(
+    single(
         &mut out,
         "hostdevd_store_commit_failures_total",
         "counter",
         "Store commits that failed (the batch was undone).",
+        m.commit_failures.load(Ordering::Relaxed),
     );
-    let _ = writeln!(
-        out,
-        "hostdevd_store_commit_failures_total {}",
-        m.commit_failures.load(Ordering::Relaxed)
-    );
-    header(
+    single(
         &mut out,
         "hostdevd_libvirt_up",
         "gauge",
         "1 when libvirt answered the last query.",
+        u8::from(libvirt_up),
     );
-    let _ = writeln!(out, "hostdevd_libvirt_up {}", u8::from(libvirt_up));
-    header(
+    single(
         &mut out,
         "hostdevd_uevents_total",
         "counter",
         "Kernel uevents handled.",
+        m.uevents.load(Ordering::Relaxed),
     );
-    let _ = writeln!(
-        out,
-        "hostdevd_uevents_total {}",
-        m.uevents.load(Ordering::Relaxed)
-    );
-    header(
+    single(
         &mut out,
         "hostdevd_uevent_resyncs_total",
         "counter",
         "Full rescans after uevents were lost (socket overflow, ENOBUFS) or the socket failed.",
-    );
-    let _ = writeln!(
-        out,
-        "hostdevd_uevent_resyncs_total {}",
-        m.uevent_resyncs.load(Ordering::Relaxed)
+        m.uevent_resyncs.load(Ordering::Relaxed),
     );
     out
 }

@@ -468,18 +468,14 @@ impl HostDev for HostDevService {
         // release that names the claim as it is now is no retry (a release applied would
         // have moved the generation on); for any other, the writer looks in the request
         // log, on disk too.
-        let (claimed, current) = {
-            let view = self.writer.view();
-            let claimed = view.device(rel.address).any(|v| v.record.claim.is_some());
-            let current = view.device(rel.address).any(|v| {
-                v.record.generation == rel.generation
-                    && v.record
-                        .claim
-                        .as_ref()
-                        .is_some_and(|c| c.owner.consumer == rel.consumer)
-            });
-            (claimed, current)
-        };
+        let (mut claimed, mut current) = (false, false);
+        for v in self.writer.view().device(rel.address) {
+            if let Some(c) = &v.record.claim {
+                claimed = true;
+                current |=
+                    v.record.generation == rel.generation && c.owner.consumer == rel.consumer;
+            }
+        }
         let replay = claimed
             && !current
             && self

@@ -336,10 +336,13 @@ impl Ledger {
         let mut ids = BTreeSet::new();
         for t in touched {
             ids.insert(t.id);
-            let mut keys = vec![Link::At(t.address()), Link::VfOf(t.address())];
-            keys.extend(t.facts.physfn.map(Link::At));
-            keys.extend(t.facts.iommu_group.map(Link::Group));
-            for key in keys {
+            let keys = [
+                Some(Link::At(t.address())),
+                Some(Link::VfOf(t.address())),
+                t.facts.physfn.map(Link::At),
+                t.facts.iommu_group.map(Link::Group),
+            ];
+            for key in keys.into_iter().flatten() {
                 ids.extend(self.linked(key));
             }
         }
