@@ -16,7 +16,13 @@ use hostdevd::simhost::{FakeSys, FakeTree};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
-const HOSTDEVD: &str = env!("CARGO_BIN_EXE_hostdevd");
+/// The agent under test: this build's, or `HOSTDEVD_BENCH_BIN` to compare another build
+/// back to back (the harness itself is the same either way).
+fn hostdevd() -> PathBuf {
+    std::env::var_os("HOSTDEVD_BENCH_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_hostdevd")))
+}
 
 struct Daemon {
     child: Child,
@@ -120,7 +126,7 @@ fn lspci(tree: &FakeTree) -> Command {
 }
 
 fn scan_cmd(tree: &FakeTree) -> Command {
-    let mut c = Command::new(HOSTDEVD);
+    let mut c = Command::new(hostdevd());
     c.arg("scan")
         .arg("--sysfs-root")
         .arg(tree.sysfs_root())
@@ -147,7 +153,7 @@ fn start_daemon_with(tree: &FakeTree, dir: &Path, state: &Path, log: &str, extra
     );
     let cfg_path = dir.join("config.toml");
     std::fs::write(&cfg_path, cfg).expect("write config");
-    let child = Command::new(HOSTDEVD)
+    let child = Command::new(hostdevd())
         .args(["serve", "--config"])
         .arg(&cfg_path)
         .stdout(Stdio::null())
@@ -379,8 +385,8 @@ async fn main() {
         watch_row(&mut t, disk.path()).await;
     }
 
-    if only.is_some() {
-        println!("HOSTDEVD_BENCH_ROWS is set: BENCHMARKS.md left as it was");
+    if only.is_some() || std::env::var_os("HOSTDEVD_BENCH_BIN").is_some() {
+        println!("HOSTDEVD_BENCH_ROWS or HOSTDEVD_BENCH_BIN is set: BENCHMARKS.md left as it was");
         return;
     }
     write_report(&t, runs);

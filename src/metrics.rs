@@ -33,6 +33,9 @@ pub struct Metrics {
     uevent_resyncs: AtomicU64,
     /// Request-log entries on disk, as of the last commit.
     stored_requests: AtomicU64,
+    /// Batches decided and committed on the requesting worker's thread, the writer
+    /// thread being idle.
+    inline_batches: AtomicU64,
 }
 
 /// What a request did, for counting.
@@ -77,12 +80,27 @@ impl Metrics {
         *g.entry(reason).or_default() += 1;
     }
 
-    /// One store commit and how long it took.
     /// How many request-log entries the store holds now.
     pub fn stored_requests(&self, n: u64) {
         self.stored_requests.store(n, Ordering::Relaxed);
     }
 
+    /// A batch decided on the requesting worker's thread instead of the writer thread.
+    pub fn inline_batch(&self) {
+        self.inline_batches.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many batches were decided on the requesting worker's thread.
+    pub fn inline_batches(&self) -> u64 {
+        self.inline_batches.load(Ordering::Relaxed)
+    }
+
+    /// Request-log entries on disk, as of the last commit or prune.
+    pub fn request_log_entries(&self) -> u64 {
+        self.stored_requests.load(Ordering::Relaxed)
+    }
+
+    /// One store commit and how long it took.
     pub fn commit(&self, took: Duration, ok: bool) {
         if !ok {
             self.commit_failures.fetch_add(1, Ordering::Relaxed);
@@ -188,6 +206,13 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         "gauge",
         "Request-log entries kept on disk for retries ([api] request_log_entries at most).",
         m.stored_requests.load(Ordering::Relaxed),
+    );
+    single(
+        &mut out,
+        "hostdevd_inline_commits_total",
+        "counter",
+        "Claims, releases and transfers decided and committed on the thread that received them (the writer thread idle), of all commits.",
+        m.inline_batches(),
     );
     single(
         &mut out,

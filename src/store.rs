@@ -171,13 +171,19 @@ impl Store {
         self.prune_at = self.request_limit;
     }
 
+    /// Whether the request log is past its limit, so [`Self::prune_request_log`] would
+    /// prune.
+    pub fn prune_due(&self) -> bool {
+        self.request_rows > self.prune_at
+    }
+
     /// If the request log is past its limit, deletes the oldest entries (by time, then
     /// key), a tenth of the limit more than needed so that the next prune is that many
     /// entries away; returns whether it pruned. Its own transaction, apart from any
     /// commit: a prune that fails (a full disk: deleting writes pages too) loses nothing
     /// and blocks no commit, and is tried again a tenth of the limit later.
     pub fn prune_request_log(&mut self) -> Result<bool, StoreError> {
-        if self.request_rows <= self.prune_at {
+        if !self.prune_due() {
             return Ok(false);
         }
         let path = &self.path;
@@ -548,6 +554,13 @@ fn create_database(dir: &Path, path: &Path) -> Result<(), StoreError> {
 fn prepare_connection(conn: &Connection, path: &Path) -> Result<(), StoreError> {
     let sql = |e| StoreError::sqlite(path, "checking the database", e);
     conn.busy_timeout(BUSY_TIMEOUT).map_err(sql)?;
+    // EXCLUSIVE before the first read: the daemon is the database's only user (the state
+    // directory's flock says so), so SQLite keeps its locks for the connection's life and
+    // the WAL index in its own memory (no `-shm` file), instead of taking and dropping
+    // POSIX locks on the index around every transaction.
+    let _: String = conn
+        .pragma_update_and_check(None, "locking_mode", "EXCLUSIVE", |r| r.get(0))
+        .map_err(sql)?;
     // The first read of the header: a file that is not a database fails here (NOTADB,
     // classified as corrupt).
     let version: i64 = conn

@@ -10,6 +10,7 @@
 //! every change of the batch is undone in memory and every caller gets the error.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -173,6 +174,7 @@ impl View {
 #[derive(Debug, Clone)]
 pub struct Writer {
     tx: mpsc::Sender<Command>,
+    core: Arc<Core>,
     view: Arc<RwLock<Arc<View>>>,
     events: Arc<Mutex<EventLog>>,
     /// The last commit's error, cleared by the next successful commit.
@@ -212,11 +214,10 @@ impl Writer {
         let store_error = Arc::new(Mutex::new(None));
         let metrics = Metrics::new();
         metrics.stored_requests(store.request_log_len());
-        let mut worker = Worker {
+        let worker = Worker {
             metrics: metrics.clone(),
             ledger,
             store,
-            rx,
             view: view.clone(),
             events: events.clone(),
             store_error: store_error.clone(),
@@ -224,12 +225,18 @@ impl Writer {
             trimmer: crate::memory::Trimmer::new(TRIM_INTERVAL),
             closed: closed::ClosedRequests::default(),
         };
+        let core = Arc::new(Core {
+            worker: Mutex::new(worker),
+            queued: AtomicUsize::new(0),
+        });
+        let thread_core = core.clone();
         let handle = std::thread::Builder::new()
             .name("hostdevd-writer".into())
-            .spawn(move || worker.run())?;
+            .spawn(move || thread_core.run(rx))?;
         Ok((
             Writer {
                 tx,
+                core,
                 view,
                 events,
                 store_error,
@@ -268,10 +275,26 @@ impl Writer {
 
     async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, WriteError> {
         let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(make(reply))
-            .await
-            .map_err(|_| WriteError::ShuttingDown)?;
+        match self.core.try_inline(make(reply)) {
+            Inline::Queue(cmd) => {
+                self.core.queued.fetch_add(1, Ordering::SeqCst);
+                if self.tx.send(cmd).await.is_err() {
+                    self.core.queued.fetch_sub(1, Ordering::SeqCst);
+                    return Err(WriteError::ShuttingDown);
+                }
+            }
+            Inline::Done { prune_due: true } => {
+                // The prune is the writer thread's (a long transaction, and its memory
+                // in the thread's allocator arena): an empty batch wakes it for one.
+                // A full queue means the thread is busy and prunes after that batch.
+                let (nudge, _) = oneshot::channel();
+                self.core.queued.fetch_add(1, Ordering::SeqCst);
+                if self.tx.try_send(Command::Sync(nudge)).is_err() {
+                    self.core.queued.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
+            Inline::Done { prune_due: false } => {}
+        }
         rx.await.map_err(|_| WriteError::ShuttingDown)?
     }
 
@@ -366,10 +389,128 @@ enum Pending {
     ),
 }
 
+/// The writer's state and who may use it: the writer thread, or a caller deciding its
+/// own command in place when nothing else is waiting (see [`Core::try_inline`]).
+struct Core {
+    worker: Mutex<Worker>,
+    /// Commands sent to the writer thread and not yet answered.
+    queued: AtomicUsize,
+}
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Core")
+            .field("queued", &self.queued.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Core {
+    /// Decides and commits a claim, release or transfer on the caller's thread when the
+    /// writer is idle, saving the two thread wake-ups of a trip through the writer
+    /// thread (one there, one back), which on a lightly loaded host are a good part of a
+    /// request's latency. Returns the command when it must go to the writer thread
+    /// instead: other commands are queued or being decided (so nothing is overtaken and
+    /// group commit under load is kept), the command acts on hardware, or the caller is
+    /// not on a multi-threaded runtime with another worker to keep serving while this
+    /// one waits for the commit. The answer goes to the command's reply either way.
+    fn try_inline(&self, cmd: Command) -> Inline {
+        if !matches!(
+            cmd,
+            Command::Claim(..) | Command::Release(..) | Command::Transfer(..)
+        ) || self.queued.load(Ordering::SeqCst) != 0
+            || !spare_worker()
+        {
+            return Inline::Queue(cmd);
+        }
+        let Ok(mut worker) = self.worker.try_lock() else {
+            return Inline::Queue(cmd);
+        };
+        if worker.acts_on_hardware(&cmd) {
+            return Inline::Queue(cmd);
+        }
+        worker.run_batch(vec![cmd]);
+        worker.metrics.inline_batch();
+        Inline::Done {
+            prune_due: worker.store.prune_due(),
+        }
+    }
+
+    /// The writer thread: takes every command queued, in order, in batches. Ends when
+    /// every sender is gone, or when the worker's lock was poisoned by a panic mid-batch
+    /// (the senders then see [`WriteError::ShuttingDown`]).
+    fn run(&self, mut rx: mpsc::Receiver<Command>) {
+        // A command that acts on hardware ends the batch before it and runs alone: its
+        // sysfs writes happen between two commits, with no other decision in between.
+        let mut next: Option<Command> = None;
+        loop {
+            let first = match next.take() {
+                Some(c) => c,
+                None => match rx.try_recv() {
+                    Ok(c) => c,
+                    Err(_) => {
+                        // Nothing waiting: a moment to give back what the last burst freed.
+                        match self.worker.lock() {
+                            Ok(mut w) => w.trimmer.maybe_trim(),
+                            Err(_) => return,
+                        };
+                        match rx.blocking_recv() {
+                            Some(c) => c,
+                            None => return,
+                        }
+                    }
+                },
+            };
+            let Ok(mut worker) = self.worker.lock() else {
+                return;
+            };
+            if worker.acts_on_hardware(&first) {
+                worker.run_alone(first);
+                worker.prune();
+                drop(worker);
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+                continue;
+            }
+            let mut batch = vec![first];
+            while batch.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(cmd) if worker.acts_on_hardware(&cmd) => {
+                        next = Some(cmd);
+                        break;
+                    }
+                    Ok(cmd) => batch.push(cmd),
+                    Err(_) => break,
+                }
+            }
+            let n = batch.len();
+            worker.run_batch(batch);
+            worker.prune();
+            drop(worker);
+            self.queued.fetch_sub(n, Ordering::SeqCst);
+        }
+    }
+}
+
+/// What became of a command offered to [`Core::try_inline`].
+enum Inline {
+    /// Decided and committed; its reply is sent.
+    Done { prune_due: bool },
+    /// For the writer thread.
+    Queue(Command),
+}
+
+/// Whether the caller runs on a multi-threaded tokio runtime with at least two workers,
+/// so that blocking this one for a commit leaves another to serve.
+fn spare_worker() -> bool {
+    tokio::runtime::Handle::try_current().is_ok_and(|h| {
+        h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
+            && h.metrics().num_workers() >= 2
+    })
+}
+
 struct Worker {
     ledger: Ledger,
     store: Store,
-    rx: mpsc::Receiver<Command>,
     view: Arc<RwLock<Arc<View>>>,
     events: Arc<Mutex<EventLog>>,
     store_error: Arc<Mutex<Option<String>>>,
@@ -387,44 +528,6 @@ impl Worker {
         match self.store_error.lock() {
             Ok(mut g) => *g = e,
             Err(p) => *p.into_inner() = e,
-        }
-    }
-
-    fn run(&mut self) {
-        // A command that acts on hardware ends the batch before it and runs alone: its
-        // sysfs writes happen between two commits, with no other decision in between.
-        let mut next: Option<Command> = None;
-        loop {
-            let first = match next.take() {
-                Some(c) => c,
-                None => match self.rx.try_recv() {
-                    Ok(c) => c,
-                    Err(_) => {
-                        // Nothing waiting: a moment to give back what the last burst freed.
-                        self.trimmer.maybe_trim();
-                        match self.rx.blocking_recv() {
-                            Some(c) => c,
-                            None => return,
-                        }
-                    }
-                },
-            };
-            if self.acts_on_hardware(&first) {
-                self.run_alone(first);
-                continue;
-            }
-            let mut batch = vec![first];
-            while batch.len() < MAX_BATCH {
-                match self.rx.try_recv() {
-                    Ok(cmd) if self.acts_on_hardware(&cmd) => {
-                        next = Some(cmd);
-                        break;
-                    }
-                    Ok(cmd) => batch.push(cmd),
-                    Err(_) => break,
-                }
-            }
-            self.run_batch(batch);
         }
     }
 
@@ -593,11 +696,6 @@ impl Worker {
                         }
                     }
                 }
-                // Once the batch is answered: the request log's prune, when due, in a
-                // transaction of its own (a failed one is logged and tried again later).
-                if let Err(e) = self.store.prune_request_log() {
-                    tracing::warn!(error = %e, "pruning the request log failed; it is tried again later");
-                }
                 self.metrics.stored_requests(self.store.request_log_len());
             }
             Err(e) => {
@@ -633,6 +731,16 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// The request log's prune, when due, in a transaction of its own (a failed one is
+    /// logged and tried again later). The writer thread runs it once a batch is
+    /// answered.
+    fn prune(&mut self) {
+        if let Err(e) = self.store.prune_request_log() {
+            tracing::warn!(error = %e, "pruning the request log failed; it is tried again later");
+        }
+        self.metrics.stored_requests(self.store.request_log_len());
     }
 
     /// Counts a request refused before the ledger was asked. A store that could not be

@@ -190,8 +190,13 @@ async fn socket_and_state_files_have_their_modes_under_any_umask() {
         (state.join("hostdevd.lock"), 0o640),
         (state.join("hostdevd.db"), 0o600),
         (state.join("hostdevd.db-wal"), 0o600),
-        (state.join("hostdevd.db-shm"), 0o600),
     ];
+    // The database is the agent's alone (EXCLUSIVE locking): its WAL index lives in the
+    // agent's memory, so no shared-memory file is made for others to read.
+    assert!(
+        !state.join("hostdevd.db-shm").exists(),
+        "no -shm file beside an exclusively locked database"
+    );
     let got: Vec<(PathBuf, u32)> = want.iter().map(|(p, _)| (p.clone(), mode(p))).collect();
     assert_eq!(
         got.iter()

@@ -117,9 +117,65 @@ fn reason(e: &WriteError) -> &'static str {
     }
 }
 
+/// On the test's single-threaded runtime every command goes through the writer thread.
 #[tokio::test]
 async fn seed_stale_audit_after_evacuation_claim_is_rejected() {
     let dest = host().await;
+    seed_scenario(&dest).await;
+    assert_eq!(
+        dest.writer.metrics().inline_batches(),
+        0,
+        "no worker to spare"
+    );
+}
+
+/// On a multi-threaded runtime an idle writer lets the requesting worker decide and
+/// commit in place: the same race, the same answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_scenario_decided_in_place_gives_the_same_answers() {
+    let dest = host().await;
+    seed_scenario(&dest).await;
+    assert_eq!(
+        dest.writer.metrics().inline_batches(),
+        3,
+        "the claim, the refused release and the refused claim, each alone"
+    );
+}
+
+/// Many controllers race for one VF at one generation, some decided in place and some
+/// queued for the writer thread: exactly one wins, and the ledger names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_claims_in_place_and_queued_have_one_winner() {
+    let dest = std::sync::Arc::new(host().await);
+    let g0 = dest.generation("0000:3b:02.2");
+    let tasks: Vec<_> = (0..32u128)
+        .map(|i| {
+            let dest = dest.clone();
+            tokio::spawn(async move {
+                let who = owner(0x100 + i, "racer");
+                let r = dest
+                    .claim("0000:3b:02.2", &who, &format!("race-{i}"), g0)
+                    .await;
+                (who.consumer, r)
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for t in tasks {
+        let (who, r) = t.await.expect("task");
+        match r {
+            Ok(_) => winners.push(who),
+            Err(e) => assert!(
+                matches!(reason(&e), "STALE_GENERATION" | "ALREADY_CLAIMED"),
+                "{e}"
+            ),
+        }
+    }
+    assert_eq!(winners.len(), 1, "one winner: {winners:?}");
+    assert_eq!(dest.owner_of("0000:3b:02.2"), Some(winners[0]));
+}
+
+async fn seed_scenario(dest: &Host) {
     let instance = owner(0x2a, "instance-0000002a");
     // The audit reads its snapshot first: the VF is free at generation g0.
     let g0 = dest.generation("0000:3b:02.1");

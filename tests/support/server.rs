@@ -13,6 +13,8 @@ use tonic::transport::Channel;
 /// A running agent; `stop` shuts it down gracefully.
 pub struct TestServer {
     pub socket: PathBuf,
+    /// The agent's counters, read in place.
+    pub metrics: std::sync::Arc<hostdevd::metrics::Metrics>,
     _state: tempfile::TempDir,
     _tree: Option<FakeTree>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -36,6 +38,7 @@ impl TestServer {
         cfg.state_dir = state.path().join("state");
         cfg.api.socket = socket.clone();
         let agent = Agent::start(&cfg).await.expect("agent start");
+        let metrics = agent.writer.metrics().clone();
         let listener = bind_socket(&socket, socket_mode, None).expect("bind");
         let service = agent.service(Access {
             writer_uids,
@@ -53,6 +56,7 @@ impl TestServer {
         });
         TestServer {
             socket,
+            metrics,
             _state: state,
             _tree: tree,
             stop: Some(tx),
