@@ -72,10 +72,15 @@ impl Trimmer {
         self.dirty = true;
     }
 
+    /// Whether there was work since the last trim and the interval has passed.
+    pub fn due(&self) -> bool {
+        self.dirty && self.last.elapsed() >= self.interval
+    }
+
     /// Trims if there was work since the last trim and the interval has passed. Returns
     /// whether it trimmed.
     pub fn maybe_trim(&mut self) -> bool {
-        if !self.dirty || self.last.elapsed() < self.interval {
+        if !self.due() {
             return false;
         }
         self.trim_now();
@@ -101,9 +106,11 @@ mod tests {
         t.worked();
         assert!(!t.maybe_trim(), "within the interval");
         let mut t = Trimmer::new(Duration::ZERO);
-        assert!(!t.maybe_trim(), "no work yet");
+        assert!(!t.due() && !t.maybe_trim(), "no work yet");
         t.worked();
+        assert!(t.due());
         assert!(t.maybe_trim());
+        assert!(!t.due(), "trimmed");
         assert!(!t.maybe_trim(), "nothing since");
     }
 }
