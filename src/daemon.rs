@@ -66,6 +66,18 @@ pub enum DaemonError {
     Serve(#[from] tonic::transport::Error),
 }
 
+/// The agent's async runtime: one worker per CPU, plus one. A claim, release or transfer
+/// arriving while the writer is idle is committed on the worker that took it (see
+/// `writer`), which then waits out the fsync; the extra worker keeps every CPU serving
+/// meanwhile (Watch fan-out, other requests).
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cpus + 1)
+        .enable_all()
+        .build()
+}
+
 /// A running agent's core: the writer and the shared inventory.
 #[derive(Debug, Clone)]
 pub struct Agent {

@@ -280,8 +280,10 @@ impl Writer {
 
     async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, WriteError> {
         let (reply, rx) = oneshot::channel();
+        let mut inline = true;
         match self.core.try_inline(make(reply)) {
             Inline::Queue(cmd) => {
+                inline = false;
                 self.core.queued.fetch_add(1, Ordering::SeqCst);
                 if self.tx.send(cmd).await.is_err() {
                     self.core.queued.fetch_sub(1, Ordering::SeqCst);
@@ -300,6 +302,13 @@ impl Writer {
                 }
             }
             Inline::Done { chores: false } => {}
+        }
+        if inline {
+            // The commit woke the watchers onto this worker's queue: let them go before
+            // this caller's answer, as they would have with the writer thread. Without
+            // this, a busy client answered at once kept 100 watchers' p99 at 12-18 ms
+            // (4 ms with it, on two CPUs that also ran the watchers' clients).
+            tokio::task::yield_now().await;
         }
         rx.await.map_err(|_| WriteError::ShuttingDown)?
     }

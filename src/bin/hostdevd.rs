@@ -74,10 +74,7 @@ fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
     );
     println!();
     println!("Ctrl-C stops the agent and removes the simulated host.");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let rt = hostdevd::daemon::runtime().context("starting the async runtime")?;
     let result = rt.block_on(hostdevd::daemon::run(demo.config.clone(), None));
     drop(demo);
     drop(scratch);
@@ -175,10 +172,7 @@ fn load_config(args: &ServeArgs) -> anyhow::Result<(Config, Option<PathBuf>)> {
 fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     let (cfg, path) = load_config(args)?;
     init_logging(&cfg.log.filter);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let rt = hostdevd::daemon::runtime().context("starting the async runtime")?;
     rt.block_on(hostdevd::daemon::run(cfg, path))?;
     Ok(())
 }
