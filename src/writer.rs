@@ -284,11 +284,15 @@ impl Writer {
         match self.core.try_inline(make(reply)) {
             Inline::Queue(cmd) => {
                 inline = false;
+                // Counted only once its place in the queue is taken: a caller dropped
+                // while waiting for room (its client gone) leaves no count behind.
+                let permit = self
+                    .tx
+                    .reserve()
+                    .await
+                    .map_err(|_| WriteError::ShuttingDown)?;
                 self.core.queued.fetch_add(1, Ordering::SeqCst);
-                if self.tx.send(cmd).await.is_err() {
-                    self.core.queued.fetch_sub(1, Ordering::SeqCst);
-                    return Err(WriteError::ShuttingDown);
-                }
+                permit.send(cmd);
             }
             Inline::Done { chores: true } => {
                 // The request log's prune and the memory trim are the writer thread's
