@@ -211,7 +211,7 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         &mut out,
         "hostdevd_inline_commits_total",
         "counter",
-        "Claims, releases and transfers decided and committed on the thread that received them (the writer thread idle), of all commits.",
+        "Claims, releases and transfers decided (and committed, when they changed something) on the async worker that received them, the writer thread being idle.",
         m.inline_batches(),
     );
     single(
