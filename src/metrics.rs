@@ -209,7 +209,7 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
     );
     single(
         &mut out,
-        "hostdevd_inline_commits_total",
+        "hostdevd_inline_requests_total",
         "counter",
         "Claims, releases and transfers decided (and committed, when they changed something) on the async worker that received them, the writer thread being idle.",
         m.inline_batches(),
