@@ -412,7 +412,8 @@ enum Pending {
 /// own command in place when nothing else is waiting (see [`Core::try_inline`]).
 struct Core {
     worker: Mutex<Worker>,
-    /// Commands sent to the writer thread and not yet answered.
+    /// Commands sent to the writer thread and not yet taken up by it (a command the
+    /// thread set aside to run alone after the current batch still counts).
     queued: AtomicUsize,
 }
 
@@ -483,11 +484,13 @@ impl Core {
             let Ok(mut worker) = self.worker.lock() else {
                 return;
             };
+            // Taken out of the queue under the lock, so nothing can overtake them now:
+            // they stop counting before their answers go out, and a caller answered
+            // here finds the queue as it is for its next command.
             if worker.acts_on_hardware(&first) {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
                 worker.run_alone(first);
                 worker.prune();
-                drop(worker);
-                self.queued.fetch_sub(1, Ordering::SeqCst);
                 continue;
             }
             let mut batch = vec![first];
@@ -501,11 +504,9 @@ impl Core {
                     Err(_) => break,
                 }
             }
-            let n = batch.len();
+            self.queued.fetch_sub(batch.len(), Ordering::SeqCst);
             worker.run_batch(batch);
             worker.prune();
-            drop(worker);
-            self.queued.fetch_sub(n, Ordering::SeqCst);
         }
     }
 }
