@@ -205,7 +205,7 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         "hostdevd_request_log_entries",
         "gauge",
         "Request-log entries kept on disk for retries ([api] request_log_entries at most).",
-        m.stored_requests.load(Ordering::Relaxed),
+        m.request_log_entries(),
     );
     single(
         &mut out,

@@ -6,7 +6,8 @@
 /// it. Each one runs inside the single transaction that also bumps `user_version`.
 pub(crate) const MIGRATIONS: &[&str] = &[
     // 1: the ledger. Columns hold what an operator queries with sqlite3 once the agent
-    // has stopped (address, owner, generation; the agent holds the database exclusively); `record` holds the full device record as JSON, the source of truth
+    // has stopped (address, owner, generation; the agent holds the database
+    // exclusively); `record` holds the full device record as JSON, the source of truth
     // that `load` decodes and checks against the columns.
     "CREATE TABLE meta (
         key   TEXT PRIMARY KEY NOT NULL,
