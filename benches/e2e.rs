@@ -245,7 +245,7 @@ impl Table {
         let verdict = match met {
             Some(true) => "met",
             Some(false) => "**missed**",
-            None => "not measured",
+            None => "no goal",
         };
         let line = format!("| {what} | {baseline} | {value} | {goal} | {verdict} |\n");
         print!("{line}");
@@ -552,26 +552,76 @@ async fn load_round(
 ) -> (f64, u64) {
     // Fresh generations for each round: the previous round changed its VFs.
     let vfs = free_vfs(c).await;
-    let deadline = Instant::now() + Duration::from_secs(3);
-    let mut tasks = Vec::new();
-    for (k, (addr, g)) in vfs.iter().take(clients).cloned().enumerate() {
-        let socket = d.socket.clone();
-        // A consumer of its own per pass and client: request ids restart at 0.
-        let who = 1000 + (pass * 10_000 + clients * 100 + k) as u128;
-        tasks.push(tokio::spawn(async move {
-            let mut c = hostdevd::client::connect(&socket).await.expect("connect");
-            let mut g = g;
-            let mut ops = 0u64;
-            let mut seq = 0u64;
-            while Instant::now() < deadline {
-                let (_, _, ng) = claim_release(&mut c, who, &addr, g, seq).await;
-                g = ng;
-                seq += 1;
-                ops += 2;
+    let socket = d.socket.clone();
+    drive(
+        d,
+        peak,
+        vfs.into_iter().take(clients).enumerate(),
+        move |(k, (addr, g)), deadline| {
+            let socket = socket.clone();
+            // A consumer of its own per pass and client: request ids restart at 0.
+            let who = 1000 + (pass * 10_000 + clients * 100 + k) as u128;
+            async move {
+                let mut c = hostdevd::client::connect(&socket).await.expect("connect");
+                let mut g = g;
+                let mut ops = 0u64;
+                let mut seq = 0u64;
+                while Instant::now() < deadline {
+                    let (_, _, ng) = claim_release(&mut c, who, &addr, g, seq).await;
+                    g = ng;
+                    seq += 1;
+                    ops += 2;
+                }
+                ops
             }
-            ops
-        }));
-    }
+        },
+    )
+    .await
+}
+
+/// The transport's ceiling for a load round: `clients` clients each send bare health
+/// checks (an echo through the same agent, socket and HTTP/2 stack) in a loop for 3 s.
+/// Returns the calls per second.
+async fn echo_round(d: &Daemon, clients: usize, peak: &mut Rss) -> f64 {
+    let socket = d.socket.clone();
+    let (rate, _) = drive(d, peak, 0..clients, move |_, deadline| {
+        let socket = socket.clone();
+        async move {
+            let mut health = tonic_health::pb::health_client::HealthClient::new(
+                hostdevd::client::connect_channel(&socket)
+                    .await
+                    .expect("channel"),
+            );
+            let mut calls = 0u64;
+            while Instant::now() < deadline {
+                health
+                    .check(tonic_health::pb::HealthCheckRequest {
+                        service: String::new(),
+                    })
+                    .await
+                    .expect("health check");
+                calls += 1;
+            }
+            calls
+        }
+    })
+    .await;
+    rate
+}
+
+/// Runs one client task per item until 3 s from now, each returning how many calls it
+/// made; returns the calls per second and their count. `peak` follows the daemon's RSS.
+async fn drive<I, F, Fut>(d: &Daemon, peak: &mut Rss, items: I, client: F) -> (f64, u64)
+where
+    I: IntoIterator,
+    F: Fn(I::Item, Instant) -> Fut,
+    Fut: std::future::Future<Output = u64> + Send + 'static,
+{
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let tasks: Vec<_> = items
+        .into_iter()
+        .map(|item| tokio::spawn(client(item, deadline)))
+        .collect();
     let t0 = Instant::now();
     let mut sampler = tokio::time::interval(Duration::from_millis(200));
     let mut ops = 0;
@@ -614,6 +664,9 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     // seconds apart (the disk's fsync time drifts by several times over minutes).
     let mut passes: Vec<[f64; 3]> = Vec::new();
     let mut per_commit: Vec<[f64; 3]> = Vec::new();
+    // After each pass's 64 claim clients: 64 clients of bare echoes, the most that any
+    // request could reach on this transport and these CPUs.
+    let mut echoes: Vec<f64> = Vec::new();
     let mut peak_rss = idle_rss;
     let mut first_pass = None;
     let mut ops_total = 0u64;
@@ -628,6 +681,7 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
             shared[slot] = ops as f64 / committed as f64;
             ops_total += ops;
         }
+        echoes.push(echo_round(&d, 64, &mut peak_rss).await);
         passes.push(rates);
         per_commit.push(shared);
         if pass == 0 {
@@ -661,6 +715,21 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
             (clients == 64).then_some(ratio >= 10.0),
         );
     }
+    let (echo, e0, e1) = median_spread(echoes.clone());
+    let (ceiling, c0, c1) =
+        median_spread(echoes.iter().zip(&passes).map(|(e, p)| e / p[0]).collect());
+    let (reached, _, _) =
+        median_spread(echoes.iter().zip(&passes).map(|(e, p)| p[2] / e).collect());
+    t.row(
+        &format!("context, not a goal: bare health-check echoes/s, 64 concurrent clients, same agent, {runs} passes"),
+        &format!("1 client's claims+releases: {base:.0}/s"),
+        format!(
+            "{echo:.0}/s ({e0:.0}–{e1:.0}) = {ceiling:.1}× ({c0:.1}–{c1:.1}); 64 claim clients reach {:.0}% of it",
+            reached * 100.0
+        ),
+        "—",
+        None,
+    );
 
     // 5. Resident memory, 4096 devices.
     let rss = |r: Rss| format!("{:.1} (anon {:.1})", mib(r.0), mib(r.1));

@@ -24,6 +24,7 @@ mod schema;
 #[cfg(test)]
 mod tests;
 
+use std::borrow::Borrow;
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
@@ -56,6 +57,16 @@ const DB_MODE: u32 = 0o600;
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// SQLite's page cache per connection, in KiB (`PRAGMA cache_size` takes it negated).
 const CACHE_KIB: i64 = -1024;
+/// The write-ahead log is copied back into the database (a checkpoint, with two fsyncs)
+/// once it holds this many pages, 32 MiB at 4 KiB each; SQLite's default is 1000. Under
+/// load every change writes about two pages (its record's and its request-log entry's),
+/// mostly the same few hundred pages again and again, so a longer log copies each of them
+/// back once per checkpoint instead of several times. Measured with the benchmark's 64
+/// clients, alternated runs: 4.3x and 4.5x the one-client rate at 1000 pages, 5.4x and
+/// 5.3x at 8000; resident memory unchanged. The log stays at its largest size on disk
+/// (it is overwritten in place, never truncated), so the state directory holds up to
+/// this much beside the database.
+const WAL_CHECKPOINT_PAGES: i64 = 8000;
 /// How many `quick_check` complaints are quoted in a corruption error.
 const MAX_CHECK_MESSAGES: usize = 3;
 /// How many request-log entries the store keeps by default: the oldest tenth is pruned
@@ -317,14 +328,15 @@ impl Store {
     /// Refuses with [`StoreError::BackwardsGeneration`], writing nothing, if any change
     /// set's host generation is below the stored one or the one before it in the batch.
     /// On any error (a full disk, a read-only mount) the transaction is rolled back,
-    /// nothing of the batch is on disk, and the store stays usable.
-    pub fn commit(&mut self, batch: &[ChangeSet]) -> Result<(), StoreError> {
-        let Some(last) = batch.last() else {
+    /// nothing of the batch is on disk, and the store stays usable. Takes the change
+    /// sets or references to them, so the writer need not copy a batch to commit it.
+    pub fn commit<C: Borrow<ChangeSet>>(&mut self, batch: &[C]) -> Result<(), StoreError> {
+        let Some(last) = batch.last().map(C::borrow) else {
             return Ok(());
         };
         let path = &self.path;
         let sql = |e| StoreError::sqlite(path, "committing a batch", e);
-        let logged: usize = batch.iter().map(|cs| cs.requests.len()).sum();
+        let logged: usize = batch.iter().map(|cs| cs.borrow().requests.len()).sum();
         // IMMEDIATE takes the write lock up front, so a failure to get it surfaces here
         // and not halfway through the batch.
         let tx = self
@@ -333,7 +345,7 @@ impl Store {
             .map_err(sql)?;
         let stored = read_host_generation(&tx, path)?;
         let mut running = stored;
-        for cs in batch {
+        for cs in batch.iter().map(C::borrow) {
             if cs.host_generation < running {
                 return Err(StoreError::BackwardsGeneration {
                     path: path.clone(),
@@ -343,7 +355,7 @@ impl Store {
             }
             running = cs.host_generation;
         }
-        if running == stored && batch.iter().all(ChangeSet::is_empty) {
+        if running == stored && batch.iter().all(|cs| cs.borrow().is_empty()) {
             // Nothing to write: skip the fsync. Dropping `tx` ends it without a write.
             return Ok(());
         }
@@ -352,7 +364,7 @@ impl Store {
             let mut fix_address = tx.prepare_cached(schema::FIX_RECORD_ADDRESS).map_err(sql)?;
             let mut remove = tx.prepare_cached(schema::DELETE_RECORD).map_err(sql)?;
             let mut log = tx.prepare_cached(schema::UPSERT_REQUEST).map_err(sql)?;
-            for cs in batch {
+            for cs in batch.iter().map(C::borrow) {
                 for record in &cs.upserts {
                     let json = serde_json::to_string(record).map_err(|e| StoreError::Encode {
                         path: path.clone(),
@@ -614,6 +626,8 @@ fn prepare_connection(conn: &Connection, path: &Path) -> Result<(), StoreError> 
     // FULL: in WAL mode the log is fsynced at every commit, so a commit that returned
     // survives a power cut (I4). NORMAL would only guarantee consistency.
     conn.pragma_update(None, "synchronous", "FULL")
+        .map_err(sql)?;
+    conn.pragma_update(None, "wal_autocheckpoint", WAL_CHECKPOINT_PAGES)
         .map_err(sql)?;
     // A small page cache: commits touch a handful of pages and `load` reads each one
     // once, so SQLite's default of 2 MiB would mostly hold what start-up read.

@@ -676,7 +676,7 @@ impl Worker {
             .into_iter()
             .map(|cmd| self.decide(cmd, now, &mut changes))
             .collect();
-        let durable: Vec<ChangeSet> = changes.iter().filter(|c| !c.is_empty()).cloned().collect();
+        let durable: Vec<&ChangeSet> = changes.iter().filter(|c| !c.is_empty()).collect();
         let committed = if durable.is_empty() {
             Ok(())
         } else {

@@ -170,6 +170,28 @@ fn fresh_store_is_empty_versioned_and_private() {
 }
 
 #[test]
+fn the_live_connection_syncs_every_commit_and_checkpoints_late() {
+    let tmp = TempDir::new().expect("tempdir");
+    let store = Store::open(tmp.path()).expect("open");
+    let get = |name: &str| -> rusqlite::types::Value {
+        store
+            .conn
+            .pragma_query_value(None, name, |r| r.get(0))
+            .expect(name)
+    };
+    // 2 is FULL: the log is fsynced at every commit (I4).
+    assert_eq!(get("synchronous"), rusqlite::types::Value::Integer(2));
+    assert_eq!(
+        get("wal_autocheckpoint"),
+        rusqlite::types::Value::Integer(WAL_CHECKPOINT_PAGES)
+    );
+    assert_eq!(
+        get("locking_mode"),
+        rusqlite::types::Value::Text("exclusive".into())
+    );
+}
+
+#[test]
 fn every_kind_of_change_survives_reopen() {
     let tmp = TempDir::new().expect("tempdir");
     let mut model = Model::default();
@@ -444,7 +466,7 @@ fn host_generation_never_goes_backwards() {
 fn empty_batches_write_nothing() {
     let tmp = TempDir::new().expect("tempdir");
     let mut store = Store::open(tmp.path()).expect("open");
-    store.commit(&[]).expect("empty batch");
+    store.commit::<ChangeSet>(&[]).expect("empty batch");
     store
         .commit(&[change(0, 0), change(0, 0)])
         .expect("empty change sets");
