@@ -40,6 +40,67 @@ impl Drop for Daemon {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
 struct Rss(u64, u64, u64);
 
+/// Where CPU time went between two moments: the agent's, this benchmark process's (the
+/// clients), and how busy the machine's CPUs were.
+#[derive(Clone, Copy)]
+struct CpuMark {
+    agent: f64,
+    own: f64,
+    busy: f64,
+    total: f64,
+}
+
+/// CPU seconds a process has used (user + system), from `/proc/PID/stat`.
+fn cpu_seconds(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The fields after the command name (which may hold spaces) start at its last ')'.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    // SAFETY: sysconf only reads a system constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    f.iter().sum::<u64>() as f64 / hz
+}
+
+impl CpuMark {
+    fn now(d: &Daemon) -> CpuMark {
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let ticks: Vec<f64> = stat
+            .lines()
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        // user nice system idle iowait irq softirq steal: idle and iowait are not busy.
+        let total: f64 = ticks.iter().take(8).sum();
+        let idle = ticks.get(3).copied().unwrap_or(0.0) + ticks.get(4).copied().unwrap_or(0.0);
+        CpuMark {
+            agent: cpu_seconds(&d.child.id().to_string()),
+            own: cpu_seconds("self"),
+            busy: total - idle,
+            total,
+        }
+    }
+
+    /// (agent CPU seconds, clients' CPU seconds, share of the machine's CPUs busy) since
+    /// `self`.
+    fn since(&self, d: &Daemon) -> (f64, f64, f64) {
+        let now = CpuMark::now(d);
+        let total = (now.total - self.total).max(1.0);
+        (
+            now.agent - self.agent,
+            now.own - self.own,
+            (now.busy - self.busy) / total,
+        )
+    }
+}
+
 /// The daemon's count of durable commits, read from its metrics listener at `addr`.
 fn commits(addr: std::net::SocketAddr) -> u64 {
     use std::io::{Read, Write};
@@ -581,10 +642,10 @@ async fn load_round(
 
 /// The transport's ceiling for a load round: `clients` clients each send bare health
 /// checks (an echo through the same agent, socket and HTTP/2 stack) in a loop for 3 s.
-/// Returns the calls per second.
-async fn echo_round(d: &Daemon, clients: usize, peak: &mut Rss) -> f64 {
+/// Returns the calls per second and their count.
+async fn echo_round(d: &Daemon, clients: usize, peak: &mut Rss) -> (f64, u64) {
     let socket = d.socket.clone();
-    let (rate, _) = drive(d, peak, 0..clients, move |_, deadline| {
+    drive(d, peak, 0..clients, move |_, deadline| {
         let socket = socket.clone();
         async move {
             let mut health = tonic_health::pb::health_client::HealthClient::new(
@@ -605,8 +666,7 @@ async fn echo_round(d: &Daemon, clients: usize, peak: &mut Rss) -> f64 {
             calls
         }
     })
-    .await;
-    rate
+    .await
 }
 
 /// Runs one client task per item until 3 s from now, each returning how many calls it
@@ -667,6 +727,15 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     // After each pass's 64 claim clients: 64 clients of bare echoes, the most that any
     // request could reach on this transport and these CPUs.
     let mut echoes: Vec<f64> = Vec::new();
+    // Per round of 1, 8, 64 claim clients and of 64 echo clients: the agent's and the
+    // clients' CPU time per call, and how busy the machine's CPUs were.
+    let mut cpu: [Vec<(f64, f64, f64)>; 4] = Default::default();
+    let cpu_use = |rounds: &Vec<(f64, f64, f64)>| {
+        let (agent, _, _) = median_spread(rounds.iter().map(|r| r.0 * 1e6).collect());
+        let (own, _, _) = median_spread(rounds.iter().map(|r| r.1 * 1e6).collect());
+        let (busy, _, _) = median_spread(rounds.iter().map(|r| r.2 * 100.0).collect());
+        format!("CPU per call: agent {agent:.0} µs, clients {own:.0} µs; CPUs {busy:.0}% busy")
+    };
     let mut peak_rss = idle_rss;
     let mut first_pass = None;
     let mut ops_total = 0u64;
@@ -675,13 +744,20 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         let mut shared = [0.0; 3];
         for (slot, clients) in [1usize, 8, 64].into_iter().enumerate() {
             let before = commits(metrics);
+            let mark = CpuMark::now(&d);
             let (rate, ops) = load_round(&d, &mut c, pass, clients, &mut peak_rss).await;
+            let (agent, own, busy) = mark.since(&d);
             let committed = commits(metrics).saturating_sub(before).max(1);
             rates[slot] = rate;
             shared[slot] = ops as f64 / committed as f64;
+            cpu[slot].push((agent / ops.max(1) as f64, own / ops.max(1) as f64, busy));
             ops_total += ops;
         }
-        echoes.push(echo_round(&d, 64, &mut peak_rss).await);
+        let mark = CpuMark::now(&d);
+        let (rate, calls) = echo_round(&d, 64, &mut peak_rss).await;
+        let (agent, own, busy) = mark.since(&d);
+        cpu[3].push((agent / calls.max(1) as f64, own / calls.max(1) as f64, busy));
+        echoes.push(rate);
         passes.push(rates);
         per_commit.push(shared);
         if pass == 0 {
@@ -709,7 +785,8 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
             &format!("claims+releases/s, {clients} concurrent clients, 4096 VFs, {runs} passes"),
             &format!("1 client: {base:.0}/s ({base0:.0}–{base1:.0})"),
             format!(
-                "{rate:.0}/s = **{ratio:.1}×** ({r0:.1}–{r1:.1}); {shared:.1} changes per commit"
+                "{rate:.0}/s = **{ratio:.1}×** ({r0:.1}–{r1:.1}); {shared:.1} changes per commit; {}",
+                cpu_use(&cpu[slot])
             ),
             goal,
             (clients == 64).then_some(ratio >= 10.0),
@@ -724,8 +801,9 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         &format!("context, not a goal: bare health-check echoes/s, 64 concurrent clients, same agent, {runs} passes"),
         &format!("1 client's claims+releases: {base:.0}/s"),
         format!(
-            "{echo:.0}/s ({e0:.0}–{e1:.0}) = {ceiling:.1}× ({c0:.1}–{c1:.1}); 64 claim clients reach {:.0}% of it",
-            reached * 100.0
+            "{echo:.0}/s ({e0:.0}–{e1:.0}) = {ceiling:.1}× ({c0:.1}–{c1:.1}); 64 claim clients reach {:.0}% of it; {}",
+            reached * 100.0,
+            cpu_use(&cpu[3])
         ),
         "—",
         None,
