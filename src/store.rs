@@ -58,15 +58,15 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// SQLite's page cache per connection, in KiB (`PRAGMA cache_size` takes it negated).
 const CACHE_KIB: i64 = -1024;
 /// The write-ahead log is copied back into the database (a checkpoint, with two fsyncs)
-/// once it holds this many pages, 32 MiB at 4 KiB each; SQLite's default is 1000. Under
-/// load every change writes about two pages (its record's and its request-log entry's),
-/// mostly the same few hundred pages again and again, so a longer log copies each of them
-/// back once per checkpoint instead of several times. Measured with the benchmark's 64
-/// clients, alternated runs: 4.3x and 4.5x the one-client rate at 1000 pages, 5.4x and
-/// 5.3x at 8000; resident memory unchanged. The log stays at its largest size on disk
-/// (it is overwritten in place, never truncated), so the state directory holds up to
-/// this much beside the database.
-const WAL_CHECKPOINT_PAGES: i64 = 8000;
+/// once it holds this many pages: 4 MiB at 4 KiB each, SQLite's default, set here so
+/// that it is a decision. After a checkpoint the log is overwritten from its start, so
+/// past its first 4 MiB a commit's fdatasync never has to record a new file size.
+/// A longer log checkpoints less often but grows for longer: at 8000 pages, the
+/// benchmark's 64 clients made 5.3x and 5.4x the one-client rate instead of 4.3x and
+/// 4.5x (the same pages copied back fewer times), but a single claim's round trip went
+/// from 1.52x and 1.59x of echo plus fsync to 1.81x and 1.92x (runs alternated), since
+/// every commit of those first 32 MiB appended to the file.
+const WAL_CHECKPOINT_PAGES: i64 = 1000;
 /// How many `quick_check` complaints are quoted in a corruption error.
 const MAX_CHECK_MESSAGES: usize = 3;
 /// How many request-log entries the store keeps by default: the oldest tenth is pruned

@@ -119,7 +119,7 @@ async fn sighup_reloads_the_selection_and_sigterm_stops_cleanly() {
     };
     assert!(status.success(), "exit status {status}");
     assert!(!socket.exists(), "socket removed on a clean stop");
-    // The write-ahead log (up to 32 MiB while the agent runs) is copied into the
+    // The write-ahead log (up to 4 MiB while the agent runs) is copied into the
     // database and removed when the store closes.
     let state = dir.path().join("state");
     assert!(state.join("hostdevd.db").exists(), "the database stays");

@@ -170,7 +170,7 @@ fn fresh_store_is_empty_versioned_and_private() {
 }
 
 #[test]
-fn the_live_connection_syncs_every_commit_and_checkpoints_late() {
+fn the_live_connection_syncs_every_commit_and_keeps_its_log_short() {
     let tmp = TempDir::new().expect("tempdir");
     let store = Store::open(tmp.path()).expect("open");
     let get = |name: &str| -> rusqlite::types::Value {
