@@ -88,6 +88,39 @@ pub struct Agent {
     guard: Arc<FreeGuard>,
     /// Keeps the libvirt poller running while any clone of the agent lives.
     _poller: Option<Arc<crate::domains::Poller>>,
+    /// The writer thread, taken by `run` so that a clean stop can wait for it to close
+    /// the store.
+    writer_thread: Arc<std::sync::Mutex<Option<std::thread::JoinHandle<()>>>>,
+}
+
+/// What a finished [`run`] leaves to wait for: the writer thread, which closes the store
+/// once the last handle to the writer is gone. SQLite copies the write-ahead log into
+/// the database and removes it when the store closes; a process that exits first leaves
+/// the log for the next start to read back (nothing is lost either way, but a clean
+/// stop should leave a closed database).
+#[derive(Debug)]
+pub struct Closing(Option<std::thread::JoinHandle<()>>);
+
+impl Closing {
+    /// Call once the async runtime is dropped (which drops every task's handle to the
+    /// writer). Waits up to `limit` for the writer thread to close the store; returns
+    /// whether it did.
+    pub fn wait(self, limit: Duration) -> bool {
+        let Some(thread) = self.0 else {
+            return true;
+        };
+        let deadline = Instant::now() + limit;
+        while !thread.is_finished() {
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    "the writer thread did not end in time; exiting without closing the store (the next start reads its log back)"
+                );
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        thread.join().is_ok()
+    }
 }
 
 fn boot_id(proc_root: &Path) -> String {
@@ -132,7 +165,7 @@ impl Agent {
             sysfs_root: cfg.sysfs_root.clone(),
             step_timeout: Duration::from_millis(cfg.hardware.step_timeout_ms),
         };
-        let (writer, _thread) = Writer::start_with(
+        let (writer, writer_thread) = Writer::start_with(
             ledger,
             store,
             crate::writer::EventBuffer {
@@ -181,6 +214,7 @@ impl Agent {
             }),
             guard: Arc::new(FreeGuard::from_config(cfg)),
             _poller: None,
+            writer_thread: Arc::new(std::sync::Mutex::new(Some(writer_thread))),
         };
         agent.rescanner.full(None).await?;
         if let Some(socket) = uevents {
@@ -381,7 +415,7 @@ pub(crate) async fn routes(
 
 /// The whole daemon: start, bind, notify systemd, serve until SIGTERM/SIGINT; SIGHUP
 /// reloads the managed-device selection from `config_path` and rescans.
-pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<(), DaemonError> {
+pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, DaemonError> {
     // Take SIGHUP before anything else: its default action would end the daemon.
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(DaemonError::Signal)?;
@@ -482,7 +516,11 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<(), Daemon
     }
     let _ = std::fs::remove_file(&socket);
     tracing::info!("stopped");
-    Ok(())
+    let thread = match agent.writer_thread.lock() {
+        Ok(mut g) => g.take(),
+        Err(p) => p.into_inner().take(),
+    };
+    Ok(Closing(thread))
 }
 
 /// Completes on SIGTERM or SIGINT.

@@ -119,6 +119,14 @@ async fn sighup_reloads_the_selection_and_sigterm_stops_cleanly() {
     };
     assert!(status.success(), "exit status {status}");
     assert!(!socket.exists(), "socket removed on a clean stop");
+    // The agent waits for its writer thread to close the store, and closing copies the
+    // write-ahead log into the database and removes it.
+    let state = dir.path().join("state");
+    assert!(state.join("hostdevd.db").exists(), "the database stays");
+    assert!(
+        !state.join("hostdevd.db-wal").exists(),
+        "a clean stop closes the store: its write-ahead log is copied back and removed"
+    );
 }
 
 /// The socket and the state files have their intended modes whatever the umask: the

@@ -76,11 +76,17 @@ fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
     println!("Ctrl-C stops the agent and removes the simulated host.");
     let rt = hostdevd::daemon::runtime().context("starting the async runtime")?;
     let result = rt.block_on(hostdevd::daemon::run(demo.config.clone(), None));
+    drop(rt);
+    // Before the simulated host and its state directory are removed.
+    let closed = result.map(|closing| closing.wait(CLOSE_LIMIT));
     drop(demo);
     drop(scratch);
-    result?;
+    closed?;
     Ok(())
 }
+
+/// How long a clean stop waits for the writer thread to close the store.
+const CLOSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Flags override the config file's keys of the same name.
 #[derive(Debug, Args)]
@@ -173,7 +179,11 @@ fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     let (cfg, path) = load_config(args)?;
     init_logging(&cfg.log.filter);
     let rt = hostdevd::daemon::runtime().context("starting the async runtime")?;
-    rt.block_on(hostdevd::daemon::run(cfg, path))?;
+    let closing = rt.block_on(hostdevd::daemon::run(cfg, path))?;
+    // Dropping the runtime drops every task's handle to the writer; its thread then
+    // closes the store.
+    drop(rt);
+    closing.wait(CLOSE_LIMIT);
     Ok(())
 }
 
