@@ -1,5 +1,5 @@
-//! In-process micro-benchmarks (criterion): address parsing, ledger decisions, and one
-//! durable store commit.
+//! In-process micro-benchmarks (criterion): address parsing, ledger decisions, one
+//! durable store commit, and a group commit of 32 changes.
 
 use std::hint::black_box;
 
@@ -137,6 +137,68 @@ fn bench(c: &mut Criterion) {
             store.commit(&[cs]).expect("commit");
         })
     });
+
+    // Group commit as the writer does it under load: 32 consumers each claim their own
+    // device, in one transaction, then each releases it, in another. Per change this is
+    // what the writer thread pays for the store with 64 clients (each change writes its
+    // record's page and its consumer's request-log page).
+    let batch: Vec<(PciAddress, Owner)> = (0..32u32)
+        .map(|i| {
+            let address =
+                PciAddress::new(0, 0x10, (i / 8) as u8 + 1, (i % 8) as u8).expect("address");
+            let owner = Owner {
+                consumer: ConsumerId(uuid::Uuid::from_u128(1000 + u128::from(i))),
+                label: OwnerLabel::try_from(String::new()).expect("label"),
+            };
+            (address, owner)
+        })
+        .collect();
+    c.bench_function(
+        "store commit (32 claims in one batch, then 32 releases in another, fsync each)",
+        |b| {
+            b.iter(|| {
+                k += 1;
+                let claimed: Vec<(Outcome, ChangeSet)> = batch
+                    .iter()
+                    .map(|(address, owner)| {
+                        let g = l2.record_at(*address).expect("present").generation;
+                        l2.claim(
+                            &ClaimRequest {
+                                target: ClaimTarget::Address {
+                                    address: *address,
+                                    expected_generation: g,
+                                },
+                                owner: owner.clone(),
+                                request_id: format!("b{k}").parse().expect("rid"),
+                            },
+                            k,
+                        )
+                        .expect("claim")
+                    })
+                    .collect();
+                let sets: Vec<&ChangeSet> = claimed.iter().map(|(_, cs)| cs).collect();
+                store.commit(&sets).expect("commit");
+                let released: Vec<ChangeSet> = batch
+                    .iter()
+                    .zip(&claimed)
+                    .map(|((address, owner), (o, _))| {
+                        l2.release(
+                            &ReleaseRequest {
+                                address: *address,
+                                consumer: owner.consumer,
+                                request_id: format!("u{k}").parse().expect("rid"),
+                                generation: o.generation(),
+                            },
+                            k,
+                        )
+                        .expect("release")
+                        .1
+                    })
+                    .collect();
+                store.commit(&released).expect("commit");
+            })
+        },
+    );
 }
 
 criterion_group!(benches, bench);
