@@ -31,7 +31,7 @@ CARGO_DENY_VERSION=0.20.2
 tools="$(cd "$(dirname "$0")/.." && pwd)/target/tools"
 cargo_tool() { # crate version
   local bin="$tools/bin/$1"
-  if [ -x "$bin" ] && "$bin" --version 2>/dev/null | grep -q "$2"; then
+  if [ -x "$bin" ] && "$bin" --version 2>/dev/null | grep "$2" >/dev/null; then
     return
   fi
   echo "deps: installing $1 $2 into $tools" >&2

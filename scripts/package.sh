@@ -43,7 +43,7 @@ CARGO_GENERATE_RPM_VERSION=0.21.1
 tools=target/tools
 tool() { # name version
   local bin="$tools/bin/$1"
-  if [ -x "$bin" ] && "$bin" --version 2>/dev/null | grep -q "$2"; then
+  if [ -x "$bin" ] && "$bin" --version 2>/dev/null | grep "$2" >/dev/null; then
     return
   fi
   echo "package.sh: installing $1 $2 into $tools" >&2
