@@ -42,7 +42,6 @@ struct Rss(u64, u64, u64);
 
 /// Where CPU time went between two moments: the agent's, this benchmark process's (the
 /// clients), and how busy the machine's CPUs were.
-#[derive(Clone, Copy)]
 struct CpuMark {
     agent: f64,
     own: f64,
@@ -88,14 +87,15 @@ impl CpuMark {
         }
     }
 
-    /// (agent CPU seconds, clients' CPU seconds, share of the machine's CPUs busy) since
-    /// `self`.
-    fn since(&self, d: &Daemon) -> (f64, f64, f64) {
+    /// Since `self`, over `calls` calls: (agent CPU seconds per call, clients' CPU
+    /// seconds per call, share of the machine's CPUs busy).
+    fn per_call(&self, d: &Daemon, calls: u64) -> (f64, f64, f64) {
         let now = CpuMark::now(d);
         let total = (now.total - self.total).max(1.0);
+        let calls = calls.max(1) as f64;
         (
-            now.agent - self.agent,
-            now.own - self.own,
+            (now.agent - self.agent) / calls,
+            (now.own - self.own) / calls,
             (now.busy - self.busy) / total,
         )
     }
@@ -746,17 +746,15 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
             let before = commits(metrics);
             let mark = CpuMark::now(&d);
             let (rate, ops) = load_round(&d, &mut c, pass, clients, &mut peak_rss).await;
-            let (agent, own, busy) = mark.since(&d);
+            cpu[slot].push(mark.per_call(&d, ops));
             let committed = commits(metrics).saturating_sub(before).max(1);
             rates[slot] = rate;
             shared[slot] = ops as f64 / committed as f64;
-            cpu[slot].push((agent / ops.max(1) as f64, own / ops.max(1) as f64, busy));
             ops_total += ops;
         }
         let mark = CpuMark::now(&d);
         let (rate, calls) = echo_round(&d, 64, &mut peak_rss).await;
-        let (agent, own, busy) = mark.since(&d);
-        cpu[3].push((agent / calls.max(1) as f64, own / calls.max(1) as f64, busy));
+        cpu[3].push(mark.per_call(&d, calls));
         echoes.push(rate);
         passes.push(rates);
         per_commit.push(shared);

@@ -40,10 +40,11 @@ fn owner() -> Owner {
     }
 }
 
-/// Claims the device at `address` at its current generation.
+/// Claims the device at `address` at its current generation for `owner`.
 fn claim(
     ledger: &mut Ledger,
     address: PciAddress,
+    owner: &Owner,
     request_id: &str,
     now: u64,
 ) -> (Outcome, ChangeSet) {
@@ -55,7 +56,7 @@ fn claim(
                     address,
                     expected_generation: g,
                 },
-                owner: owner(),
+                owner: owner.clone(),
                 request_id: request_id.parse().expect("rid"),
             },
             now,
@@ -75,7 +76,7 @@ fn bench(c: &mut Criterion) {
     c.bench_function("ledger claim+release, 4096 devices", |b| {
         b.iter(|| {
             n += 1;
-            let (o, _) = claim(&mut ledger, addr, &format!("c{n}"), n);
+            let (o, _) = claim(&mut ledger, addr, &owner(), &format!("c{n}"), n);
             ledger
                 .release(
                     &ReleaseRequest {
@@ -91,7 +92,7 @@ fn bench(c: &mut Criterion) {
     });
 
     // What the writer re-derives after one claim: the states around the claimed device.
-    let (_, claimed) = claim(&mut ledger, addr, "rederive", n + 1);
+    let (_, claimed) = claim(&mut ledger, addr, &owner(), "rederive", n + 1);
     c.bench_function("ledger rederive after one claim, 4096 devices", |b| {
         b.iter(|| black_box(ledger.rederive(std::slice::from_ref(&claimed)).1.len()))
     });
@@ -160,21 +161,7 @@ fn bench(c: &mut Criterion) {
                 k += 1;
                 let claimed: Vec<(Outcome, ChangeSet)> = batch
                     .iter()
-                    .map(|(address, owner)| {
-                        let g = l2.record_at(*address).expect("present").generation;
-                        l2.claim(
-                            &ClaimRequest {
-                                target: ClaimTarget::Address {
-                                    address: *address,
-                                    expected_generation: g,
-                                },
-                                owner: owner.clone(),
-                                request_id: format!("b{k}").parse().expect("rid"),
-                            },
-                            k,
-                        )
-                        .expect("claim")
-                    })
+                    .map(|(address, owner)| claim(&mut l2, *address, owner, &format!("b{k}"), k))
                     .collect();
                 let sets: Vec<&ChangeSet> = claimed.iter().map(|(_, cs)| cs).collect();
                 store.commit(&sets).expect("commit");
