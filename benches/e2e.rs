@@ -40,18 +40,36 @@ impl Drop for Daemon {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
 struct Rss(u64, u64, u64);
 
-/// Where CPU time went between two moments: the agent's, this benchmark process's (the
-/// clients), and how busy the machine's CPUs were.
+/// Where CPU time went between two moments: the agent's (and its writer thread's), this
+/// benchmark process's (the clients), and the machine's CPUs: busy, and taken by the
+/// hypervisor for other guests (steal), which is how a noisy neighbour shows.
 struct CpuMark {
+    at: Instant,
     agent: f64,
+    writer: f64,
     own: f64,
     busy: f64,
+    steal: f64,
     total: f64,
 }
 
-/// CPU seconds a process has used (user + system), from `/proc/PID/stat`.
-fn cpu_seconds(pid: &str) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+/// What a [`CpuMark`] saw over a round of `calls` calls: CPU seconds per call of the
+/// agent, of its writer thread and of the clients; shares of the wall clock the writer
+/// thread was on a CPU; shares of the machine's CPU time that were busy and stolen.
+#[derive(Debug, Clone, Copy)]
+struct CpuUse {
+    agent: f64,
+    writer: f64,
+    own: f64,
+    writer_on_cpu: f64,
+    busy: f64,
+    stolen: f64,
+}
+
+/// CPU seconds a process or thread has used (user + system), from its `stat` file
+/// (`/proc/PID/stat` or `/proc/PID/task/TID/stat`); 0 when it cannot be read.
+fn cpu_seconds(stat_file: &str) -> f64 {
+    let stat = std::fs::read_to_string(stat_file).unwrap_or_default();
     // The fields after the command name (which may hold spaces) start at its last ')'.
     let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
     let f: Vec<u64> = rest
@@ -65,6 +83,19 @@ fn cpu_seconds(pid: &str) -> f64 {
     f.iter().sum::<u64>() as f64 / hz
 }
 
+/// CPU seconds of the agent's writer thread (the one named `hostdevd-writer`).
+fn writer_cpu_seconds(pid: u32) -> f64 {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the agent's threads");
+    tasks
+        .flatten()
+        .map(|t| t.path())
+        .find(|t| {
+            std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.trim() == "hostdevd-writer")
+        })
+        .map(|t| cpu_seconds(&t.join("stat").to_string_lossy()))
+        .expect("the agent has a hostdevd-writer thread")
+}
+
 impl CpuMark {
     fn now(d: &Daemon) -> CpuMark {
         let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
@@ -76,43 +107,58 @@ impl CpuMark {
             .skip(1)
             .filter_map(|v| v.parse().ok())
             .collect();
-        // user nice system idle iowait irq softirq steal: idle and iowait are not busy.
+        let tick = |i: usize| ticks.get(i).copied().unwrap_or(0.0);
+        // user nice system idle iowait irq softirq steal: idle and iowait are not busy,
+        // and steal is time this machine wanted a CPU and the hypervisor ran another.
         let total: f64 = ticks.iter().take(8).sum();
-        let idle = ticks.get(3).copied().unwrap_or(0.0) + ticks.get(4).copied().unwrap_or(0.0);
+        let pid = d.child.id();
         CpuMark {
-            agent: cpu_seconds(&d.child.id().to_string()),
-            own: cpu_seconds("self"),
-            busy: total - idle,
+            at: Instant::now(),
+            agent: cpu_seconds(&format!("/proc/{pid}/stat")),
+            writer: writer_cpu_seconds(pid),
+            own: cpu_seconds("/proc/self/stat"),
+            busy: total - tick(3) - tick(4) - tick(7),
+            steal: tick(7),
             total,
         }
     }
 
-    /// Since `self`, over `calls` calls: (agent CPU seconds per call, clients' CPU
-    /// seconds per call, share of the machine's CPUs busy).
-    fn per_call(&self, d: &Daemon, calls: u64) -> (f64, f64, f64) {
+    /// What happened since `self`, over `calls` calls.
+    fn per_call(&self, d: &Daemon, calls: u64) -> CpuUse {
         let now = CpuMark::now(d);
         let total = (now.total - self.total).max(1.0);
         let calls = calls.max(1) as f64;
-        (
-            (now.agent - self.agent) / calls,
-            (now.own - self.own) / calls,
-            (now.busy - self.busy) / total,
-        )
+        let wall = now.at.duration_since(self.at).as_secs_f64().max(1e-9);
+        CpuUse {
+            agent: (now.agent - self.agent) / calls,
+            writer: (now.writer - self.writer) / calls,
+            own: (now.own - self.own) / calls,
+            writer_on_cpu: (now.writer - self.writer) / wall,
+            busy: (now.busy - self.busy) / total,
+            stolen: (now.steal - self.steal) / total,
+        }
     }
 }
 
-/// The daemon's count of durable commits, read from its metrics listener at `addr`.
-fn commits(addr: std::net::SocketAddr) -> u64 {
+/// The daemon's count of durable commits and the seconds they took, read from its
+/// metrics listener at `addr`.
+fn commits(addr: std::net::SocketAddr) -> (u64, f64) {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).expect("connect to the metrics listener");
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
         .expect("ask for metrics");
     let mut text = String::new();
     s.read_to_string(&mut text).expect("read metrics");
-    text.lines()
-        .find_map(|l| l.strip_prefix("hostdevd_store_commit_seconds_count "))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("hostdevd_store_commit_seconds_count in the metrics")
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} in the metrics"))
+    };
+    (
+        value("hostdevd_store_commit_seconds_count") as u64,
+        value("hostdevd_store_commit_seconds_sum"),
+    )
 }
 
 impl Daemon {
@@ -727,14 +773,37 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     // After each pass's 64 claim clients: 64 clients of bare echoes, the most that any
     // request could reach on this transport and these CPUs.
     let mut echoes: Vec<f64> = Vec::new();
-    // Per round of 1, 8, 64 claim clients and of 64 echo clients: the agent's and the
-    // clients' CPU time per call, and how busy the machine's CPUs were.
-    let mut cpu: [Vec<(f64, f64, f64)>; 4] = Default::default();
-    let cpu_use = |rounds: &Vec<(f64, f64, f64)>| {
-        let (agent, _, _) = median_spread(rounds.iter().map(|r| r.0 * 1e6).collect());
-        let (own, _, _) = median_spread(rounds.iter().map(|r| r.1 * 1e6).collect());
-        let (busy, _, _) = median_spread(rounds.iter().map(|r| r.2 * 100.0).collect());
-        format!("CPU per call: agent {agent:.0} µs, clients {own:.0} µs; CPUs {busy:.0}% busy")
+    // Per round of 1, 8, 64 claim clients and of 64 echo clients: where CPU time went.
+    let mut cpu: [Vec<CpuUse>; 4] = Default::default();
+    // Per round of 1, 8, 64 claim clients: the share of the round that a commit was in
+    // progress (on the writer thread, or inline on the worker that took the request).
+    let mut committing: [Vec<f64>; 3] = Default::default();
+    let median = |v: Vec<f64>| median_spread(v).0;
+    let machine = |rounds: &[CpuUse]| {
+        format!(
+            "CPUs {:.0}% busy, {:.0}% stolen by the host",
+            median(rounds.iter().map(|r| r.busy * 100.0).collect()),
+            median(rounds.iter().map(|r| r.stolen * 100.0).collect()),
+        )
+    };
+    let echo_use = |rounds: &[CpuUse]| {
+        format!(
+            "CPU per call: agent {:.0} µs, clients {:.0} µs; {}",
+            median(rounds.iter().map(|r| r.agent * 1e6).collect()),
+            median(rounds.iter().map(|r| r.own * 1e6).collect()),
+            machine(rounds)
+        )
+    };
+    let claim_use = |rounds: &[CpuUse], committing: &[f64]| {
+        format!(
+            "CPU per call: agent {:.0} µs (writer thread {:.0} µs), clients {:.0} µs; writer thread on a CPU {:.0}% of the round, a commit in progress {:.0}%; {}",
+            median(rounds.iter().map(|r| r.agent * 1e6).collect()),
+            median(rounds.iter().map(|r| r.writer * 1e6).collect()),
+            median(rounds.iter().map(|r| r.own * 1e6).collect()),
+            median(rounds.iter().map(|r| r.writer_on_cpu * 100.0).collect()),
+            median(committing.iter().map(|c| c * 100.0).collect()),
+            machine(rounds)
+        )
     };
     let mut peak_rss = idle_rss;
     let mut first_pass = None;
@@ -743,11 +812,13 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         let mut rates = [0.0; 3];
         let mut shared = [0.0; 3];
         for (slot, clients) in [1usize, 8, 64].into_iter().enumerate() {
-            let before = commits(metrics);
+            let (commits0, seconds0) = commits(metrics);
             let mark = CpuMark::now(&d);
             let (rate, ops) = load_round(&d, &mut c, pass, clients, &mut peak_rss).await;
             cpu[slot].push(mark.per_call(&d, ops));
-            let committed = commits(metrics).saturating_sub(before).max(1);
+            let (commits1, seconds1) = commits(metrics);
+            let committed = commits1.saturating_sub(commits0).max(1);
+            committing[slot].push((seconds1 - seconds0) / mark.at.elapsed().as_secs_f64());
             rates[slot] = rate;
             shared[slot] = ops as f64 / committed as f64;
             ops_total += ops;
@@ -784,7 +855,7 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
             &format!("1 client: {base:.0}/s ({base0:.0}–{base1:.0})"),
             format!(
                 "{rate:.0}/s = **{ratio:.1}×** ({r0:.1}–{r1:.1}); {shared:.1} changes per commit; {}",
-                cpu_use(&cpu[slot])
+                claim_use(&cpu[slot], &committing[slot])
             ),
             goal,
             (clients == 64).then_some(ratio >= 10.0),
@@ -801,7 +872,7 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         format!(
             "{echo:.0}/s ({e0:.0}–{e1:.0}) = {ceiling:.1}× ({c0:.1}–{c1:.1}); 64 claim clients reach {:.0}% of it; {}",
             reached * 100.0,
-            cpu_use(&cpu[3])
+            echo_use(&cpu[3])
         ),
         "—",
         None,
