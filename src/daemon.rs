@@ -88,27 +88,22 @@ pub struct Agent {
     guard: Arc<FreeGuard>,
     /// Keeps the libvirt poller running while any clone of the agent lives.
     _poller: Option<Arc<crate::domains::Poller>>,
-    /// The writer thread, taken by `run` so that a clean stop can wait for it to close
-    /// the store.
-    writer_thread: Arc<std::sync::Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
 
-/// What a finished [`run`] leaves to wait for: the writer thread, which closes the store
+/// What a started agent leaves to wait for once it is done: the writer thread, which closes the store
 /// once the last handle to the writer is gone. SQLite copies the write-ahead log into
 /// the database and removes it when the store closes; a process that exits first leaves
 /// the log for the next start to read back (nothing is lost either way, but a clean
 /// stop should leave a closed database).
 #[derive(Debug)]
-pub struct Closing(Option<std::thread::JoinHandle<()>>);
+pub struct Closing(std::thread::JoinHandle<()>);
 
 impl Closing {
     /// Call once the async runtime is dropped (which drops every task's handle to the
     /// writer). Waits up to `limit` for the writer thread to close the store; returns
     /// whether it did.
     pub fn wait(self, limit: Duration) -> bool {
-        let Some(thread) = self.0 else {
-            return true;
-        };
+        let thread = self.0;
         let deadline = Instant::now() + limit;
         while !thread.is_finished() {
             if Instant::now() >= deadline {
@@ -131,7 +126,8 @@ fn boot_id(proc_root: &Path) -> String {
 
 impl Agent {
     /// Loads the store, scans sysfs and applies the inventory: everything before serving.
-    pub async fn start(cfg: &Config) -> Result<Agent, DaemonError> {
+    /// Also returns the writer thread, for a clean stop to wait on (see [`Closing`]).
+    pub async fn start(cfg: &Config) -> Result<(Agent, Closing), DaemonError> {
         let started = Instant::now();
         let selection = cfg.selection()?;
         let state_dir = cfg.state_dir.clone();
@@ -214,13 +210,12 @@ impl Agent {
             }),
             guard: Arc::new(FreeGuard::from_config(cfg)),
             _poller: None,
-            writer_thread: Arc::new(std::sync::Mutex::new(Some(writer_thread))),
         };
         agent.rescanner.full(None).await?;
         if let Some(socket) = uevents {
             agent.start_hotplug(socket, cfg.hotplug.receive_buffer_bytes)?;
         }
-        agent.start_libvirt(cfg).await
+        Ok((agent.start_libvirt(cfg).await?, Closing(writer_thread)))
     }
 
     /// Starts the uevent listener thread and the task that rescans what events name
@@ -419,7 +414,7 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
     // Take SIGHUP before anything else: its default action would end the daemon.
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(DaemonError::Signal)?;
-    let agent = Agent::start(&cfg).await?;
+    let (agent, closing) = Agent::start(&cfg).await?;
     let listener = bind_socket(
         &cfg.api.socket,
         cfg.socket_mode()?,
@@ -516,11 +511,7 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
     }
     let _ = std::fs::remove_file(&socket);
     tracing::info!("stopped");
-    let thread = match agent.writer_thread.lock() {
-        Ok(mut g) => g.take(),
-        Err(p) => p.into_inner().take(),
-    };
-    Ok(Closing(thread))
+    Ok(closing)
 }
 
 /// Completes on SIGTERM or SIGINT.

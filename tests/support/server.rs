@@ -37,7 +37,7 @@ impl TestServer {
         let socket = state.path().join("hostdevd.sock");
         cfg.state_dir = state.path().join("state");
         cfg.api.socket = socket.clone();
-        let agent = Agent::start(&cfg).await.expect("agent start");
+        let (agent, _closing) = Agent::start(&cfg).await.expect("agent start");
         let metrics = agent.writer.metrics().clone();
         let listener = bind_socket(&socket, socket_mode, None).expect("bind");
         let service = agent.service(Access {
