@@ -778,30 +778,33 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     // Per round of 1, 8, 64 claim clients: the share of the round that a commit was in
     // progress (on the writer thread, or inline on the worker that took the request).
     let mut committing: [Vec<f64>; 3] = Default::default();
-    let median = |v: Vec<f64>| median_spread(v).0;
+    // The median over a row's rounds of one figure of their CPU use.
+    let median = |rounds: &[CpuUse], figure: fn(&CpuUse) -> f64| {
+        median_spread(rounds.iter().map(figure).collect()).0
+    };
     let machine = |rounds: &[CpuUse]| {
         format!(
             "CPUs {:.0}% busy, {:.0}% stolen by the host",
-            median(rounds.iter().map(|r| r.busy * 100.0).collect()),
-            median(rounds.iter().map(|r| r.stolen * 100.0).collect()),
+            median(rounds, |r| r.busy * 100.0),
+            median(rounds, |r| r.stolen * 100.0),
         )
     };
     let echo_use = |rounds: &[CpuUse]| {
         format!(
             "CPU per call: agent {:.0} µs, clients {:.0} µs; {}",
-            median(rounds.iter().map(|r| r.agent * 1e6).collect()),
-            median(rounds.iter().map(|r| r.own * 1e6).collect()),
+            median(rounds, |r| r.agent * 1e6),
+            median(rounds, |r| r.own * 1e6),
             machine(rounds)
         )
     };
     let claim_use = |rounds: &[CpuUse], committing: &[f64]| {
         format!(
             "CPU per call: agent {:.0} µs (writer thread {:.0} µs), clients {:.0} µs; writer thread on a CPU {:.0}% of the round, a commit in progress {:.0}%; {}",
-            median(rounds.iter().map(|r| r.agent * 1e6).collect()),
-            median(rounds.iter().map(|r| r.writer * 1e6).collect()),
-            median(rounds.iter().map(|r| r.own * 1e6).collect()),
-            median(rounds.iter().map(|r| r.writer_on_cpu * 100.0).collect()),
-            median(committing.iter().map(|c| c * 100.0).collect()),
+            median(rounds, |r| r.agent * 1e6),
+            median(rounds, |r| r.writer * 1e6),
+            median(rounds, |r| r.own * 1e6),
+            median(rounds, |r| r.writer_on_cpu * 100.0),
+            median_spread(committing.iter().map(|c| c * 100.0).collect()).0,
             machine(rounds)
         )
     };
