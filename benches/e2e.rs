@@ -844,6 +844,7 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     let after_all = d.rss();
     let column = |i: usize| median_spread(passes.iter().map(|p| p[i]).collect());
     let (base, base0, base1) = column(0);
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     for (slot, clients) in [(0usize, 1usize), (1, 8), (2, 64)] {
         let (rate, _, _) = column(slot);
         let (ratio, r0, r1) = median_spread(passes.iter().map(|p| p[slot] / p[0]).collect());
@@ -853,11 +854,21 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         } else {
             "—"
         };
+        // The rate that this round's CPU cost per call (agent and clients) would allow
+        // with every CPU busy on nothing else, over the same pass's one-client rate: the
+        // most that removing every wait could give at this cost.
+        let (bound, _, _) = median_spread(
+            cpu[slot]
+                .iter()
+                .zip(&passes)
+                .map(|(u, p)| cpus / (u.agent + u.own).max(1e-9) / p[0])
+                .collect(),
+        );
         t.row(
             &format!("claims+releases/s, {clients} concurrent clients, 4096 VFs, {runs} passes"),
             &format!("1 client: {base:.0}/s ({base0:.0}–{base1:.0})"),
             format!(
-                "{rate:.0}/s = **{ratio:.1}×** ({r0:.1}–{r1:.1}); {shared:.1} changes per commit; {}",
+                "{rate:.0}/s = **{ratio:.1}×** ({r0:.1}–{r1:.1}); {shared:.1} changes per commit; {}; at that CPU per call, {cpus:.0} fully busy CPUs would allow {bound:.1}×",
                 claim_use(&cpu[slot], &committing[slot])
             ),
             goal,
