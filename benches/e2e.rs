@@ -66,6 +66,11 @@ struct CpuUse {
     stolen: f64,
 }
 
+/// How many CPUs this process may run on, when the system says.
+fn cpu_count() -> Option<usize> {
+    std::thread::available_parallelism().ok().map(|n| n.get())
+}
+
 /// CPU seconds a process or thread has used (user + system), from its `stat` file
 /// (`/proc/PID/stat` or `/proc/PID/task/TID/stat`); 0 when it cannot be read.
 fn cpu_seconds(stat_file: &str) -> f64 {
@@ -375,9 +380,7 @@ fn machine() -> String {
         .next()
         .unwrap_or_default()
         .to_string();
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(0);
+    let cores = cpu_count().unwrap_or(0);
     let lspci_v = Command::new("lspci")
         .arg("--version")
         .output()
@@ -844,7 +847,7 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     let after_all = d.rss();
     let column = |i: usize| median_spread(passes.iter().map(|p| p[i]).collect());
     let (base, base0, base1) = column(0);
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let cpus = cpu_count().unwrap_or(1) as f64;
     for (slot, clients) in [(0usize, 1usize), (1, 8), (2, 64)] {
         let (rate, _, _) = column(slot);
         let (ratio, r0, r1) = median_spread(passes.iter().map(|p| p[slot] / p[0]).collect());
