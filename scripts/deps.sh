@@ -57,9 +57,6 @@ if [ "$tests" = 1 ]; then
   command -v dpkg-shlibdeps >/dev/null 2>&1 || need+=(dpkg-dev)
   command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
   dpkg -s libvirt0 >/dev/null 2>&1 || need+=(libvirt0)
-  # The sysfs write-fault tests (tests/hardware.rs): a FUSE file that fails writes with
-  # a chosen errno, mounted through fusermount3.
-  command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
   # A real libvirtd (session mode, as nobody) killed and restarted under the agent
   # (tests/libvirt.rs).
   [ -x /usr/sbin/libvirtd ] || need+=(libvirt-daemon)
@@ -82,6 +79,10 @@ if [ "$dev" = 1 ]; then
   # headers and pkg-config file to build it.
   command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
   pkg-config --exists libvirt 2>/dev/null || need+=(libvirt-dev)
+  # FUSE mounts: the sysfs write-fault tests (tests/hardware.rs: a file that fails writes
+  # with a chosen errno) and the benchmark's slow-sync disk (benches/support/slowsync.rs);
+  # fusermount3 mounts them for a user who is not root.
+  command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 fi
 
 if [ "${#need[@]}" -gt 0 ]; then
