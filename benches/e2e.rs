@@ -278,6 +278,27 @@ fn start_daemon_with(tree: &FakeTree, dir: &Path, state: &Path, log: &str, extra
     Daemon { child, socket }
 }
 
+/// The daemon with its metrics listener on a free loopback port, returned with it: the
+/// listener counts the commits, so that a load round says how many changes shared one
+/// fsync (group commit).
+fn start_metered_daemon(
+    tree: &FakeTree,
+    dir: &Path,
+    state: &Path,
+) -> (Daemon, std::net::SocketAddr) {
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port");
+    let d = start_daemon_with(
+        tree,
+        dir,
+        state,
+        "warn",
+        &format!("[libvirt]\nenabled = false\n[metrics]\nlisten = \"{metrics}\"\n"),
+    );
+    (d, metrics)
+}
+
 async fn wait_ready(d: &Daemon) -> (HostDevClient<Channel>, Duration) {
     let t = Instant::now();
     loop {
@@ -764,18 +785,7 @@ where
 /// start to ready with a full ledger, all at 4096 devices.
 async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) {
     let state4096 = dir.join("state4096");
-    // The metrics listener counts the commits, so that each round says how many changes
-    // shared one fsync (group commit).
-    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port");
-    let d = start_daemon_with(
-        big_tree,
-        dir,
-        &state4096,
-        "warn",
-        &format!("[libvirt]\nenabled = false\n[metrics]\nlisten = \"{metrics}\"\n"),
-    );
+    let (d, metrics) = start_metered_daemon(big_tree, dir, &state4096);
     let (mut c, _) = wait_ready(&d).await;
     let idle_rss = d.rss();
     // Each pass runs 1, 8 and 64 clients in turn, so every ratio divides rates measured
@@ -1009,16 +1019,7 @@ async fn slow_disk_row(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usi
     };
     std::fs::remove_file(&probe).expect("remove the probe");
     let sync50 = percentile(&mut syncs, 0.5);
-    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port");
-    let d = start_daemon_with(
-        big_tree,
-        dir,
-        disk.path(),
-        "warn",
-        &format!("[libvirt]\nenabled = false\n[metrics]\nlisten = \"{metrics}\"\n"),
-    );
+    let (d, metrics) = start_metered_daemon(big_tree, dir, disk.path());
     let (mut c, _) = wait_ready(&d).await;
     let mut peak = d.rss();
     // Per pass, for 1 and 64 clients: changes per second, changes per commit, and syncs

@@ -317,17 +317,15 @@ impl Filesystem for SlowFilesystem {
     }
 
     fn fsync(&mut self, _req: &Request<'_>, ino: u64, fh: u64, datasync: bool, reply: ReplyEmpty) {
-        let synced = self
-            .with_file(ino, fh, |f| f.try_clone())
-            .and_then(|f| {
-                self.slow_sync(|| {
-                    if datasync {
-                        f.sync_data()
-                    } else {
-                        f.sync_all()
-                    }
-                })
-            });
+        let synced = self.with_file(ino, fh, |f| f.try_clone()).and_then(|f| {
+            self.slow_sync(|| {
+                if datasync {
+                    f.sync_data()
+                } else {
+                    f.sync_all()
+                }
+            })
+        });
         match synced {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
