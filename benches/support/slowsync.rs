@@ -124,9 +124,9 @@ impl SlowFilesystem {
         f(&file).map_err(|e| errno(&e))
     }
 
-    /// The slow disk: the real sync, then the delay.
-    fn slow_sync(&self, sync: impl FnOnce() -> std::io::Result<()>) -> Result<(), i32> {
-        sync().map_err(|e| errno(&e))?;
+    /// The slow disk: after a real sync succeeds, the delay.
+    fn slow_sync(&self, synced: Result<(), i32>) -> Result<(), i32> {
+        synced?;
         std::thread::sleep(self.delay);
         self.syncs.fetch_add(1, Ordering::Relaxed);
         Ok(())
@@ -317,16 +317,14 @@ impl Filesystem for SlowFilesystem {
     }
 
     fn fsync(&mut self, _req: &Request<'_>, ino: u64, fh: u64, datasync: bool, reply: ReplyEmpty) {
-        let synced = self.with_file(ino, fh, |f| f.try_clone()).and_then(|f| {
-            self.slow_sync(|| {
-                if datasync {
-                    f.sync_data()
-                } else {
-                    f.sync_all()
-                }
-            })
+        let synced = self.with_file(ino, fh, |f| {
+            if datasync {
+                f.sync_data()
+            } else {
+                f.sync_all()
+            }
         });
-        match synced {
+        match self.slow_sync(synced) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
@@ -340,7 +338,10 @@ impl Filesystem for SlowFilesystem {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.slow_sync(|| File::open(&self.backing)?.sync_all()) {
+        let synced = File::open(&self.backing)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| errno(&e));
+        match self.slow_sync(synced) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
