@@ -94,6 +94,10 @@ pub struct Store {
     /// Past how many entries the next prune is due: the limit, or further on after a
     /// prune failed (so that a failing prune is not retried at every commit).
     prune_at: u64,
+    /// The durable host generation: the meta row's, or a record's where that is higher.
+    /// A commit whose last generation one of its own records carries leaves the meta row
+    /// alone (see [`Store::commit`]); `open` and `load` take the larger of the two.
+    host_generation: Generation,
     _lock: Flock<File>,
 }
 
@@ -160,19 +164,20 @@ impl Store {
             .map_err(|e| StoreError::sqlite(&path, "opening the database", e))?;
         prepare_connection(&conn, &path)?;
         let request_rows = count_requests(&conn, &path)?;
-        let store = Store {
+        // A database without a host generation cannot honour I5; say so at start rather
+        // than at the first claim.
+        let host_generation =
+            read_host_generation(&conn, &path)?.max(newest_record_generation(&conn, &path)?);
+        Ok(Store {
             conn,
             path,
             dir: state_dir.to_path_buf(),
             request_limit: DEFAULT_REQUEST_LOG_ENTRIES as u64,
             request_rows,
             prune_at: DEFAULT_REQUEST_LOG_ENTRIES as u64,
+            host_generation,
             _lock: lock,
-        };
-        // A database without a host generation cannot honour I5; say so at start rather
-        // than at the first claim.
-        store.host_generation()?;
-        Ok(store)
+        })
     }
 
     /// Sets how many request-log entries are kept (at least 1). Once the log is past
@@ -261,9 +266,9 @@ impl Store {
         &self.dir
     }
 
-    /// The host generation of the last committed batch.
+    /// The host generation of the last committed batch (at least every stored record's).
     pub fn host_generation(&self) -> Result<Generation, StoreError> {
-        read_host_generation(&self.conn, &self.path)
+        Ok(self.host_generation)
     }
 
     /// Everything stored: host generation, device records and the request log (ordered by
@@ -280,7 +285,7 @@ impl Store {
         let sql = |e| StoreError::sqlite(path, "loading the ledger", e);
         // One read transaction, so the three reads see the same commit.
         let tx = self.conn.unchecked_transaction().map_err(sql)?;
-        let host_generation = read_host_generation(&tx, path)?;
+        let mut host_generation = read_host_generation(&tx, path)?;
 
         let mut records = std::collections::BTreeMap::new();
         let mut stmt = tx.prepare_cached(schema::SELECT_RECORDS).map_err(sql)?;
@@ -295,6 +300,8 @@ impl Store {
             };
             let json: String = row.get(5).map_err(sql)?;
             let record = decode_record(path, &columns, &json)?;
+            // The meta row lags behind a record whose commit left it alone.
+            host_generation = host_generation.max(record.generation);
             records.insert(record.id, record);
         }
         drop(rows);
@@ -325,6 +332,15 @@ impl Store {
     /// request entries and prunes of each change set in order, then the host generation
     /// of the last one. Returns only once the transaction is fsynced.
     ///
+    /// The host generation's row is written only when no record of the batch carries
+    /// that generation, or the batch removes a record. A claim, release or transfer
+    /// gives its record the new host generation, so their batches leave the row alone:
+    /// one page fewer in each commit's log, and a durable round trip about 2% shorter
+    /// (see the README's benchmarks). The stored host generation is the larger of the
+    /// row's and every record's, so it never goes backwards (I5): a record whose
+    /// generation the row lacks is only ever replaced by a newer one of itself, or
+    /// removed by a batch that writes the row.
+    ///
     /// Refuses with [`StoreError::BackwardsGeneration`], writing nothing, if any change
     /// set's host generation is below the stored one or the one before it in the batch.
     /// On any error (a full disk, a read-only mount) the transaction is rolled back,
@@ -343,7 +359,7 @@ impl Store {
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(sql)?;
-        let stored = read_host_generation(&tx, path)?;
+        let stored = self.host_generation;
         let mut running = stored;
         for cs in batch.iter().map(C::borrow) {
             if cs.host_generation < running {
@@ -359,6 +375,8 @@ impl Store {
             // Nothing to write: skip the fsync. Dropping `tx` ends it without a write.
             return Ok(());
         }
+        let mut carried = Generation::default();
+        let mut removes = false;
         {
             let mut upsert = tx.prepare_cached(schema::UPSERT_RECORD).map_err(sql)?;
             let mut fix_address = tx.prepare_cached(schema::FIX_RECORD_ADDRESS).map_err(sql)?;
@@ -386,7 +404,9 @@ impl Store {
                         ])
                         .map_err(sql)?;
                     fix_address.execute(params![id, address]).map_err(sql)?;
+                    carried = carried.max(record.generation);
                 }
+                removes |= !cs.removals.is_empty();
                 for id in &cs.removals {
                     remove
                         .execute([to_sql_int(path, "record id", id.0)?])
@@ -412,16 +432,18 @@ impl Store {
                     .map_err(sql)?;
                 }
             }
-            let updated = tx
-                .prepare_cached(schema::UPDATE_HOST_GENERATION)
-                .map_err(sql)?
-                .execute([to_sql_int(path, "host generation", last.host_generation.0)?])
-                .map_err(sql)?;
-            if updated != 1 {
-                return Err(StoreError::corrupt(
-                    path,
-                    "the meta table has no host_generation row",
-                ));
+            if removes || last.host_generation > carried {
+                let updated = tx
+                    .prepare_cached(schema::UPDATE_HOST_GENERATION)
+                    .map_err(sql)?
+                    .execute([to_sql_int(path, "host generation", last.host_generation.0)?])
+                    .map_err(sql)?;
+                if updated != 1 {
+                    return Err(StoreError::corrupt(
+                        path,
+                        "the meta table has no host_generation row",
+                    ));
+                }
             }
         }
         // If COMMIT fails (SQLITE_FULL while appending to the WAL), dropping the
@@ -430,11 +452,15 @@ impl Store {
         // ignored by SQLite's default WAL hook, so an error here means "not committed".
         tx.commit().map_err(sql)?;
         self.request_rows = self.request_rows.saturating_add(logged as u64);
+        self.host_generation = running.max(carried);
         Ok(())
     }
 
     /// Reads a meta value (e.g. `boot_id`). The host generation reads as its decimal text.
     pub fn meta_get(&self, key: &str) -> Result<Option<String>, StoreError> {
+        if key == HOST_GENERATION_KEY {
+            return Ok(Some(self.host_generation.0.to_string()));
+        }
         let path = &self.path;
         let sql = |e| StoreError::sqlite(path, "reading a meta value", e);
         let mut stmt = self.conn.prepare_cached(schema::SELECT_META).map_err(sql)?;
@@ -731,6 +757,21 @@ fn read_host_generation(conn: &Connection, path: &Path) -> Result<Generation, St
             path,
             "the meta table has no host_generation row",
         )),
+    }
+}
+
+/// The highest generation of any stored record (0 when there is none), from the
+/// indexed column; `load` checks each against its record's JSON.
+fn newest_record_generation(conn: &Connection, path: &Path) -> Result<Generation, StoreError> {
+    let newest: Option<i64> = conn
+        .prepare_cached(schema::SELECT_NEWEST_RECORD_GENERATION)
+        .and_then(|mut stmt| stmt.query_row([], |r| r.get(0)))
+        .map_err(|e| StoreError::sqlite(path, "reading the records' generations", e))?;
+    match newest {
+        None => Ok(Generation::default()),
+        Some(n) => u64::try_from(n).map(Generation).map_err(|_| {
+            StoreError::corrupt(path, format!("a record's generation {n} is negative"))
+        }),
     }
 }
 

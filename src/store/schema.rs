@@ -53,6 +53,7 @@ pub(crate) const HOST_GENERATION_KEY: &str = "host_generation";
 
 pub(crate) const SELECT_HOST_GENERATION: &str =
     "SELECT value FROM meta WHERE key = 'host_generation'";
+pub(crate) const SELECT_NEWEST_RECORD_GENERATION: &str = "SELECT max(generation) FROM records";
 pub(crate) const UPDATE_HOST_GENERATION: &str =
     "UPDATE meta SET value = ?1 WHERE key = 'host_generation'";
 // The update leaves `address` out: naming an indexed column in SET rewrites its index

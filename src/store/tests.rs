@@ -462,6 +462,80 @@ fn host_generation_never_goes_backwards() {
     );
 }
 
+/// The host generation as the meta row holds it, read with a connection of its own
+/// once the store is closed.
+fn stored_row(dir: &Path) -> i64 {
+    Connection::open(dir.join(DB_FILE))
+        .and_then(|c| {
+            c.query_row(
+                "SELECT value FROM meta WHERE key = 'host_generation'",
+                [],
+                |r| r.get(0),
+            )
+        })
+        .expect("read the meta row")
+}
+
+#[test]
+fn a_batch_whose_record_carries_its_generation_leaves_the_row_alone() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut store = Store::open(tmp.path()).expect("open");
+    // A claim: the record takes the batch's new host generation.
+    let mut claim = change(0, 5);
+    claim.upserts = vec![record(5, 0, 5, Some(1))];
+    store.commit(&[claim]).expect("commit");
+    assert_eq!(store.host_generation().expect("gen"), Generation(5));
+    drop(store);
+    assert_eq!(stored_row(tmp.path()), 0, "the row was not rewritten");
+
+    // Still durable: a reopen takes the record's generation, and refuses to go back.
+    let mut store = reopen(tmp.path());
+    assert_eq!(store.host_generation().expect("gen"), Generation(5));
+    assert_eq!(
+        store.meta_get(HOST_GENERATION_KEY).expect("get").as_deref(),
+        Some("5")
+    );
+    assert_eq!(store.load().expect("load").host_generation, Generation(5));
+    let mut back = change(5, 4);
+    back.upserts = vec![record(6, 1, 4, None)];
+    match store.commit(&[back]).expect_err("backwards") {
+        StoreError::BackwardsGeneration {
+            stored, proposed, ..
+        } => assert_eq!((stored, proposed), (Generation(5), Generation(4))),
+        other => panic!("expected BackwardsGeneration, got {other}"),
+    }
+}
+
+#[test]
+fn a_removal_or_a_generation_no_record_carries_writes_the_row() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut store = Store::open(tmp.path()).expect("open");
+    let mut add = change(0, 5);
+    add.upserts = vec![record(5, 0, 5, None)];
+    store.commit(&[add]).expect("add");
+    // The removal's own generation lives on in no record: only the row keeps it.
+    let mut gone = change(5, 6);
+    gone.removals = vec![RecordId(5)];
+    store.commit(&[gone]).expect("remove");
+    drop(store);
+    assert_eq!(stored_row(tmp.path()), 6);
+    let mut store = reopen(tmp.path());
+    let snapshot = store.load().expect("load");
+    assert_eq!(snapshot.host_generation, Generation(6));
+    assert!(snapshot.records.is_empty());
+
+    // A batch that ends past every record it writes.
+    let mut past = change(6, 9);
+    past.upserts = vec![record(7, 1, 7, None)];
+    store.commit(&[past]).expect("past");
+    drop(store);
+    assert_eq!(stored_row(tmp.path()), 9);
+    assert_eq!(
+        reopen(tmp.path()).host_generation().expect("gen"),
+        Generation(9)
+    );
+}
+
 #[test]
 fn empty_batches_write_nothing() {
     let tmp = TempDir::new().expect("tempdir");
