@@ -96,7 +96,7 @@ pub struct Store {
     prune_at: u64,
     /// The durable host generation: the meta row's, or a record's where that is higher.
     /// A commit whose last generation one of its own records carries leaves the meta row
-    /// alone (see [`Store::commit`]); `open` and `load` take the larger of the two.
+    /// alone (see [`Store::commit`]); `open` takes the larger of the two.
     host_generation: Generation,
     _lock: Flock<File>,
 }
@@ -283,9 +283,8 @@ impl Store {
     pub fn load_recent(&self, requests: usize) -> Result<Snapshot, StoreError> {
         let path = &self.path;
         let sql = |e| StoreError::sqlite(path, "loading the ledger", e);
-        // One read transaction, so the three reads see the same commit.
+        // One read transaction, so the two reads see the same commit.
         let tx = self.conn.unchecked_transaction().map_err(sql)?;
-        let mut host_generation = read_host_generation(&tx, path)?;
 
         let mut records = std::collections::BTreeMap::new();
         let mut stmt = tx.prepare_cached(schema::SELECT_RECORDS).map_err(sql)?;
@@ -300,8 +299,6 @@ impl Store {
             };
             let json: String = row.get(5).map_err(sql)?;
             let record = decode_record(path, &columns, &json)?;
-            // The meta row lags behind a record whose commit left it alone.
-            host_generation = host_generation.max(record.generation);
             records.insert(record.id, record);
         }
         drop(rows);
@@ -322,7 +319,7 @@ impl Store {
         }
         requests.reverse();
         Ok(Snapshot {
-            host_generation,
+            host_generation: self.host_generation,
             records,
             requests,
         })

@@ -418,6 +418,18 @@ fn a_batch_is_one_transaction() {
     );
 }
 
+/// `err` refuses a batch at generation `proposed` below the stored `stored`.
+fn assert_backwards(err: &StoreError, stored: u64, proposed: u64) {
+    match err {
+        StoreError::BackwardsGeneration {
+            stored: s,
+            proposed: p,
+            ..
+        } => assert_eq!((*s, *p), (Generation(stored), Generation(proposed))),
+        other => panic!("expected BackwardsGeneration, got {other}"),
+    }
+}
+
 #[test]
 fn host_generation_never_goes_backwards() {
     let tmp = TempDir::new().expect("tempdir");
@@ -429,14 +441,7 @@ fn host_generation_never_goes_backwards() {
     let mut back = change(5, 3);
     back.upserts = vec![record(6, 1, 3, None)];
     let err = store.commit(&[back]).expect_err("backwards");
-    match &err {
-        StoreError::BackwardsGeneration {
-            stored, proposed, ..
-        } => {
-            assert_eq!((*stored, *proposed), (Generation(5), Generation(3)));
-        }
-        other => panic!("expected BackwardsGeneration, got {other}"),
-    }
+    assert_backwards(&err, 5, 3);
     assert!(err.to_string().contains(DB_FILE), "{err}");
 
     // Backwards within a batch, even if the batch ends higher.
@@ -498,12 +503,7 @@ fn a_batch_whose_record_carries_its_generation_leaves_the_row_alone() {
     assert_eq!(store.load().expect("load").host_generation, Generation(5));
     let mut back = change(5, 4);
     back.upserts = vec![record(6, 1, 4, None)];
-    match store.commit(&[back]).expect_err("backwards") {
-        StoreError::BackwardsGeneration {
-            stored, proposed, ..
-        } => assert_eq!((stored, proposed), (Generation(5), Generation(4))),
-        other => panic!("expected BackwardsGeneration, got {other}"),
-    }
+    assert_backwards(&store.commit(&[back]).expect_err("backwards"), 5, 4);
 }
 
 #[test]
