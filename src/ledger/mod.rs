@@ -139,12 +139,13 @@ pub struct Ledger {
     domains: Vec<DomainDevices>,
     /// Derived from `domains`: which domains reference each address.
     refs: BTreeMap<PciAddress, Vec<DomainRef>>,
-    /// Derived from `records`: the ids of claimed records, present or lost, so that the
-    /// blocking index and a release's lookup visit the claims, not every device.
+    /// Derived from `records`: the ids of claimed records, present or lost, so that
+    /// finding the lost ones and a release's lookup visit the claims, not every device.
     claimed: imbl::OrdSet<RecordId>,
     /// Derived from `records`: each record under the keys that relate it to others (its
-    /// address, its physical function, its IOMMU group), so that re-deriving the states
-    /// around a change visits the related records, not every device.
+    /// address, its physical function, its IOMMU group), so that a record's state, and
+    /// re-deriving the states around a change, read the related records, not every
+    /// device or every claim.
     related: imbl::OrdSet<(Link, RecordId)>,
     request_log_limit: usize,
 }
@@ -316,12 +317,11 @@ impl Ledger {
         out
     }
 
-    /// The derived state of every record, with one blocking index (O(records)).
+    /// The derived state of every record (O(records): each reads only its related ones).
     pub fn states(&self) -> BTreeMap<RecordId, DeviceState> {
-        let index = BlockIndex::build(self);
         self.records
             .values()
-            .map(|r| (r.id, self.state_with(r, &index)))
+            .map(|r| (r.id, self.state_of(r)))
             .collect()
     }
 
@@ -330,8 +330,8 @@ impl Ledger {
     /// state reads one of them (see `blocker`): its physical function, its virtual
     /// functions, the members of its IOMMU group, any record at its address. `touched`
     /// holds both versions of each changed record (before and after), so a record that
-    /// moved group or lost its PF is covered on both sides. One blocking index and one
-    /// lookup each in the `related` index; the result is in record-id order.
+    /// moved group or lost its PF is covered on both sides. Lookups in the `related`
+    /// index only, never a walk over every claim; the result is in record-id order.
     pub fn states_around(&self, touched: &[&DeviceRecord]) -> Vec<(RecordId, DeviceState)> {
         let mut ids = BTreeSet::new();
         for t in touched {
@@ -346,10 +346,9 @@ impl Ledger {
                 ids.extend(self.linked(key));
             }
         }
-        let index = BlockIndex::build(self);
         ids.into_iter()
             .filter_map(|id| self.records.get(&id))
-            .map(|r| (r.id, self.state_with(r, &index)))
+            .map(|r| (r.id, self.state_of(r)))
             .collect()
     }
 
@@ -377,11 +376,7 @@ impl Ledger {
     }
 
     /// The derived state of one record.
-    pub fn state_of(&self, record: &DeviceRecord) -> DeviceState {
-        self.state_with(record, &BlockIndex::build(self))
-    }
-
-    fn state_with(&self, r: &DeviceRecord, index: &BlockIndex) -> DeviceState {
+    pub fn state_of(&self, r: &DeviceRecord) -> DeviceState {
         if !r.present {
             return DeviceState::Lost;
         }
@@ -392,7 +387,7 @@ impl Ledger {
                 DeviceState::Claimed
             };
         }
-        if let Some(blocker) = self.blocker(r, index) {
+        if let Some(blocker) = self.blocker(r) {
             return DeviceState::Unavailable { blocker };
         }
         if !r.facts.managed {
@@ -401,28 +396,41 @@ impl Ledger {
         DeviceState::Free
     }
 
-    /// Why an unclaimed present record cannot be claimed by anyone, if it cannot.
-    fn blocker(&self, r: &DeviceRecord, index: &BlockIndex) -> Option<Blocker> {
+    /// Why an unclaimed present record cannot be claimed by anyone, if it cannot. Reads
+    /// only the records related to it in the `related` index (the records at its PF's
+    /// address, its VFs, its IOMMU group), so the cost does not grow with the number of
+    /// claims on the host. Where several block it, the one with the lowest record id is
+    /// named.
+    fn blocker(&self, r: &DeviceRecord) -> Option<Blocker> {
         let addr = r.address();
+        let claimed = |key| {
+            self.linked(key)
+                .filter_map(|id| self.records.get(&id))
+                .filter(|other| other.claim.is_some())
+        };
+        // A claimed PF blocks its VFs, present or lost: a lost PF claim's owner may still
+        // believe it holds them.
         if let Some(pf) = r.facts.physfn {
-            if index.claimed.contains(&pf) {
+            if claimed(Link::At(pf)).next().is_some() {
                 return Some(Blocker::Related {
                     address: pf,
                     relation: Relation::PhysicalFunction,
                 });
             }
         }
-        if let Some(vf) = index.claimed_vf_of.get(&addr) {
+        if let Some(vf) = claimed(Link::VfOf(addr)).next() {
             return Some(Blocker::Related {
-                address: *vf,
+                address: vf.address(),
                 relation: Relation::VirtualFunction,
             });
         }
         if let Some(group) = r.facts.iommu_group {
-            if let Some(other) = index.claimed_in_group.get(&group) {
-                if *other != addr {
+            // Group numbers of lost devices are stale (they change across reboots), so
+            // only present members block their group.
+            if let Some(other) = claimed(Link::Group(group)).find(|other| other.present) {
+                if other.address() != addr {
                     return Some(Blocker::Related {
-                        address: *other,
+                        address: other.address(),
                         relation: Relation::IommuGroup,
                     });
                 }
@@ -481,7 +489,6 @@ impl Ledger {
                 })
             };
         }
-        let index = BlockIndex::build(self);
         let id = match &req.target {
             ClaimTarget::Address {
                 address,
@@ -498,11 +505,11 @@ impl Ledger {
                         owner: rec.claim.as_ref().map(|c| c.owner.clone()),
                     });
                 }
-                self.check_claimable(rec, consumer, &index)?;
+                self.check_claimable(rec, consumer)?;
                 rec.id
             }
             ClaimTarget::Selector(sel) => {
-                self.pick(sel, consumer, &index)
+                self.pick(sel, consumer)
                     .ok_or_else(|| LedgerError::NoMatch {
                         selector: sel.to_string(),
                     })?
@@ -527,12 +534,7 @@ impl Ledger {
         Ok((outcome, tx.cs))
     }
 
-    fn check_claimable(
-        &self,
-        rec: &DeviceRecord,
-        consumer: ConsumerId,
-        index: &BlockIndex,
-    ) -> Result<(), LedgerError> {
+    fn check_claimable(&self, rec: &DeviceRecord, consumer: ConsumerId) -> Result<(), LedgerError> {
         let address = rec.address();
         let generation = rec.generation;
         if let Some(c) = &rec.claim {
@@ -542,14 +544,14 @@ impl Ledger {
                 generation,
             });
         }
-        match self.blocker(rec, index) {
+        match self.blocker(rec) {
             Some(Blocker::Related {
                 address: by,
                 relation,
             }) => {
                 let owner = self
                     .record_at(by)
-                    .or_else(|| self.lost().find(|r| r.address() == by))
+                    .or_else(|| self.records_at(by).find(|r| !r.present))
                     .and_then(|r| r.claim.as_ref())
                     .map(|c| c.owner.clone());
                 return Err(LedgerError::Blocked {
@@ -582,13 +584,13 @@ impl Ledger {
 
     /// Picks a free device for a selector: matching, claimable, preferring the requested
     /// NUMA node, then the lowest address (deterministic).
-    fn pick(&self, sel: &Selector, consumer: ConsumerId, index: &BlockIndex) -> Option<RecordId> {
+    fn pick(&self, sel: &Selector, consumer: ConsumerId) -> Option<RecordId> {
         let mut best: Option<(bool, PciAddress, RecordId)> = None;
         for (addr, id) in &self.present {
             let Some(rec) = self.records.get(id) else {
                 continue;
             };
-            if !sel.matches(&rec.facts) || self.check_claimable(rec, consumer, index).is_err() {
+            if !sel.matches(&rec.facts) || self.check_claimable(rec, consumer).is_err() {
                 continue;
             }
             let off_node = sel.numa_node.is_some() && rec.facts.numa_node != sel.numa_node;
@@ -1083,41 +1085,6 @@ impl Ledger {
             }
         }
         report
-    }
-}
-
-/// Which addresses hold claims, built once per decision or listing (O(records)).
-struct BlockIndex {
-    /// Addresses of claimed records, present or lost (a lost PF claim still blocks VFs
-    /// that reappear at its VF addresses: its owner may still believe it holds them).
-    claimed: BTreeSet<PciAddress>,
-    /// PF address -> one claimed VF of it (present or lost).
-    claimed_vf_of: BTreeMap<PciAddress, PciAddress>,
-    /// IOMMU group -> one present claimed member.
-    claimed_in_group: BTreeMap<u32, PciAddress>,
-}
-
-impl BlockIndex {
-    fn build(ledger: &Ledger) -> Self {
-        let mut idx = BlockIndex {
-            claimed: BTreeSet::new(),
-            claimed_vf_of: BTreeMap::new(),
-            claimed_in_group: BTreeMap::new(),
-        };
-        for r in ledger.claimed_records() {
-            if let Some(pf) = r.facts.physfn {
-                idx.claimed_vf_of.entry(pf).or_insert(r.address());
-            }
-            idx.claimed.insert(r.address());
-            if r.present {
-                // Group numbers of lost devices are stale (they change across reboots),
-                // so only present members block their group.
-                if let Some(g) = r.facts.iommu_group {
-                    idx.claimed_in_group.entry(g).or_insert(r.address());
-                }
-            }
-        }
-        idx
     }
 }
 

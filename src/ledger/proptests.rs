@@ -336,12 +336,62 @@ impl World {
                 }
             }
         }
+        // Every derived state, read from the related index, is what a walk over every
+        // claim finds.
+        prop_assert_eq!(l.states(), states_by_walking_every_claim(l));
         // I3: nothing attached was freed (attachment implies a claim).
         for r in l.records() {
             prop_assert!(r.attached.is_none() || r.claim.is_some());
         }
         Ok(())
     }
+}
+
+/// The derived states by the rule as written, walking every claim for each record: the
+/// oracle for `Ledger::blocker`, which reads only the records related to one. Where several
+/// claims block a record, the one with the lowest record id is named.
+fn states_by_walking_every_claim(l: &Ledger) -> BTreeMap<RecordId, DeviceState> {
+    let claims: Vec<&DeviceRecord> = l.records().filter(|r| r.claim.is_some()).collect();
+    let related = |r: &DeviceRecord| -> Option<Blocker> {
+        let addr = r.address();
+        let blocked = |address, relation| Some(Blocker::Related { address, relation });
+        if let Some(pf) = r.facts.physfn {
+            if claims.iter().any(|c| c.address() == pf) {
+                return blocked(pf, Relation::PhysicalFunction);
+            }
+        }
+        if let Some(vf) = claims.iter().find(|c| c.facts.physfn == Some(addr)) {
+            return blocked(vf.address(), Relation::VirtualFunction);
+        }
+        let group = r.facts.iommu_group?;
+        let first = claims
+            .iter()
+            .find(|c| c.present && c.facts.iommu_group == Some(group))?;
+        (first.address() != addr)
+            .then_some(first.address())
+            .and_then(|a| blocked(a, Relation::IommuGroup))
+    };
+    l.records()
+        .map(|r| {
+            let state = if !r.present {
+                DeviceState::Lost
+            } else if r.claim.is_some() && r.attached.is_some() {
+                DeviceState::Attached
+            } else if r.claim.is_some() {
+                DeviceState::Claimed
+            } else if let Some(blocker) = related(r).or_else(|| {
+                let domain = l.refs.get(&r.address()).and_then(|v| v.first());
+                domain.map(|d| Blocker::Domain(d.clone()))
+            }) {
+                DeviceState::Unavailable { blocker }
+            } else if !r.facts.managed {
+                DeviceState::Unmanaged
+            } else {
+                DeviceState::Free
+            };
+            (r.id, state)
+        })
+        .collect()
 }
 
 proptest! {
