@@ -945,22 +945,36 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         Some(peak_rss.0 <= 32 * 1024),
     );
 
-    // 6. Start to ready with 4096 devices and a full ledger vs a bare scan.
-    let mut k = 0u128;
-    for (addr, g) in free_vfs(&mut c).await {
-        k += 1;
-        c.claim(proto::ClaimRequest {
-            vfio: false,
-            owner: Some(owner(5000 + k)),
-            request_id: "fill".into(),
-            target: Some(proto::claim_request::Target::Address(proto::ByAddress {
-                address: addr,
-                expected_generation: g,
-            })),
-        })
-        .await
-        .expect("fill the ledger");
+    // 4c. The same load on a nearly full host: every VF but 64 claimed by others. A
+    // decision reads the devices related to its own, so the rates should stay those of
+    // the empty host.
+    let mut k = claim_free_vfs(&mut c, 64, 1_000_000).await;
+    let mut full: Vec<[f64; 2]> = Vec::new();
+    for pass in runs..2 * runs {
+        let mut rates = [0.0; 2];
+        for (slot, clients) in [1usize, 64].into_iter().enumerate() {
+            rates[slot] = load_round(&d, &mut c, pass, clients, &mut peak_rss).await.0;
+        }
+        full.push(rates);
     }
+    let (one, one0, one1) = median_spread(full.iter().map(|f| f[0]).collect());
+    let (many, many0, many1) = median_spread(full.iter().map(|f| f[1]).collect());
+    let (empty64, _, _) = column(2);
+    t.row(
+        &format!("context, not a goal: claims+releases/s on a nearly full host ({k} of 4096 VFs claimed by others), 1 and 64 clients, {runs} passes"),
+        &format!("the empty host above: 1 client {base:.0}/s, 64 clients {empty64:.0}/s"),
+        format!(
+            "1 client {one:.0}/s ({one0:.0}–{one1:.0}) = {:.2}× the empty host's; 64 clients {many:.0}/s ({many0:.0}–{many1:.0}) = {:.2}×, {:.1}× one client",
+            one / base,
+            many / empty64,
+            many / one
+        ),
+        "—",
+        None,
+    );
+
+    // 6. Start to ready with 4096 devices and a full ledger vs a bare scan.
+    k += claim_free_vfs(&mut c, 0, 1_000_000 + k as u128).await;
     drop(c);
     drop(d);
     let mut ready = Vec::new();
@@ -987,6 +1001,27 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         "≤ 2×",
         Some(r / b <= 2.0),
     );
+}
+
+/// Claims every free VF but `keep`, each for a consumer of its own numbered from
+/// `first_owner`; returns how many it claimed.
+async fn claim_free_vfs(c: &mut HostDevClient<Channel>, keep: usize, first_owner: u128) -> usize {
+    let free = free_vfs(c).await;
+    let fill = free.len().saturating_sub(keep);
+    for (k, (addr, g)) in free.into_iter().take(fill).enumerate() {
+        c.claim(proto::ClaimRequest {
+            vfio: false,
+            owner: Some(owner(first_owner + k as u128)),
+            request_id: "fill".into(),
+            target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+                address: addr,
+                expected_generation: g,
+            })),
+        })
+        .await
+        .expect("fill the ledger");
+    }
+    fill
 }
 
 /// How much longer than the disk's own each fsync takes in the slow-disk row, by default.
