@@ -5,7 +5,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use hostdevd::ledger::{
-    ChangeSet, ClaimRequest, ClaimTarget, DeviceFacts, Ledger, Outcome, Owner, ReleaseRequest,
+    ChangeSet, ClaimRequest, ClaimTarget, DeviceFacts, DomainDevices, DomainRef, Ledger, Outcome,
+    Owner, ReleaseRequest,
 };
 use hostdevd::pci::{ConsumerId, DeviceId, OwnerLabel, PciAddress, VendorId};
 use hostdevd::store::Store;
@@ -128,6 +129,48 @@ fn bench(c: &mut Criterion) {
     c.bench_function("ledger views (list), 4096 devices, 4000 claimed", |b| {
         b.iter(|| black_box(ledger.views().len()))
     });
+
+    // A host whose running domains use 4,000 of its devices, each domain holding the
+    // claims of its own 8 (so none is a stray): what listing the strays costs.
+    let mut ledger = Ledger::new();
+    ledger.apply_inventory(facts(4096));
+    let used: Vec<PciAddress> = ledger.records().map(|r| r.address()).take(4000).collect();
+    let domains: Vec<DomainDevices> = used
+        .chunks(8)
+        .enumerate()
+        .map(|(i, addresses)| {
+            let vm = Owner {
+                consumer: ConsumerId(uuid::Uuid::from_u128(100_000 + i as u128)),
+                label: OwnerLabel::try_from(String::new()).expect("label"),
+            };
+            for a in addresses {
+                claim(&mut ledger, *a, &vm, &format!("vm{i}-{a}"), 0);
+            }
+            DomainDevices {
+                domain: DomainRef {
+                    uuid: vm.consumer.0,
+                    name: format!("vm{i}"),
+                    running: true,
+                },
+                addresses: addresses.to_vec(),
+            }
+        })
+        .collect();
+    ledger.apply_domains(domains);
+    c.bench_function("ledger strays, 4096 devices, 4000 in 500 domains", |b| {
+        b.iter(|| black_box(ledger.strays().len()))
+    });
+    // What the writer lists again after a claim there: the strays at its address only.
+    let spare = ledger
+        .records()
+        .map(|r| r.address())
+        .nth(4000)
+        .expect("a spare device");
+    let (_, claimed) = claim(&mut ledger, spare, &owner(), "strays", 1);
+    c.bench_function(
+        "ledger strays around one claim, 4096 devices, 4000 in 500 domains",
+        |b| b.iter(|| black_box(ledger.strays_around(std::slice::from_ref(&claimed)).len())),
+    );
 
     let dir = tempfile::tempdir().expect("tempdir");
     let mut store = Store::open(dir.path()).expect("store");

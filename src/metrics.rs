@@ -186,7 +186,7 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         "hostdevd_strays",
         "gauge",
         "Domains referencing devices without holding their claim.",
-        view.strays.len(),
+        view.stray_count(),
     );
     let lost = view
         .states()

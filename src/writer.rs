@@ -125,7 +125,8 @@ pub enum Command {
 #[derive(Debug, Default)]
 pub struct View {
     pub host_generation: Generation,
-    pub strays: Vec<Stray>,
+    /// The strays by address (only addresses that have one).
+    strays: OrdMap<PciAddress, Vec<Stray>>,
     /// The committed ledger (records, request log), shared with the writer's copy.
     pub ledger: Ledger,
     states: OrdMap<RecordId, DeviceState>,
@@ -134,13 +135,21 @@ pub struct View {
 
 impl View {
     fn new(ledger: &Ledger) -> View {
-        View::with_states(ledger, ledger.states().into_iter().collect())
+        let mut strays: OrdMap<PciAddress, Vec<Stray>> = OrdMap::new();
+        for s in ledger.strays() {
+            strays.entry(s.address).or_default().push(s);
+        }
+        View::with(ledger, ledger.states().into_iter().collect(), strays)
     }
 
-    fn with_states(ledger: &Ledger, states: OrdMap<RecordId, DeviceState>) -> View {
+    fn with(
+        ledger: &Ledger,
+        states: OrdMap<RecordId, DeviceState>,
+        strays: OrdMap<PciAddress, Vec<Stray>>,
+    ) -> View {
         View {
             host_generation: ledger.host_generation(),
-            strays: ledger.strays(),
+            strays,
             states,
             ledger: ledger.clone(),
             devices: std::sync::OnceLock::new(),
@@ -151,6 +160,16 @@ impl View {
     pub fn devices(&self) -> &[DeviceView] {
         self.devices
             .get_or_init(|| self.ledger.views_with(|id| self.states.get(&id)))
+    }
+
+    /// Domains that use a device without holding its claim, by address.
+    pub fn strays(&self) -> impl Iterator<Item = &Stray> {
+        self.strays.values().flatten()
+    }
+
+    /// How many strays [`View::strays`] lists.
+    pub fn stray_count(&self) -> usize {
+        self.strays.values().map(Vec::len).sum()
     }
 
     /// Every record's derived state, by record id.
@@ -509,6 +528,13 @@ impl Core {
     }
 }
 
+/// What an incremental view re-derived: the records whose states it derived again, and
+/// the addresses whose strays it listed again.
+struct Rederived {
+    ids: BTreeSet<RecordId>,
+    stray_addresses: Vec<PciAddress>,
+}
+
 /// What became of a command offered to [`Core::try_inline`].
 enum Inline {
     /// Decided and committed; its reply is sent. `chores`: the writer thread has a
@@ -807,14 +833,10 @@ impl Worker {
         }
     }
 
-    /// The view after `changes`, and the records whose states were re-derived (`None`:
-    /// all of them). Claims, releases and transfers re-derive around what they touched;
-    /// a batch that changed domains, or many records, derives every state again.
-    fn next_view(
-        &self,
-        before: &View,
-        changes: &[ChangeSet],
-    ) -> (View, Option<BTreeSet<RecordId>>) {
+    /// The view after `changes`, and what was re-derived (`None`: everything). Claims,
+    /// releases and transfers re-derive around what they touched; a batch that changed
+    /// domains, or many records, derives every state and stray again.
+    fn next_view(&self, before: &View, changes: &[ChangeSet]) -> (View, Option<Rederived>) {
         let domains_changed = changes.iter().any(|cs| cs.before_domains.is_some());
         let touched: usize = changes.iter().map(|cs| cs.before.len()).sum();
         if domains_changed || touched > INCREMENTAL_LIMIT {
@@ -831,13 +853,35 @@ impl Worker {
             ids.insert(id);
             states.insert(id, state);
         }
-        let view = View::with_states(&self.ledger, states);
+        // Strays likewise: only those at the addresses the batch touched can change.
+        let mut strays = before.strays.clone();
+        let mut stray_addresses = Vec::new();
+        for (address, now) in self.ledger.strays_around(changes) {
+            stray_addresses.push(address);
+            if now.is_empty() {
+                strays.remove(&address);
+            } else {
+                strays.insert(address, now);
+            }
+        }
+        let view = View::with(&self.ledger, states, strays);
         debug_assert_eq!(
             view.states,
             self.ledger.states().into_iter().collect::<OrdMap<_, _>>(),
             "re-deriving around the changed records gives every state"
         );
-        (view, Some(ids))
+        debug_assert_eq!(
+            view.strays().cloned().collect::<Vec<_>>(),
+            self.ledger.strays(),
+            "the strays at the touched addresses, and the rest as they were, are every stray"
+        );
+        (
+            view,
+            Some(Rederived {
+                ids,
+                stray_addresses,
+            }),
+        )
     }
 
     /// Publishes the new view, logs each state change and emits watch events: one per
@@ -870,8 +914,9 @@ impl Worker {
         // state was derived afresh. Record-id order either way.
         let candidates: Box<dyn Iterator<Item = (&RecordId, &DeviceState)>> = match &rederived {
             None => Box::new(view.states.iter()),
-            Some(ids) => Box::new(
-                ids.union(&written)
+            Some(r) => Box::new(
+                r.ids
+                    .union(&written)
                     .filter_map(|id| view.states.get(id).map(|st| (id, st))),
             ),
         };
@@ -907,7 +952,17 @@ impl Worker {
                 });
             }
         }
-        for s in view.strays.iter().filter(|s| !before.strays.contains(s)) {
+        // Only the strays at re-derived addresses can be new.
+        let addresses: Box<dyn Iterator<Item = &PciAddress>> = match &rederived {
+            None => Box::new(view.strays.keys()),
+            Some(r) => Box::new(r.stray_addresses.iter()),
+        };
+        let new_strays = addresses.flat_map(|address| {
+            let was = before.strays.get(address);
+            let now = view.strays.get(address).into_iter().flatten();
+            now.filter(move |s| was.is_none_or(|was| !was.contains(s)))
+        });
+        for s in new_strays {
             tracing::warn!(
                 device = %s.address,
                 domain = %s.domain.name,

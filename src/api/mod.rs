@@ -362,7 +362,7 @@ impl HostDev for HostDevService {
                 .iter()
                 .map(|v| device_to_proto(v, inv.get(&v.record.address())))
                 .collect(),
-            strays: view.strays.iter().map(convert::stray_to_proto).collect(),
+            strays: view.strays().map(convert::stray_to_proto).collect(),
         }))
     }
 
@@ -857,7 +857,7 @@ impl HostDev for HostDevService {
             }),
             boot_id: self.info.boot_id.clone(),
             devices_by_state: by_state,
-            strays: u32::try_from(view.strays.len()).unwrap_or(u32::MAX),
+            strays: u32::try_from(view.stray_count()).unwrap_or(u32::MAX),
             lost,
             watch_oldest_generation: oldest.0,
             hotplug: Some({

@@ -442,24 +442,58 @@ impl Ledger {
         None
     }
 
-    /// Domains that reference devices without holding their claim.
+    /// Domains that reference devices without holding their claim, by address (O(every
+    /// referenced device): the writer keeps them up to date with [`Self::strays_around`]).
     pub fn strays(&self) -> Vec<Stray> {
-        let mut out = Vec::new();
-        for (addr, domains) in &self.refs {
-            let rec = self.record_at(*addr);
-            for d in domains {
-                let owner = rec.and_then(|r| r.claim.as_ref()).map(|c| &c.owner);
-                if owner.map(|o| o.consumer.0) != Some(d.uuid) {
-                    out.push(Stray {
-                        address: *addr,
-                        domain: d.clone(),
-                        claimed_by: owner.cloned(),
-                        known_device: rec.is_some(),
-                    });
-                }
-            }
+        self.refs
+            .iter()
+            .flat_map(|(addr, domains)| self.strays_at(*addr, domains))
+            .collect()
+    }
+
+    /// The strays at each address that `changes` (applied to this ledger, none of them
+    /// changing the domains) touched, as they are now (an empty list: none there now).
+    /// A stray reads only the domains, which did not change, and the record at its own
+    /// address, so every other address keeps the strays it had. In address order.
+    pub fn strays_around(&self, changes: &[ChangeSet]) -> Vec<(PciAddress, Vec<Stray>)> {
+        let mut touched = BTreeSet::new();
+        for cs in changes {
+            touched.extend(
+                cs.before
+                    .iter()
+                    .filter_map(|(_, old)| old.as_ref())
+                    .map(|r| r.address()),
+            );
+            touched.extend(cs.upserts.iter().map(|r| r.address()));
+            touched.extend(cs.removed.iter().map(|(addr, _)| *addr));
         }
-        out
+        touched
+            .into_iter()
+            .map(|addr| {
+                let domains = self.refs.get(&addr).map(Vec::as_slice).unwrap_or_default();
+                (addr, self.strays_at(addr, domains).collect())
+            })
+            .collect()
+    }
+
+    /// The domains among `domains` (those referencing `addr`) that do not hold the claim
+    /// of the device there.
+    fn strays_at<'a>(
+        &'a self,
+        addr: PciAddress,
+        domains: &'a [DomainRef],
+    ) -> impl Iterator<Item = Stray> + 'a {
+        let rec = self.record_at(addr);
+        let owner = rec.and_then(|r| r.claim.as_ref()).map(|c| &c.owner);
+        domains
+            .iter()
+            .filter(move |d| owner.map(|o| o.consumer.0) != Some(d.uuid))
+            .map(move |d| Stray {
+                address: addr,
+                domain: d.clone(),
+                claimed_by: owner.cloned(),
+                known_device: rec.is_some(),
+            })
     }
 
     // ---- mutations -------------------------------------------------------------------

@@ -266,6 +266,16 @@ impl World {
                     }
                     states.extend(around);
                     prop_assert_eq!(&states, &self.ledger.states());
+                    // The same for the strays (what the writer keeps in its view).
+                    let mut strays: BTreeMap<PciAddress, Vec<Stray>> = BTreeMap::new();
+                    for s in before.strays() {
+                        strays.entry(s.address).or_default().push(s);
+                    }
+                    for (address, now) in self.ledger.strays_around(std::slice::from_ref(&cs)) {
+                        strays.insert(address, now);
+                    }
+                    let strays: Vec<Stray> = strays.into_values().flatten().collect();
+                    prop_assert_eq!(strays, self.ledger.strays());
                 }
                 // I5: generations only grow; every written record got a new one.
                 prop_assert!(cs.host_generation >= prev_gen);
