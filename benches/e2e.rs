@@ -949,11 +949,14 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     // decision reads the devices related to its own, so the rates should stay those of
     // the empty host.
     let mut k = claim_free_vfs(&mut c, 64, 1_000_000).await;
+    let mut full_peak = d.rss();
     let mut full: Vec<[f64; 2]> = Vec::new();
     for pass in runs..2 * runs {
         let mut rates = [0.0; 2];
         for (slot, clients) in [1usize, 64].into_iter().enumerate() {
-            rates[slot] = load_round(&d, &mut c, pass, clients, &mut peak_rss).await.0;
+            rates[slot] = load_round(&d, &mut c, pass, clients, &mut full_peak)
+                .await
+                .0;
         }
         full.push(rates);
     }
@@ -964,10 +967,11 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         &format!("context, not a goal: claims+releases/s on a nearly full host ({k} of 4096 VFs claimed by others), 1 and 64 clients, {runs} passes"),
         &format!("the empty host above: 1 client {base:.0}/s, 64 clients {empty64:.0}/s"),
         format!(
-            "1 client {one:.0}/s ({one0:.0}–{one1:.0}) = {:.2}× the empty host's; 64 clients {many:.0}/s ({many0:.0}–{many1:.0}) = {:.2}×, {:.1}× one client",
+            "1 client {one:.0}/s ({one0:.0}–{one1:.0}) = {:.2}× the empty host's; 64 clients {many:.0}/s ({many0:.0}–{many1:.0}) = {:.2}×, {:.1}× one client; resident memory peak {:.1} MiB",
             one / base,
             many / empty64,
-            many / one
+            many / one,
+            mib(full_peak.0)
         ),
         "—",
         None,
