@@ -139,9 +139,6 @@ pub struct Ledger {
     domains: Vec<DomainDevices>,
     /// Derived from `domains`: which domains reference each address.
     refs: BTreeMap<PciAddress, Vec<DomainRef>>,
-    /// Derived from `records`: the ids of claimed records, present or lost, so that
-    /// finding the lost ones and a release's lookup visit the claims, not every device.
-    claimed: imbl::OrdSet<RecordId>,
     /// Derived from `records`: each record under the keys that relate it to others (its
     /// address, its physical function, its IOMMU group), so that a record's state, and
     /// re-deriving the states around a change, read the related records, not every
@@ -267,9 +264,10 @@ impl Ledger {
     }
 
     /// Lost records (claimed, gone from sysfs), in record-id order. A lost record always
-    /// holds its claim (releasing one removes it), so only the claims are visited.
+    /// holds its claim (releasing one removes it). Walks every record: nothing on a
+    /// request's path asks for them.
     pub fn lost(&self) -> impl Iterator<Item = &DeviceRecord> {
-        self.claimed_records().filter(|r| !r.present)
+        self.records.values().filter(|r| !r.present)
     }
 
     pub fn request(&self, consumer: ConsumerId, request_id: &RequestId) -> Option<RequestEntry> {
@@ -976,11 +974,6 @@ impl Ledger {
 
     /// Stores a record (new or a new version), keeping the derived indexes in step.
     fn store_record(&mut self, rec: DeviceRecord) {
-        if rec.claim.is_some() {
-            self.claimed.insert(rec.id);
-        } else {
-            self.claimed.remove(&rec.id);
-        }
         let (id, links) = (rec.id, Link::of(&rec));
         let old = self.records.insert(id, rec).map(|old| Link::of(&old));
         if old != Some(links) {
@@ -996,7 +989,6 @@ impl Ledger {
     /// Removes a record and its entries in the derived indexes.
     fn drop_record(&mut self, id: RecordId) -> Option<DeviceRecord> {
         let rec = self.records.remove(&id)?;
-        self.claimed.remove(&id);
         for key in Link::of(&rec).into_iter().flatten() {
             self.related.remove(&(key, id));
         }
@@ -1008,11 +1000,6 @@ impl Ledger {
         self.related
             .range((key, RecordId(0))..=(key, RecordId(u64::MAX)))
             .map(|(_, id)| *id)
-    }
-
-    /// The claimed records, in record-id order.
-    fn claimed_records(&self) -> impl Iterator<Item = &DeviceRecord> {
-        self.claimed.iter().filter_map(|id| self.records.get(id))
     }
 
     /// Deletes a record; the removal itself is a change with its own generation.
