@@ -245,6 +245,70 @@ async fn release_queries_libvirt_afresh_attach_and_detach() {
     s.stop().await;
 }
 
+/// Releases sent at once share fresh listings of the domains, and each still decides
+/// with a listing that began after it was sent: a domain started just before them
+/// protects its VF from all of them, and the other VFs are freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_releases_each_see_a_domain_started_before_them() {
+    let lv = test_driver();
+    let h = host(0x3c, 130);
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let s = start(&h, proc_dir.path(), "test:///default", 3_600_000).await;
+    let mut c = s.client().await;
+    let vfs = &h.vfs[1..4];
+    let mut held = Vec::new();
+    for (k, vf) in vfs.iter().enumerate() {
+        let who = 0x3c01 + k as u128;
+        held.push((vf.clone(), who, claim(&mut c, vf, who).await.generation));
+    }
+    // Another VM starts on the middle VF after the controller's last look.
+    let dom = lv
+        .define_domain_xml(&domain_xml("fresh-3c-b", 0x3c0b, &[&vfs[1]], &[]))
+        .expect("define");
+    dom.create().expect("start");
+    let mut clients = Vec::new();
+    for _ in &held {
+        clients.push(s.client().await);
+    }
+    let tasks: Vec<_> = held
+        .iter()
+        .cloned()
+        .zip(clients)
+        .map(|((vf, who, g), mut c)| {
+            tokio::spawn(async move { (vf.clone(), release(&mut c, &vf, who, g).await) })
+        })
+        .collect();
+    let mut freed = Vec::new();
+    for t in tasks {
+        let (vf, r) = t.await.expect("release task");
+        match r {
+            Ok(_) => freed.push(vf),
+            Err(e) => {
+                assert_eq!(
+                    vf, vfs[1],
+                    "only the VF the new domain uses is refused: {e:?}"
+                );
+                assert_eq!(e.code(), Code::Aborted, "{e:?}");
+            }
+        }
+    }
+    freed.sort();
+    freed.dedup();
+    assert_eq!(freed, [vfs[0].clone(), vfs[2].clone()]);
+    let d = device(&mut c, &vfs[1]).await;
+    assert_eq!(d.state, ATTACHED);
+    assert_eq!(
+        d.attached_domain.map(|a| a.name).as_deref(),
+        Some("fresh-3c-b")
+    );
+    for vf in [&vfs[0], &vfs[2]] {
+        assert_eq!(device(&mut c, vf).await.state, FREE);
+    }
+    dom.destroy().expect("destroy");
+    dom.undefine().expect("undefine");
+    s.stop().await;
+}
+
 /// The poller keeps views current: a defined (not running) domain that is the owner
 /// attaches its claim, an `<interface type='hostdev'>` of an unclaimed VF is a stray,
 /// GetStatus shows libvirt healthy, and an acting audit protects the attached claim.

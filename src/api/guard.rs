@@ -6,8 +6,13 @@
 //! that appeared after someone's snapshot. Why under one lock: the poller takes the same
 //! `order` lock across its list-and-apply, so an older poll result can never be applied
 //! between the fresh list and the free that relies on it.
+//!
+//! Why shared: a free needs a listing that began after it arrived, not one of its own.
+//! Frees that arrive while a listing is under way all wait for the next one, so an
+//! evacuation's burst of releases costs two listings, not one each in a queue.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,6 +37,42 @@ pub struct FreeGuard {
     pub dev_root: PathBuf,
     /// Serializes "list domains, apply" of the poller with "list, apply, free" here.
     pub order: Arc<tokio::sync::Mutex<()>>,
+    /// The fresh listings begun and applied here, so that frees share them.
+    lists: Listings,
+}
+
+/// Numbers the fresh listings, so that a caller can tell whether one that began after it
+/// arrived has been applied. Changed only under the order lock.
+#[derive(Debug, Default)]
+struct Listings {
+    /// How many listings have begun.
+    begun: AtomicU64,
+    /// The number of the last listing applied to the ledger (0: none yet).
+    applied: AtomicU64,
+}
+
+impl Listings {
+    /// Taken when a caller arrives, before it waits for the order lock.
+    fn arrive(&self) -> u64 {
+        self.begun.load(Ordering::SeqCst)
+    }
+
+    /// Under the order lock: whether a listing that began after the caller arrived
+    /// (numbered above `arrived`) is applied. Listings are applied in the order they
+    /// begin, so a later one is fresher still.
+    fn served(&self, arrived: u64) -> bool {
+        self.applied.load(Ordering::SeqCst) > arrived
+    }
+
+    /// Under the order lock: the number of a listing about to begin.
+    fn begin(&self) -> u64 {
+        self.begun.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// Under the order lock: listing `n` is applied.
+    fn applied(&self, n: u64) {
+        self.applied.store(n, Ordering::SeqCst);
+    }
 }
 
 /// Held while a free is checked and carried out.
@@ -48,12 +89,15 @@ impl FreeGuard {
             proc_root: cfg.proc_root.clone(),
             dev_root: cfg.dev_root.clone(),
             order: Arc::new(tokio::sync::Mutex::new(())),
+            lists: Listings::default(),
         }
     }
 
-    /// Takes the order lock, lists the domains afresh and applies them to the ledger.
-    /// With libvirt disabled only the lock is taken.
+    /// Takes the order lock and makes sure that a listing of the domains that began after
+    /// this call is applied to the ledger: one made for an earlier caller while this one
+    /// waited, or else its own. With libvirt disabled only the lock is taken.
     pub async fn refresh(&self, writer: &Writer) -> Result<OrderGuard, DomainsError> {
+        let arrived = self.lists.arrive();
         let uri = || {
             self.libvirt
                 .as_ref()
@@ -67,11 +111,14 @@ impl FreeGuard {
                 ms: self.timeout.as_millis(),
             })?;
         if let Some(lv) = &self.libvirt {
-            let list = lv.list_fresh(self.timeout).await?;
-            writer
-                .domains(list)
-                .await
-                .map_err(|e| DomainsError::Thread(format!("applying the domains failed: {e}")))?;
+            if !self.lists.served(arrived) {
+                let n = self.lists.begin();
+                let list = lv.list_fresh(self.timeout).await?;
+                writer.domains(list).await.map_err(|e| {
+                    DomainsError::Thread(format!("applying the domains failed: {e}"))
+                })?;
+                self.lists.applied(n);
+            }
         }
         Ok(guard)
     }
@@ -112,5 +159,48 @@ impl FreeGuard {
                 source: std::io::Error::other(e.to_string()),
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Listings;
+
+    #[test]
+    fn callers_that_arrive_during_a_listing_share_the_next_one() {
+        let l = Listings::default();
+        // A arrives and lists (1). B and C arrive while listing 1 is under way.
+        let a = l.arrive();
+        assert!(!l.served(a));
+        let one = l.begin();
+        let (b, c) = (l.arrive(), l.arrive());
+        l.applied(one);
+        assert!(l.served(a), "A is served by its own listing");
+        // Listing 1 began before B arrived: B lists again (2), and that serves C too.
+        assert!(
+            !l.served(b),
+            "a listing begun before B arrived never serves B"
+        );
+        let two = l.begin();
+        l.applied(two);
+        assert!(l.served(b));
+        assert!(l.served(c), "C shares B's listing");
+        // D arrives after both: nothing applied began after it.
+        let d = l.arrive();
+        assert!(!l.served(d));
+    }
+
+    #[test]
+    fn a_failed_listing_serves_nobody() {
+        let l = Listings::default();
+        let a = l.arrive();
+        let _failed = l.begin();
+        let b = l.arrive();
+        // Listing 1 failed: never applied. A tries again (2), which serves B as well.
+        assert!(!l.served(a));
+        assert!(!l.served(b));
+        let two = l.begin();
+        l.applied(two);
+        assert!(l.served(a) && l.served(b));
     }
 }
