@@ -1007,6 +1007,46 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     );
 }
 
+/// Releases every device of `held` (address, owner, generation) at once, each from a
+/// client and connection of its own; returns them with their generations after the
+/// release, in the same order, and the seconds from sending the releases until the last
+/// was answered (the connections are made before).
+async fn free_at_once(
+    socket: &Path,
+    held: Vec<(String, proto::Owner, u64)>,
+    round: usize,
+) -> (Vec<(String, proto::Owner, u64)>, f64) {
+    let mut clients = Vec::new();
+    for _ in &held {
+        clients.push(hostdevd::client::connect(socket).await.expect("connect"));
+    }
+    let t0 = Instant::now();
+    let tasks: Vec<_> = held
+        .into_iter()
+        .zip(clients)
+        .map(|((address, who, g), mut c)| {
+            tokio::spawn(async move {
+                let r = c
+                    .release(proto::ReleaseRequest {
+                        address: address.clone(),
+                        owner: Some(who.clone()),
+                        request_id: format!("free-{round}-{address}"),
+                        generation: g,
+                    })
+                    .await
+                    .expect("release")
+                    .into_inner();
+                (address, who, r.generation)
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.expect("release task"));
+    }
+    (out, t0.elapsed().as_secs_f64())
+}
+
 /// Claims every free VF but `keep`, each for a consumer of its own numbered from
 /// `first_owner`; returns how many it claimed.
 async fn claim_free_vfs(c: &mut HostDevClient<Channel>, keep: usize, first_owner: u128) -> usize {
@@ -1109,6 +1149,8 @@ const ORPHANS: usize = 96;
 /// Domains whose owner the controller does not list (an evacuation in flight): their
 /// devices are reported as protected, never as orphans.
 const UNLISTED: usize = 50;
+/// How many orphans the frees row releases (one alone, then the rest at once).
+const FREES: usize = 65;
 
 fn domain_uuid(i: usize) -> uuid::Uuid {
     uuid::Uuid::from_u128(0xd000_0000 + i as u128)
@@ -1322,8 +1364,85 @@ async fn reconcile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: us
             act.push(took_act);
         }
     }
+
+    // Frees on a host with domains: every release lists the domains afresh before it
+    // frees. The orphans' owners release 64 of them, first one caller alone, then all 64
+    // at once (a connection each, as an evacuation's burst would come); each round
+    // claims them back afterwards, untimed.
+    let mut held: Vec<(String, proto::Owner, u64)> = {
+        let now: std::collections::HashMap<String, u64> = c
+            .list_devices(proto::ListDevicesRequest {})
+            .await
+            .expect("list")
+            .into_inner()
+            .devices
+            .into_iter()
+            .map(|d| (d.address, d.generation))
+            .collect();
+        vfs[DOMAINS * VFS_PER_DOMAIN..][..FREES]
+            .iter()
+            .enumerate()
+            .map(|(k, a)| {
+                let a = a.to_string();
+                let g = *now.get(&a).expect("an orphan");
+                (a, owner(0xe000_0000 + k as u128), g)
+            })
+            .collect()
+    };
+    let mut one_free = Vec::new();
+    let mut burst = Vec::new();
+    let mut free_base = Vec::new();
+    for round in 0..=runs {
+        let took_base = list_alone();
+        let (freed, took_one) = free_at_once(&d.socket, held[..1].to_vec(), round).await;
+        let (mut freed_all, took_burst) = free_at_once(&d.socket, held[1..].to_vec(), round).await;
+        freed_all.insert(0, freed[0].clone());
+        // Claimed back for the next round.
+        for (k, (address, who, g)) in freed_all.into_iter().enumerate() {
+            let r = c
+                .claim(proto::ClaimRequest {
+                    vfio: false,
+                    owner: Some(who.clone()),
+                    request_id: format!("reclaim-{round}-{k}"),
+                    target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+                        address: address.clone(),
+                        expected_generation: g,
+                    })),
+                })
+                .await
+                .expect("claim back")
+                .into_inner();
+            held[k] = (address, who, r.generation);
+        }
+        if round > 0 {
+            free_base.push(took_base);
+            one_free.push(took_one);
+            burst.push(took_burst);
+        }
+    }
     drop(c);
     drop(d);
+    let (fb, _, _) = median_spread(free_base);
+    let (f1, f10, f11) = median_spread(one_free);
+    let (fm, fm0, fm1) = median_spread(burst);
+    t.row(
+        &format!("context, not a goal: frees on a host with {DOMAINS} domains (libvirt test driver), each listing the domains afresh first: one release, then {} releases at once from as many clients, {runs} rounds", FREES - 1),
+        &format!("list of the {DOMAINS} domains with their XML alone {:.1} ms", fb * 1e3),
+        format!(
+            "one release {:.1} ms ({:.1}–{:.1}) = {:.2}× one listing; {} at once, until the last is answered, {:.1} ms ({:.1}–{:.1}) = {:.1}× one listing",
+            f1 * 1e3,
+            f10 * 1e3,
+            f11 * 1e3,
+            f1 / fb,
+            FREES - 1,
+            fm * 1e3,
+            fm0 * 1e3,
+            fm1 * 1e3,
+            fm / fb
+        ),
+        "—",
+        None,
+    );
     let (b, b0, b1) = median_spread(base);
     let (o, o0, o1) = median_spread(dry);
     let (a, a0, a1) = median_spread(act);
