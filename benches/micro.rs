@@ -6,7 +6,7 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, Criterion};
 use hostdevd::ledger::{
     ChangeSet, ClaimRequest, ClaimTarget, DeviceFacts, DomainDevices, DomainRef, Ledger, Outcome,
-    Owner, ReleaseRequest,
+    Owner, ReleaseRequest, Selector,
 };
 use hostdevd::pci::{ConsumerId, DeviceId, OwnerLabel, PciAddress, VendorId};
 use hostdevd::store::Store;
@@ -123,6 +123,47 @@ fn bench(c: &mut Criterion) {
             b.iter(|| black_box(ledger.rederive(std::slice::from_ref(&claimed)).1.len()))
         });
         ledger.undo(&claimed);
+    }
+
+    // A claim by selector (any device on NUMA node 1, or any at all) on the empty host:
+    // the first matching claimable device in address order is the one picked.
+    let mut ledger = host_with_claims(0, addr);
+    for (what, numa_node) in [("NUMA node 1", Some(1)), ("any device", None)] {
+        c.bench_function(
+            &format!("ledger claim by selector ({what}) + release, 4096 devices"),
+            |b| {
+                b.iter(|| {
+                    n += 1;
+                    let (o, _) = ledger
+                        .claim(
+                            &ClaimRequest {
+                                target: ClaimTarget::Selector(Selector {
+                                    numa_node,
+                                    ..Selector::default()
+                                }),
+                                owner: owner(),
+                                request_id: format!("s{n}").parse().expect("rid"),
+                            },
+                            n,
+                        )
+                        .expect("claim by selector");
+                    let Outcome::Claimed { address, .. } = o else {
+                        panic!("claimed");
+                    };
+                    ledger
+                        .release(
+                            &ReleaseRequest {
+                                address,
+                                consumer: owner().consumer,
+                                request_id: format!("t{n}").parse().expect("rid"),
+                                generation: o.generation(),
+                            },
+                            n,
+                        )
+                        .expect("release")
+                })
+            },
+        );
     }
 
     let ledger = host_with_claims(4000, addr);

@@ -615,23 +615,32 @@ impl Ledger {
     }
 
     /// Picks a free device for a selector: matching, claimable, preferring the requested
-    /// NUMA node, then the lowest address (deterministic).
+    /// NUMA node, then the lowest address (deterministic). The devices are visited in
+    /// address order, so the first one on the requested node (or the first at all, with
+    /// no node asked for) is the pick, and the walk stops there.
     fn pick(&self, sel: &Selector, consumer: ConsumerId) -> Option<RecordId> {
-        let mut best: Option<(bool, PciAddress, RecordId)> = None;
-        for (addr, id) in &self.present {
+        let mut off_node_first: Option<RecordId> = None;
+        for id in self.present.values() {
             let Some(rec) = self.records.get(id) else {
                 continue;
             };
-            if !sel.matches(&rec.facts) || self.check_claimable(rec, consumer).is_err() {
+            if !sel.matches(&rec.facts) {
                 continue;
             }
             let off_node = sel.numa_node.is_some() && rec.facts.numa_node != sel.numa_node;
-            let key = (off_node, *addr, *id);
-            if best.as_ref().is_none_or(|b| key < *b) {
-                best = Some(key);
+            // Off the node, only the first claimable device can be picked.
+            if off_node && off_node_first.is_some() {
+                continue;
             }
+            if self.check_claimable(rec, consumer).is_err() {
+                continue;
+            }
+            if !off_node {
+                return Some(*id);
+            }
+            off_node_first = Some(*id);
         }
-        best.map(|(_, _, id)| id)
+        off_node_first
     }
 
     /// Releases a claim: only by its owner, only with the current generation, never while

@@ -86,7 +86,11 @@ fn consumer(actor: u8) -> ConsumerId {
 
 impl World {
     fn new() -> Self {
-        let inventory = host();
+        // Two NUMA nodes, so that a selector's node preference has a choice to make.
+        let mut inventory = host();
+        for (i, f) in inventory.iter_mut().enumerate() {
+            f.numa_node = Some((i % 2) as u32);
+        }
         let mut ledger = Ledger::new();
         ledger.apply_inventory(inventory.clone());
         World {
@@ -171,7 +175,23 @@ impl World {
                     owner: owner(u128::from(*actor) + 1),
                     request_id: self.next_rid(),
                 };
-                self.ledger.claim(&req, self.seq).map(|(o, cs)| {
+                // The pick by the rule as written: of every claimable present device, the
+                // one on the requested node first, then the lowest address.
+                let mut claimable: Vec<&DeviceRecord> = before
+                    .records()
+                    .filter(|r| r.present)
+                    .filter(|r| before.check_claimable(r, consumer(*actor)).is_ok())
+                    .collect();
+                claimable
+                    .sort_by_key(|r| (numa.is_some() && r.facts.numa_node != *numa, r.address()));
+                let expected = claimable.first().map(|r| r.address());
+                let result = self.ledger.claim(&req, self.seq);
+                let picked = match &result {
+                    Ok((Outcome::Claimed { address, .. }, _)) => Some(*address),
+                    _ => None,
+                };
+                prop_assert_eq!(picked, expected);
+                result.map(|(o, cs)| {
                     self.last.insert(*actor, LastReq::Claim(req, o.clone()));
                     (Some(o), cs)
                 })
