@@ -322,6 +322,36 @@ fn owner(n: u128) -> proto::Owner {
     }
 }
 
+/// A claim of the device at `address`, expected at generation `g`, for `owner`.
+fn claim_at(
+    address: String,
+    g: u64,
+    owner: proto::Owner,
+    request_id: String,
+) -> proto::ClaimRequest {
+    proto::ClaimRequest {
+        vfio: false,
+        owner: Some(owner),
+        request_id,
+        target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+            address,
+            expected_generation: g,
+        })),
+    }
+}
+
+/// Every device's generation, by address.
+async fn generations(c: &mut HostDevClient<Channel>) -> std::collections::HashMap<String, u64> {
+    c.list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .devices
+        .into_iter()
+        .map(|d| (d.address, d.generation))
+        .collect()
+}
+
 async fn free_vfs(c: &mut HostDevClient<Channel>) -> Vec<(String, u64)> {
     c.list_devices(proto::ListDevicesRequest {})
         .await
@@ -345,15 +375,7 @@ async fn claim_release(
 ) -> (f64, f64, u64) {
     let t = Instant::now();
     let r = c
-        .claim(proto::ClaimRequest {
-            vfio: false,
-            owner: Some(owner(who)),
-            request_id: format!("c{seq}"),
-            target: Some(proto::claim_request::Target::Address(proto::ByAddress {
-                address: addr.into(),
-                expected_generation: g,
-            })),
-        })
+        .claim(claim_at(addr.into(), g, owner(who), format!("c{seq}")))
         .await
         .expect("claim")
         .into_inner();
@@ -1053,15 +1075,12 @@ async fn claim_free_vfs(c: &mut HostDevClient<Channel>, keep: usize, first_owner
     let free = free_vfs(c).await;
     let fill = free.len().saturating_sub(keep);
     for (k, (addr, g)) in free.into_iter().take(fill).enumerate() {
-        c.claim(proto::ClaimRequest {
-            vfio: false,
-            owner: Some(owner(first_owner + k as u128)),
-            request_id: "fill".into(),
-            target: Some(proto::claim_request::Target::Address(proto::ByAddress {
-                address: addr,
-                expected_generation: g,
-            })),
-        })
+        c.claim(claim_at(
+            addr,
+            g,
+            owner(first_owner + k as u128),
+            "fill".into(),
+        ))
         .await
         .expect("fill the ledger");
     }
@@ -1226,15 +1245,7 @@ async fn reconcile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: us
 
     // Every domain's VFs claimed by the domain itself, and the orphans by owners nobody
     // expects; 16 clients at once, so the claims share commits.
-    let generations: std::collections::HashMap<String, u64> = c
-        .list_devices(proto::ListDevicesRequest {})
-        .await
-        .expect("list")
-        .into_inner()
-        .devices
-        .into_iter()
-        .map(|d| (d.address, d.generation))
-        .collect();
+    let before = generations(&mut c).await;
     let mut claims: Vec<(String, u64, proto::Owner)> = Vec::new();
     for (i, used) in vfs.chunks(VFS_PER_DOMAIN).take(DOMAINS).enumerate() {
         for a in used {
@@ -1243,7 +1254,7 @@ async fn reconcile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: us
                 label: String::new(),
             };
             let a = a.to_string();
-            let g = *generations.get(&a).expect("a VF");
+            let g = *before.get(&a).expect("a VF");
             claims.push((a, g, owner));
         }
     }
@@ -1252,7 +1263,7 @@ async fn reconcile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: us
         .enumerate()
     {
         let a = a.to_string();
-        let g = *generations.get(&a).expect("a free VF");
+        let g = *before.get(&a).expect("a free VF");
         claims.push((a, g, owner(0xe000_0000 + k as u128)));
     }
     let mut tasks = Vec::new();
@@ -1262,17 +1273,10 @@ async fn reconcile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: us
         tasks.push(tokio::spawn(async move {
             let mut c = hostdevd::client::connect(&socket).await.expect("connect");
             for (address, g, owner) in part {
-                c.claim(proto::ClaimRequest {
-                    vfio: false,
-                    owner: Some(owner),
-                    request_id: format!("reconcile-{address}"),
-                    target: Some(proto::claim_request::Target::Address(proto::ByAddress {
-                        address,
-                        expected_generation: g,
-                    })),
-                })
-                .await
-                .expect("claim");
+                let request_id = format!("reconcile-{address}");
+                c.claim(claim_at(address, g, owner, request_id))
+                    .await
+                    .expect("claim");
             }
         }));
     }
@@ -1370,15 +1374,7 @@ async fn reconcile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: us
     // at once (a connection each, as an evacuation's burst would come); each round
     // claims them back afterwards, untimed.
     let mut held: Vec<(String, proto::Owner, u64)> = {
-        let now: std::collections::HashMap<String, u64> = c
-            .list_devices(proto::ListDevicesRequest {})
-            .await
-            .expect("list")
-            .into_inner()
-            .devices
-            .into_iter()
-            .map(|d| (d.address, d.generation))
-            .collect();
+        let now = generations(&mut c).await;
         vfs[DOMAINS * VFS_PER_DOMAIN..][..FREES]
             .iter()
             .enumerate()
@@ -1400,15 +1396,12 @@ async fn reconcile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: us
         // Claimed back for the next round.
         for (k, (address, who, g)) in freed_all.into_iter().enumerate() {
             let r = c
-                .claim(proto::ClaimRequest {
-                    vfio: false,
-                    owner: Some(who.clone()),
-                    request_id: format!("reclaim-{round}-{k}"),
-                    target: Some(proto::claim_request::Target::Address(proto::ByAddress {
-                        address: address.clone(),
-                        expected_generation: g,
-                    })),
-                })
+                .claim(claim_at(
+                    address.clone(),
+                    g,
+                    who.clone(),
+                    format!("reclaim-{round}-{k}"),
+                ))
                 .await
                 .expect("claim back")
                 .into_inner();

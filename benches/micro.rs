@@ -65,6 +65,28 @@ fn claim(
         .expect("claim")
 }
 
+/// Releases what `claimed` claimed at `address`, for `consumer`.
+fn release(
+    ledger: &mut Ledger,
+    address: PciAddress,
+    consumer: ConsumerId,
+    claimed: &Outcome,
+    request_id: &str,
+    now: u64,
+) -> (Outcome, ChangeSet) {
+    ledger
+        .release(
+            &ReleaseRequest {
+                address,
+                consumer,
+                request_id: request_id.parse().expect("rid"),
+                generation: claimed.generation(),
+            },
+            now,
+        )
+        .expect("release")
+}
+
 /// A ledger of 4,096 devices with `claimed` of them, never `spare`, claimed by another
 /// consumer.
 fn host_with_claims(claimed: usize, spare: PciAddress) -> Ledger {
@@ -103,17 +125,7 @@ fn bench(c: &mut Criterion) {
             b.iter(|| {
                 n += 1;
                 let (o, _) = claim(&mut ledger, addr, &owner(), &format!("c{n}"), n);
-                ledger
-                    .release(
-                        &ReleaseRequest {
-                            address: addr,
-                            consumer: owner().consumer,
-                            request_id: format!("r{n}").parse().expect("rid"),
-                            generation: o.generation(),
-                        },
-                        n,
-                    )
-                    .expect("release")
+                release(&mut ledger, addr, owner().consumer, &o, &format!("r{n}"), n)
             })
         });
 
@@ -150,17 +162,14 @@ fn bench(c: &mut Criterion) {
                     let Outcome::Claimed { address, .. } = o else {
                         panic!("claimed");
                     };
-                    ledger
-                        .release(
-                            &ReleaseRequest {
-                                address,
-                                consumer: owner().consumer,
-                                request_id: format!("t{n}").parse().expect("rid"),
-                                generation: o.generation(),
-                            },
-                            n,
-                        )
-                        .expect("release")
+                    release(
+                        &mut ledger,
+                        address,
+                        owner().consumer,
+                        &o,
+                        &format!("t{n}"),
+                        n,
+                    )
                 })
             },
         );
@@ -235,17 +244,7 @@ fn bench(c: &mut Criterion) {
             };
             let (o, cs) = l2.claim(&req, k).expect("claim");
             store.commit(&[cs]).expect("commit");
-            let (_, cs) = l2
-                .release(
-                    &ReleaseRequest {
-                        address: a2,
-                        consumer: owner().consumer,
-                        request_id: format!("t{k}").parse().expect("rid"),
-                        generation: o.generation(),
-                    },
-                    k,
-                )
-                .expect("release");
+            let (_, cs) = release(&mut l2, a2, owner().consumer, &o, &format!("t{k}"), k);
             store.commit(&[cs]).expect("commit");
         })
     });
@@ -280,17 +279,7 @@ fn bench(c: &mut Criterion) {
                     .iter()
                     .zip(&claimed)
                     .map(|((address, owner), (o, _))| {
-                        l2.release(
-                            &ReleaseRequest {
-                                address: *address,
-                                consumer: owner.consumer,
-                                request_id: format!("u{k}").parse().expect("rid"),
-                                generation: o.generation(),
-                            },
-                            k,
-                        )
-                        .expect("release")
-                        .1
+                        release(&mut l2, *address, owner.consumer, o, &format!("u{k}"), k).1
                     })
                     .collect();
                 store.commit(&released).expect("commit");
