@@ -1,5 +1,5 @@
 //! In-process micro-benchmarks (criterion): address parsing, ledger decisions, one
-//! durable store commit, and a group commit of 32 changes.
+//! durable store commit, a group commit of 32 changes, and request-log lookups.
 
 use std::hint::black_box;
 
@@ -285,6 +285,60 @@ fn bench(c: &mut Criterion) {
                 store.commit(&released).expect("commit");
             })
         },
+    );
+
+    // The request log as the writer asks it: every claim, release or transfer whose id
+    // the ledger's newest entries in memory lack is looked up in the store first. The log
+    // holds 100,000 entries (the default limit) from 64 consumers.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut store = Store::open(dir.path()).expect("store");
+    let mut l3 = Ledger::new();
+    store
+        .commit(&[l3.apply_inventory(facts(64))])
+        .expect("inventory");
+    let owners: Vec<(PciAddress, Owner)> = (0..64u32)
+        .map(|i| {
+            let address =
+                PciAddress::new(0, 0x10, (i / 8) as u8 + 1, (i % 8) as u8).expect("address");
+            let owner = Owner {
+                consumer: ConsumerId(uuid::Uuid::from_u128(5000 + u128::from(i))),
+                label: OwnerLabel::try_from(String::new()).expect("label"),
+            };
+            (address, owner)
+        })
+        .collect();
+    let mut pending: Vec<ChangeSet> = Vec::new();
+    for round in 0..(100_000 / (2 * owners.len())) {
+        for (address, owner) in &owners {
+            let (o, cs) = claim(&mut l3, *address, owner, &format!("c{round}"), 1);
+            pending.push(cs);
+            let (_, cs) = release(
+                &mut l3,
+                *address,
+                owner.consumer,
+                &o,
+                &format!("r{round}"),
+                1,
+            );
+            pending.push(cs);
+        }
+        if pending.len() >= 2048 {
+            store.commit(&pending).expect("commit");
+            pending.clear();
+        }
+    }
+    store.commit(&pending).expect("commit");
+    let logged = owners[7].1.consumer;
+    let rid = |s: &str| -> hostdevd::pci::RequestId { s.parse().expect("rid") };
+    let (old, new) = (rid("c100"), rid("never-logged"));
+    assert!(store.request(logged, &old).expect("lookup").is_some());
+    c.bench_function(
+        "store request-log lookup, 100,000 entries: an id never logged",
+        |b| b.iter(|| black_box(store.request(logged, &new).expect("lookup"))),
+    );
+    c.bench_function(
+        "store request-log lookup, 100,000 entries: a logged id",
+        |b| b.iter(|| black_box(store.request(logged, &old).expect("lookup"))),
     );
 }
 

@@ -8,7 +8,8 @@
 //!
 //! The store holds the whole request log, which it prunes itself (oldest first, past
 //! [`Store::set_request_log_limit`]); the ledger keeps only the newest entries in memory
-//! and asks [`Store::request`] for an older one.
+//! and asks [`Store::request`] for an older one. The log is appended in order, and found
+//! by key through an index in memory (`request_index`).
 //!
 //! What the store refuses to do matters as much: a database that fails its integrity
 //! check, was written by a newer build, or is missing while its write-ahead log is
@@ -20,6 +21,7 @@
 //! one is corruption, not a fresh start.
 
 mod error;
+mod request_index;
 mod schema;
 #[cfg(test)]
 mod tests;
@@ -41,6 +43,7 @@ use crate::ledger::model::{ChangeSet, DeviceRecord, Outcome, RequestEntry, Snaps
 use crate::pci::{ConsumerId, Generation, RequestId};
 
 pub use error::{Cause, StoreError};
+use request_index::RequestIndex;
 use schema::HOST_GENERATION_KEY;
 
 /// The database file's name inside the state directory.
@@ -88,9 +91,9 @@ pub struct Store {
     dir: PathBuf,
     /// How many request-log entries are kept.
     request_limit: u64,
-    /// How many there are (counted at open and at each prune; a retried entry that was
-    /// rewritten counts again, which only brings the next recount forward).
-    request_rows: u64,
+    /// Where each request-log entry is, by a fingerprint of its key; also how many there
+    /// are and the next entry's sequence number.
+    requests: RequestIndex,
     /// Past how many entries the next prune is due: the limit, or further on after a
     /// prune failed (so that a failing prune is not retried at every commit).
     prune_at: u64,
@@ -163,7 +166,7 @@ impl Store {
         let conn = Connection::open_with_flags(&path, flags)
             .map_err(|e| StoreError::sqlite(&path, "opening the database", e))?;
         prepare_connection(&conn, &path)?;
-        let request_rows = count_requests(&conn, &path)?;
+        let requests = index_requests(&conn, &path)?;
         // A database without a host generation cannot honour I5; say so at start rather
         // than at the first claim.
         let host_generation =
@@ -173,7 +176,7 @@ impl Store {
             path,
             dir: state_dir.to_path_buf(),
             request_limit: DEFAULT_REQUEST_LOG_ENTRIES as u64,
-            request_rows,
+            requests,
             prune_at: DEFAULT_REQUEST_LOG_ENTRIES as u64,
             host_generation,
             _lock: lock,
@@ -181,7 +184,7 @@ impl Store {
     }
 
     /// Sets how many request-log entries are kept (at least 1). Once the log is past
-    /// it, [`Self::prune_request_log`] deletes the oldest by time.
+    /// it, [`Self::prune_request_log`] deletes the oldest (the first logged).
     pub fn set_request_log_limit(&mut self, limit: usize) {
         self.request_limit = u64::try_from(limit.max(1)).unwrap_or(u64::MAX);
         self.prune_at = self.request_limit;
@@ -190,11 +193,11 @@ impl Store {
     /// Whether the request log is past its limit, so [`Self::prune_request_log`] would
     /// prune.
     pub fn prune_due(&self) -> bool {
-        self.request_rows > self.prune_at
+        self.request_log_len() > self.prune_at
     }
 
-    /// If the request log is past its limit, deletes the oldest entries (by time, then
-    /// key), a tenth of the limit more than needed so that the next prune is that many
+    /// If the request log is past its limit, deletes the oldest entries (the first
+    /// logged), a tenth of the limit more than needed so that the next prune is that many
     /// entries away; returns whether it pruned. Its own transaction, apart from any
     /// commit: a prune that fails (a full disk: deleting writes pages too) loses nothing
     /// and blocks no commit, and is tried again a tenth of the limit later.
@@ -204,32 +207,35 @@ impl Store {
         }
         let path = &self.path;
         let limit = self.request_limit;
+        let rows = self.request_log_len();
+        let excess = (rows - limit).saturating_add(limit / 10).min(rows);
+        let next = self.requests.next_seq();
         let pruned = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(|e| StoreError::sqlite(path, "pruning the request log", e))
             .and_then(|tx| {
-                let left = prune_requests(&tx, path, limit)?;
+                let keep_from = prune_requests(&tx, path, excess, next)?;
                 tx.commit()
                     .map_err(|e| StoreError::sqlite(path, "pruning the request log", e))?;
-                Ok(left)
+                Ok(keep_from)
             });
         match pruned {
-            Ok(left) => {
-                self.request_rows = left;
+            Ok(keep_from) => {
+                self.requests.forget_before(keep_from);
                 self.prune_at = limit;
                 Ok(true)
             }
             Err(e) => {
-                self.prune_at = self.request_rows.saturating_add((limit / 10).max(1));
+                self.prune_at = rows.saturating_add((limit / 10).max(1));
                 Err(e)
             }
         }
     }
 
-    /// How many request-log entries the store holds (see `request_rows`).
+    /// How many request-log entries the store holds.
     pub fn request_log_len(&self) -> u64 {
-        self.request_rows
+        self.requests.len() as u64
     }
 
     /// One request's logged outcome, if the store holds it.
@@ -241,19 +247,32 @@ impl Store {
         let path = &self.path;
         let sql = |e| StoreError::sqlite(path, "looking up a request", e);
         let consumer_text = consumer.to_string();
-        let row = self
-            .conn
-            .prepare_cached(schema::SELECT_REQUEST)
-            .map_err(sql)?
-            .query_row(params![consumer_text, request_id.as_str()], |row| {
-                Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?))
-            })
-            .optional()
-            .map_err(sql)?;
-        row.map(|(outcome, at)| {
-            decode_request(path, &consumer_text, request_id.as_str(), &outcome, at)
-        })
-        .transpose()
+        let fingerprint = self
+            .requests
+            .fingerprint(&consumer_text, request_id.as_str());
+        // Usually none; where one matches, almost always the entry itself.
+        for seq in self.requests.candidates(fingerprint) {
+            let row = self
+                .conn
+                .prepare_cached(schema::SELECT_REQUEST_AT)
+                .map_err(sql)?
+                .query_row([seq], |row| {
+                    Ok((
+                        row.get::<_, String>(0)?,
+                        row.get::<_, String>(1)?,
+                        row.get::<_, String>(2)?,
+                        row.get::<_, i64>(3)?,
+                    ))
+                })
+                .optional()
+                .map_err(sql)?;
+            if let Some((c, r, outcome, at)) = row {
+                if c == consumer_text && r == request_id.as_str() {
+                    return decode_request(path, &c, &r, &outcome, at).map(Some);
+                }
+            }
+        }
+        Ok(None)
     }
 
     /// The database file.
@@ -271,8 +290,8 @@ impl Store {
         Ok(self.host_generation)
     }
 
-    /// Everything stored: host generation, device records and the request log (ordered by
-    /// time, then consumer and request id). Every record is decoded and checked against
+    /// Everything stored: host generation, device records and the request log (in the
+    /// order logged). Every record is decoded and checked against
     /// its indexed columns; a disagreement is reported as corruption.
     pub fn load(&self) -> Result<Snapshot, StoreError> {
         self.load_recent(usize::MAX)
@@ -310,12 +329,18 @@ impl Store {
             .prepare_cached(schema::SELECT_NEWEST_REQUESTS)
             .map_err(sql)?;
         let mut rows = stmt.query([limit]).map_err(sql)?;
+        // Newest first: an id logged twice (a retry of an entry already pruned) is the
+        // newest one's, as a lookup finds it.
+        let mut seen = std::collections::HashSet::new();
         while let Some(row) = rows.next().map_err(sql)? {
             let consumer: String = row.get(0).map_err(sql)?;
             let request_id: String = row.get(1).map_err(sql)?;
             let outcome: String = row.get(2).map_err(sql)?;
             let at: i64 = row.get(3).map_err(sql)?;
-            requests.push(decode_request(path, &consumer, &request_id, &outcome, at)?);
+            let entry = decode_request(path, &consumer, &request_id, &outcome, at)?;
+            if seen.insert((entry.consumer, entry.request_id.clone())) {
+                requests.push(entry);
+            }
         }
         requests.reverse();
         Ok(Snapshot {
@@ -349,7 +374,9 @@ impl Store {
         };
         let path = &self.path;
         let sql = |e| StoreError::sqlite(path, "committing a batch", e);
-        let logged: usize = batch.iter().map(|cs| cs.borrow().requests.len()).sum();
+        // The request-log entries written, as (fingerprint, sequence number): indexed
+        // once the transaction is durable.
+        let mut logged: Vec<(u32, i64)> = Vec::new();
         // IMMEDIATE takes the write lock up front, so a failure to get it surfaces here
         // and not halfway through the batch.
         let tx = self
@@ -378,7 +405,7 @@ impl Store {
             let mut upsert = tx.prepare_cached(schema::UPSERT_RECORD).map_err(sql)?;
             let mut fix_address = tx.prepare_cached(schema::FIX_RECORD_ADDRESS).map_err(sql)?;
             let mut remove = tx.prepare_cached(schema::DELETE_RECORD).map_err(sql)?;
-            let mut log = tx.prepare_cached(schema::UPSERT_REQUEST).map_err(sql)?;
+            let mut log = tx.prepare_cached(schema::INSERT_REQUEST).map_err(sql)?;
             for cs in batch.iter().map(C::borrow) {
                 for record in &cs.upserts {
                     let json = serde_json::to_string(record).map_err(|e| StoreError::Encode {
@@ -420,13 +447,21 @@ impl Store {
                             reason: "JSON encoding failed".into(),
                             source: Some(e),
                         })?;
+                    let consumer = entry.consumer.to_string();
+                    let seq = self.requests.next_seq() + logged.len() as i64;
                     log.execute(params![
-                        entry.consumer.to_string(),
+                        seq,
+                        consumer,
                         entry.request_id.as_str(),
                         outcome,
                         to_sql_int(path, "request time", entry.at)?,
                     ])
                     .map_err(sql)?;
+                    logged.push((
+                        self.requests
+                            .fingerprint(&consumer, entry.request_id.as_str()),
+                        seq,
+                    ));
                 }
             }
             if removes || last.host_generation > carried {
@@ -448,7 +483,9 @@ impl Store {
         // commit starts clean. Auto-checkpoint failures after a successful COMMIT are
         // ignored by SQLite's default WAL hook, so an error here means "not committed".
         tx.commit().map_err(sql)?;
-        self.request_rows = self.request_rows.saturating_add(logged as u64);
+        for (fingerprint, seq) in logged {
+            self.requests.add(fingerprint, seq);
+        }
         self.host_generation = running.max(carried);
         Ok(())
     }
@@ -711,27 +748,47 @@ fn apply_migrations(conn: &Connection, path: &Path, from: i64) -> Result<(), Sto
         .map_err(sql)
 }
 
-fn count_requests(conn: &Connection, path: &Path) -> Result<u64, StoreError> {
-    let n: i64 = conn
-        .query_row(schema::COUNT_REQUESTS, [], |row| row.get(0))
-        .map_err(|e| StoreError::sqlite(path, "counting the request log", e))?;
-    Ok(u64::try_from(n).unwrap_or(0))
+/// The request log's index in memory, read from every entry's key.
+fn index_requests(conn: &Connection, path: &Path) -> Result<RequestIndex, StoreError> {
+    let sql = |e| StoreError::sqlite(path, "indexing the request log", e);
+    let mut stmt = conn
+        .prepare_cached(schema::SELECT_REQUEST_KEYS)
+        .map_err(sql)?;
+    let mut rows = stmt.query([]).map_err(sql)?;
+    let mut keys: Vec<(i64, String, String)> = Vec::new();
+    while let Some(row) = rows.next().map_err(sql)? {
+        keys.push((
+            row.get(0).map_err(sql)?,
+            row.get(1).map_err(sql)?,
+            row.get(2).map_err(sql)?,
+        ));
+    }
+    Ok(RequestIndex::build(
+        keys.iter().map(|(s, c, r)| (*s, c.as_str(), r.as_str())),
+    ))
 }
 
-/// Deletes the oldest request-log entries (by time, then key) past `limit`, and a tenth
-/// of `limit` more so that the next prune is that many entries away. Returns how many
-/// entries are left.
-fn prune_requests(conn: &Connection, path: &Path, limit: u64) -> Result<u64, StoreError> {
-    let rows = count_requests(conn, path)?;
-    if rows <= limit {
-        return Ok(rows);
-    }
-    let excess = (rows - limit).saturating_add(limit / 10).min(rows);
-    let deleted = conn
-        .prepare_cached(schema::DELETE_OLDEST_REQUESTS)
-        .and_then(|mut stmt| stmt.execute([i64::try_from(excess).unwrap_or(i64::MAX)]))
-        .map_err(|e| StoreError::sqlite(path, "pruning the request log", e))?;
-    Ok(rows.saturating_sub(deleted as u64))
+/// Deletes the `excess` oldest request-log entries (the first logged). Returns the
+/// sequence number of the oldest entry left (`next`, the next to be logged, when none
+/// is).
+fn prune_requests(
+    conn: &Connection,
+    path: &Path,
+    excess: u64,
+    next: i64,
+) -> Result<i64, StoreError> {
+    let sql = |e| StoreError::sqlite(path, "pruning the request log", e);
+    let keep_from: Option<i64> = conn
+        .prepare_cached(schema::SELECT_REQUEST_SEQ_AT)
+        .map_err(sql)?
+        .query_row([i64::try_from(excess).unwrap_or(i64::MAX)], |r| r.get(0))
+        .optional()
+        .map_err(sql)?;
+    let keep_from = keep_from.unwrap_or(next);
+    conn.prepare_cached(schema::DELETE_REQUESTS_BEFORE)
+        .and_then(|mut stmt| stmt.execute([keep_from]))
+        .map_err(sql)?;
+    Ok(keep_from)
 }
 
 fn read_host_generation(conn: &Connection, path: &Path) -> Result<Generation, StoreError> {

@@ -10,7 +10,7 @@ use rusqlite::Connection;
 use tempfile::TempDir;
 
 use super::*;
-use crate::ledger::model::{Claim, DeviceFacts, DomainRef, Owner, RecordId, RequestKey};
+use crate::ledger::model::{Claim, DeviceFacts, DomainRef, Owner, RecordId};
 use crate::pci::{DeviceId, OwnerLabel, PciAddress, PhysNet, VendorId};
 
 fn address(function: u8) -> PciAddress {
@@ -86,7 +86,8 @@ fn change(prev: u64, host: u64) -> ChangeSet {
 struct Model {
     host_generation: Generation,
     records: BTreeMap<RecordId, DeviceRecord>,
-    requests: BTreeMap<RequestKey, RequestEntry>,
+    /// In the order logged; an entry logged again replaces the one before.
+    requests: Vec<RequestEntry>,
 }
 
 impl Model {
@@ -100,25 +101,18 @@ impl Model {
             }
             for e in &cs.requests {
                 self.requests
-                    .insert((e.consumer, e.request_id.clone()), e.clone());
+                    .retain(|old| (old.consumer, &old.request_id) != (e.consumer, &e.request_id));
+                self.requests.push(e.clone());
             }
             self.host_generation = cs.host_generation;
         }
     }
 
     fn snapshot(&self) -> Snapshot {
-        let mut requests: Vec<RequestEntry> = self.requests.values().cloned().collect();
-        requests.sort_by(|a, b| {
-            (a.at, a.consumer.to_string(), a.request_id.as_str()).cmp(&(
-                b.at,
-                b.consumer.to_string(),
-                b.request_id.as_str(),
-            ))
-        });
         Snapshot {
             host_generation: self.host_generation,
             records: self.records.clone(),
-            requests,
+            requests: self.requests.clone(),
         }
     }
 }
@@ -247,18 +241,18 @@ fn every_kind_of_change_survives_reopen() {
     assert_eq!(snapshot.host_generation, Generation(8));
     assert_eq!(snapshot.records.len(), 2);
     assert_eq!(snapshot.requests.len(), 3);
-    // Requests come back ordered by time.
+    // Requests come back in the order logged, whatever their times.
     let order: Vec<&str> = snapshot
         .requests
         .iter()
         .map(|e| e.request_id.as_str())
         .collect();
-    assert_eq!(order, ["req-c", "req-a", "req-b"]);
+    assert_eq!(order, ["req-a", "req-b", "req-c"]);
     // Each is found by its key; another consumer's same request id is not.
     let found = store
         .request(consumer(8), &request_id("req-b"))
         .expect("lookup");
-    assert_eq!(found.as_ref(), snapshot.requests.get(2));
+    assert_eq!(found.as_ref(), snapshot.requests.get(1));
     assert_eq!(
         store
             .request(consumer(7), &request_id("req-b"))
@@ -271,8 +265,9 @@ fn every_kind_of_change_survives_reopen() {
     assert_eq!(newest.records, snapshot.records);
 }
 
-/// The request log on disk is pruned by the store, oldest first (by time), once it holds
-/// more than its limit, in a transaction of its own; the count survives a reopen.
+/// The request log on disk is pruned by the store, oldest first (the first logged, whatever
+/// their times say), once it holds more than its limit, in a transaction of its own; the
+/// count survives a reopen.
 #[test]
 fn request_log_is_pruned_oldest_first_on_disk() {
     let tmp = TempDir::new().expect("tempdir");
@@ -284,7 +279,8 @@ fn request_log_is_pruned_oldest_first_on_disk() {
     store.commit(&[cs]).expect("commit");
     for i in 0..10u64 {
         let mut cs = change(i + 1, i + 1);
-        // Times out of order with the commits: the prune goes by time.
+        // Times out of order with the commits (a clock set back): the prune goes by the
+        // order logged.
         cs.requests = vec![entry(1, &format!("r{i}"), &rec, 1000 - i)];
         store.commit(&[cs]).expect("commit");
     }
@@ -309,12 +305,20 @@ fn request_log_is_pruned_oldest_first_on_disk() {
         .collect();
     assert_eq!(
         kept,
-        ["r7", "r6", "r5", "r4", "r3", "r2", "r1", "r0", "r10"]
+        ["r2", "r3", "r4", "r5", "r6", "r7", "r8", "r9", "r10"]
     );
-    assert!(store
-        .request(consumer(1), &request_id("r9"))
-        .expect("lookup")
-        .is_none());
+    for gone in ["r0", "r1"] {
+        assert!(store
+            .request(consumer(1), &request_id(gone))
+            .expect("lookup")
+            .is_none());
+    }
+    for kept in ["r2", "r9", "r10"] {
+        assert!(store
+            .request(consumer(1), &request_id(kept))
+            .expect("lookup")
+            .is_some());
+    }
     drop(store);
     assert_eq!(reopen(tmp.path()).request_log_len(), 9);
 }
@@ -336,7 +340,17 @@ fn a_version_1_database_migrates_and_keeps_its_ledger() {
         // Back to version 1 as it shipped: its indexes, its version number.
         let conn = Connection::open(tmp.path().join(DB_FILE)).expect("sqlite");
         conn.execute_batch(
-            "CREATE INDEX records_by_consumer ON records (consumer) WHERE consumer IS NOT NULL;
+            "CREATE TABLE keyed (
+                 consumer   TEXT NOT NULL,
+                 request_id TEXT NOT NULL,
+                 outcome    TEXT NOT NULL,
+                 at         INTEGER NOT NULL,
+                 PRIMARY KEY (consumer, request_id)
+             ) STRICT, WITHOUT ROWID;
+             INSERT INTO keyed SELECT consumer, request_id, outcome, at FROM requests;
+             DROP TABLE requests;
+             ALTER TABLE keyed RENAME TO requests;
+             CREATE INDEX records_by_consumer ON records (consumer) WHERE consumer IS NOT NULL;
              CREATE INDEX requests_by_at ON requests (at);
              PRAGMA user_version = 1;",
         )
@@ -360,6 +374,118 @@ fn a_version_1_database_migrates_and_keeps_its_ledger() {
         .collect::<Result<_, _>>()
         .expect("names");
     assert_eq!(indexes, vec!["records_by_address".to_string()]);
+}
+
+/// A version 2 database's request log (keyed by consumer and request id) moves into the
+/// log in order: by time, then key, as version 2 loaded it. Every entry is found by key
+/// afterwards, and new entries go after them.
+#[test]
+fn a_version_2_request_log_migrates_in_order() {
+    let tmp = TempDir::new().expect("tempdir");
+    drop(Store::open(tmp.path()).expect("open"));
+    let rec = record(1, 0, 1, Some(1));
+    let outcome = serde_json::to_string(&entry(1, "x", &rec, 0).outcome).expect("json");
+    {
+        let conn = Connection::open(tmp.path().join(DB_FILE)).expect("sqlite");
+        conn.execute_batch(
+            "DROP TABLE requests;
+             CREATE TABLE requests (
+                 consumer   TEXT NOT NULL,
+                 request_id TEXT NOT NULL,
+                 outcome    TEXT NOT NULL,
+                 at         INTEGER NOT NULL,
+                 PRIMARY KEY (consumer, request_id)
+             ) STRICT, WITHOUT ROWID;
+             PRAGMA user_version = 2;",
+        )
+        .expect("downgrade");
+        for (c, r, at) in [(2, "b", 50), (1, "z", 10), (1, "a", 50), (2, "a", 40)] {
+            conn.execute(
+                "INSERT INTO requests VALUES (?1, ?2, ?3, ?4)",
+                rusqlite::params![consumer(c).to_string(), r, outcome, at],
+            )
+            .expect("insert");
+        }
+    }
+    let mut store = reopen(tmp.path());
+    let order = |store: &Store| -> Vec<(ConsumerId, String)> {
+        store
+            .load()
+            .expect("load")
+            .requests
+            .iter()
+            .map(|e| (e.consumer, e.request_id.as_str().to_owned()))
+            .collect()
+    };
+    let migrated = vec![
+        (consumer(1), "z".to_owned()),
+        (consumer(2), "a".to_owned()),
+        (consumer(1), "a".to_owned()),
+        (consumer(2), "b".to_owned()),
+    ];
+    assert_eq!(order(&store), migrated);
+    for (c, r) in &migrated {
+        assert!(store.request(*c, &request_id(r)).expect("lookup").is_some());
+    }
+    assert!(store
+        .request(consumer(1), &request_id("b"))
+        .expect("lookup")
+        .is_none());
+    let mut cs = change(1, 1);
+    cs.requests = vec![entry(1, "new", &rec, 5)];
+    store.commit(&[cs]).expect("commit");
+    let mut expected = migrated;
+    expected.push((consumer(1), "new".to_owned()));
+    assert_eq!(order(&store), expected);
+    drop(store);
+    assert_eq!(order(&reopen(tmp.path())), expected);
+}
+
+/// Every entry of a log longer than the index's short list (so its merges ran) is found
+/// by key, before and after a reopen rebuilds the index; ids never logged are not, nor is
+/// a logged id under another consumer.
+#[test]
+fn every_logged_request_is_found_by_key() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut store = Store::open(tmp.path()).expect("open");
+    let rec = record(1, 0, 1, Some(1));
+    for batch in 0..50u64 {
+        let mut cs = change(batch, batch);
+        cs.requests = (0..100)
+            .map(|i| batch * 100 + i)
+            .map(|n| entry(1 + (n % 3) as u8, &format!("r{n}"), &rec, batch))
+            .collect();
+        store.commit(&[cs]).expect("commit");
+    }
+    assert_eq!(store.request_log_len(), 5000);
+    let mut store = Some(store);
+    for _ in 0..2 {
+        let store = match store.take() {
+            Some(s) => s,
+            None => reopen(tmp.path()),
+        };
+        assert_eq!(store.request_log_len(), 5000);
+        for n in (0..5000u64).step_by(7) {
+            let c = consumer(1 + (n % 3) as u8);
+            let found = store
+                .request(c, &request_id(&format!("r{n}")))
+                .expect("lookup")
+                .expect("logged");
+            assert_eq!(
+                (found.consumer, found.request_id.as_str()),
+                (c, format!("r{n}").as_str())
+            );
+            let other = consumer(1 + ((n + 1) % 3) as u8);
+            assert!(store
+                .request(other, &request_id(&format!("r{n}")))
+                .expect("lookup")
+                .is_none());
+        }
+        assert!(store
+            .request(consumer(1), &request_id("r5000"))
+            .expect("lookup")
+            .is_none());
+    }
 }
 
 /// The ledger never moves a record id to another address, but the store does not rely

@@ -1,0 +1,290 @@
+//! The request log's index in memory: a 32-bit fingerprint of each logged (consumer,
+//! request id) and the entry's place in the log, so that the log on disk is appended in
+//! order and a lookup reads a row only where a fingerprint matches.
+//!
+//! Why not SQLite's own index: a key of (consumer, request id) puts each new entry at a
+//! random place in a tree of thousands of pages, so every entry of a commit wrote a page
+//! of its own, plus the pages a split rebalanced. Appended in order, a commit's entries
+//! share one or two pages.
+//!
+//! Each entry takes 8 bytes here: the fingerprint, and the low 32 bits of its sequence
+//! number (the log's row id). A fingerprint is a keyed hash with a key drawn at start, so
+//! no client can choose request ids that collide. A lookup reads every row whose
+//! fingerprint matches and compares the whole key, newest first, so a collision costs one
+//! row read and never a wrong answer.
+
+use std::hash::{BuildHasher, RandomState};
+
+/// New entries wait, sorted, in a short list that is merged into the long one once it
+/// holds this many: one linear merge per 4,096 entries instead of a move of the long
+/// list per entry.
+const RECENT_MAX: usize = 4096;
+
+/// One entry: the fingerprint in the high half, the sequence number's low half below.
+type Packed = u64;
+
+const LOW: u64 = 1 << 32;
+
+/// The index. Sequence numbers grow by one per entry logged; the entries held are those
+/// from `oldest` to `newest`.
+pub(crate) struct RequestIndex {
+    key: RandomState,
+    /// Sorted.
+    long: Vec<Packed>,
+    /// Sorted; at most [`RECENT_MAX`] entries.
+    recent: Vec<Packed>,
+    /// The newest sequence number added (0: none yet).
+    newest: i64,
+    /// The oldest sequence number still held.
+    oldest: i64,
+}
+
+impl std::fmt::Debug for RequestIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestIndex")
+            .field("entries", &self.len())
+            .field("oldest", &self.oldest)
+            .field("newest", &self.newest)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RequestIndex {
+    /// An index of the log's entries, given as (sequence number, consumer, request id)
+    /// in any order.
+    pub(crate) fn build<'a>(entries: impl IntoIterator<Item = (i64, &'a str, &'a str)>) -> Self {
+        let mut index = RequestIndex {
+            key: RandomState::new(),
+            long: Vec::new(),
+            recent: Vec::new(),
+            newest: 0,
+            oldest: 1,
+        };
+        let mut oldest = i64::MAX;
+        for (seq, consumer, request_id) in entries {
+            let fingerprint = index.fingerprint(consumer, request_id);
+            index.long.push(pack(fingerprint, seq));
+            index.newest = index.newest.max(seq);
+            oldest = oldest.min(seq);
+        }
+        index.long.sort_unstable();
+        index.long.shrink_to_fit();
+        index.oldest = if index.long.is_empty() { 1 } else { oldest };
+        index
+    }
+
+    /// The fingerprint of a consumer's request id (the consumer as its UUID text).
+    pub(crate) fn fingerprint(&self, consumer: &str, request_id: &str) -> u32 {
+        // The low half of the keyed hash; truncation is the point.
+        self.key.hash_one((consumer, request_id)) as u32
+    }
+
+    /// The sequence number the next entry logged gets.
+    pub(crate) fn next_seq(&self) -> i64 {
+        self.newest.saturating_add(1)
+    }
+
+    /// How many entries are held.
+    pub(crate) fn len(&self) -> usize {
+        self.long.len() + self.recent.len()
+    }
+
+    /// Adds an entry logged under `seq`, which must be [`Self::next_seq`] or later (the
+    /// store adds what a commit logged, in order, once it is durable).
+    pub(crate) fn add(&mut self, fingerprint: u32, seq: i64) {
+        debug_assert!(seq > self.newest, "sequence numbers only grow");
+        if self.len() == 0 {
+            self.oldest = seq;
+        }
+        self.newest = self.newest.max(seq);
+        let packed = pack(fingerprint, seq);
+        let at = self.recent.partition_point(|&p| p < packed);
+        self.recent.insert(at, packed);
+        if self.recent.len() >= RECENT_MAX {
+            self.merge();
+        }
+    }
+
+    /// The sequence numbers whose fingerprint is `fingerprint`, newest first.
+    pub(crate) fn candidates(&self, fingerprint: u32) -> Vec<i64> {
+        let from = pack(fingerprint, 0);
+        let to = from | (LOW - 1);
+        let mut found = Vec::new();
+        for list in [&self.long, &self.recent] {
+            let start = list.partition_point(|&p| p < from);
+            for &p in list[start..].iter().take_while(|&&p| p <= to) {
+                self.unpack_into(p, &mut found);
+            }
+        }
+        found.sort_unstable_by(|a, b| b.cmp(a));
+        found.dedup();
+        found
+    }
+
+    /// Forgets the entries before `oldest` (the log's prune deleted them).
+    pub(crate) fn forget_before(&mut self, oldest: i64) {
+        if oldest <= self.oldest {
+            return;
+        }
+        let window = self.newest.saturating_sub(self.oldest);
+        self.oldest = oldest;
+        if window >= LOW as i64 {
+            // Too long a log to tell a low half's age: keep them all; a lookup skips the
+            // rows that are gone.
+            return;
+        }
+        let newest = self.newest;
+        let keep = |&p: &Packed| seq_of(newest, p) >= oldest;
+        self.long.retain(keep);
+        self.recent.retain(keep);
+        self.long.shrink_to_fit();
+    }
+
+    /// Every sequence number from `oldest` to `newest` whose low half is `p`'s (one,
+    /// unless the log spans more than 2^32 entries).
+    fn unpack_into(&self, p: Packed, out: &mut Vec<i64>) {
+        let mut seq = seq_of(self.newest, p);
+        while seq >= self.oldest && seq > 0 {
+            out.push(seq);
+            seq = seq.saturating_sub(LOW as i64);
+        }
+    }
+
+    /// Moves the recent entries into the long list: one merge from the back, in place.
+    fn merge(&mut self) {
+        let (n, m) = (self.long.len(), self.recent.len());
+        self.long.reserve_exact(m);
+        self.long.resize(n + m, 0);
+        let (mut i, mut j) = (n, m);
+        for k in (0..n + m).rev() {
+            if j == 0 {
+                break;
+            }
+            if i > 0 && self.long[i - 1] > self.recent[j - 1] {
+                self.long[k] = self.long[i - 1];
+                i -= 1;
+            } else {
+                self.long[k] = self.recent[j - 1];
+                j -= 1;
+            }
+        }
+        self.recent.clear();
+    }
+}
+
+fn pack(fingerprint: u32, seq: i64) -> Packed {
+    // The low half of the sequence number; `seq_of` finds the rest from the newest.
+    (u64::from(fingerprint) << 32) | (seq as u64 & (LOW - 1))
+}
+
+/// The newest sequence number, up to `newest`, whose low half is `p`'s.
+fn seq_of(newest: i64, p: Packed) -> i64 {
+    let low = (p & (LOW - 1)) as u32;
+    let back = (newest as u32).wrapping_sub(low);
+    newest - i64::from(back)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn finds_what_was_added_and_nothing_else() {
+        let mut index = RequestIndex::build(std::iter::empty());
+        assert_eq!(index.next_seq(), 1);
+        let a = index.fingerprint("c1", "r1");
+        let b = index.fingerprint("c1", "r2");
+        index.add(a, 1);
+        index.add(b, 2);
+        assert!(index.candidates(a).contains(&1));
+        assert!(index.candidates(b).contains(&2));
+        assert_eq!(index.next_seq(), 3);
+        assert_eq!(index.len(), 2);
+        let unseen = (0u32..3)
+            .find(|f| *f != a && *f != b)
+            .expect("one of three");
+        assert!(index.candidates(unseen).is_empty());
+    }
+
+    #[test]
+    fn a_rebuilt_index_matches_the_one_it_replaces() {
+        let keys: Vec<(i64, String)> = (1..=10_000).map(|n| (n, format!("r{n}"))).collect();
+        let index = RequestIndex::build(keys.iter().map(|(s, r)| (*s, "c", r.as_str())));
+        assert_eq!(index.len(), 10_000);
+        assert_eq!(index.next_seq(), 10_001);
+        for (seq, r) in keys.iter().step_by(97) {
+            assert!(index.candidates(index.fingerprint("c", r)).contains(seq));
+        }
+    }
+
+    #[test]
+    fn the_low_half_is_read_back_across_its_wrap() {
+        let mut index = RequestIndex::build([(LOW as i64 - 2, "c", "a")]);
+        let fp = index.fingerprint("c", "b");
+        index.add(fp, LOW as i64 + 5);
+        assert_eq!(index.candidates(fp), vec![LOW as i64 + 5]);
+        let old = index.fingerprint("c", "a");
+        assert_eq!(index.candidates(old), vec![LOW as i64 - 2]);
+        index.forget_before(LOW as i64);
+        assert!(index.candidates(old).is_empty());
+        assert_eq!(index.candidates(fp), vec![LOW as i64 + 5]);
+    }
+
+    #[test]
+    fn a_log_longer_than_the_low_half_gives_every_possible_entry() {
+        let mut index = RequestIndex::build([(1, "c", "a")]);
+        let fp = index.fingerprint("c", "a");
+        index.add(index.fingerprint("c", "z"), 2 * LOW as i64 + 10);
+        // Entry 1 reads back as every number with its low half, newest first; the
+        // store reads each row and keeps the one whose key matches.
+        assert_eq!(
+            index.candidates(fp),
+            vec![2 * LOW as i64 + 1, LOW as i64 + 1, 1]
+        );
+    }
+
+    proptest! {
+        /// Against a map of every entry: adds (with merges), prunes and rebuilds keep
+        /// every held entry a candidate of its fingerprint, and hold nothing pruned.
+        #[test]
+        fn every_held_entry_is_found(
+            ops in proptest::collection::vec((0u8..10, 0u16..300), 1..3000)
+        ) {
+            let mut index = RequestIndex::build(std::iter::empty());
+            let mut model: BTreeMap<i64, String> = BTreeMap::new();
+            for (op, n) in ops {
+                match op {
+                    0 => {
+                        // Prune the oldest `n` entries.
+                        let cut = model.keys().nth(usize::from(n)).copied()
+                            .unwrap_or(index.next_seq());
+                        model = model.split_off(&cut);
+                        index.forget_before(cut);
+                    }
+                    1 if n < 20 => {
+                        let entries: Vec<(i64, &str, &str)> =
+                            model.iter().map(|(s, r)| (*s, "c", r.as_str())).collect();
+                        index = RequestIndex::build(entries);
+                    }
+                    _ => {
+                        let seq = index.next_seq();
+                        let id = format!("r{n}");
+                        index.add(index.fingerprint("c", &id), seq);
+                        model.insert(seq, id);
+                    }
+                }
+                prop_assert_eq!(index.len(), model.len());
+            }
+            for (seq, id) in &model {
+                prop_assert!(index.candidates(index.fingerprint("c", id)).contains(seq));
+            }
+            let mut all: Vec<Packed> = index.long.clone();
+            all.extend(&index.recent);
+            prop_assert!(index.long.windows(2).all(|w| w[0] <= w[1]));
+            prop_assert!(index.recent.windows(2).all(|w| w[0] <= w[1]));
+            prop_assert_eq!(all.len(), model.len());
+        }
+    }
+}
