@@ -164,7 +164,8 @@ pub struct ApiConfig {
     #[serde(default = "d_watch_bytes")]
     pub watch_buffer_bytes: usize,
     /// Request-log entries kept on disk (per consumer and request id, the first answer
-    /// a retry gets); the oldest tenth is pruned past it. Default 100000.
+    /// a retry gets); the oldest tenth is pruned past it. Each also takes 8 bytes of
+    /// memory in the store's index (800 KB at the default). Default 100000.
     #[serde(default = "d_request_log")]
     pub request_log_entries: usize,
     /// The newest of them also kept in memory; a retry of an older one is looked up on

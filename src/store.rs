@@ -748,24 +748,25 @@ fn apply_migrations(conn: &Connection, path: &Path, from: i64) -> Result<(), Sto
         .map_err(sql)
 }
 
-/// The request log's index in memory, read from every entry's key.
+/// The request log's index in memory, read from every entry's key (one row at a time:
+/// the keys are not held).
 fn index_requests(conn: &Connection, path: &Path) -> Result<RequestIndex, StoreError> {
     let sql = |e| StoreError::sqlite(path, "indexing the request log", e);
+    let text = |e| StoreError::sqlite(path, "indexing the request log", rusqlite::Error::from(e));
     let mut stmt = conn
         .prepare_cached(schema::SELECT_REQUEST_KEYS)
         .map_err(sql)?;
     let mut rows = stmt.query([]).map_err(sql)?;
-    let mut keys: Vec<(i64, String, String)> = Vec::new();
+    let mut index = RequestIndex::empty();
     while let Some(row) = rows.next().map_err(sql)? {
-        keys.push((
+        index.load(
             row.get(0).map_err(sql)?,
-            row.get(1).map_err(sql)?,
-            row.get(2).map_err(sql)?,
-        ));
+            row.get_ref(1).map_err(sql)?.as_str().map_err(text)?,
+            row.get_ref(2).map_err(sql)?.as_str().map_err(text)?,
+        );
     }
-    Ok(RequestIndex::build(
-        keys.iter().map(|(s, c, r)| (*s, c.as_str(), r.as_str())),
-    ))
+    index.seal();
+    Ok(index)
 }
 
 /// Deletes the `excess` oldest request-log entries (the first logged). Returns the

@@ -50,26 +50,42 @@ impl std::fmt::Debug for RequestIndex {
 }
 
 impl RequestIndex {
-    /// An index of the log's entries, given as (sequence number, consumer, request id)
-    /// in any order.
-    pub(crate) fn build<'a>(entries: impl IntoIterator<Item = (i64, &'a str, &'a str)>) -> Self {
-        let mut index = RequestIndex {
+    /// An empty index; [`Self::load`] the log's entries into it, then [`Self::seal`] it.
+    pub(crate) fn empty() -> Self {
+        RequestIndex {
             key: RandomState::new(),
             long: Vec::new(),
             recent: Vec::new(),
             newest: 0,
-            oldest: 1,
-        };
-        let mut oldest = i64::MAX;
-        for (seq, consumer, request_id) in entries {
-            let fingerprint = index.fingerprint(consumer, request_id);
-            index.long.push(pack(fingerprint, seq));
-            index.newest = index.newest.max(seq);
-            oldest = oldest.min(seq);
+            oldest: i64::MAX,
         }
-        index.long.sort_unstable();
-        index.long.shrink_to_fit();
-        index.oldest = if index.long.is_empty() { 1 } else { oldest };
+    }
+
+    /// Adds an entry read from the log at open, in any order.
+    pub(crate) fn load(&mut self, seq: i64, consumer: &str, request_id: &str) {
+        let fingerprint = self.fingerprint(consumer, request_id);
+        self.long.push(pack(fingerprint, seq));
+        self.newest = self.newest.max(seq);
+        self.oldest = self.oldest.min(seq);
+    }
+
+    /// Ready for lookups once every entry is loaded.
+    pub(crate) fn seal(&mut self) {
+        self.long.sort_unstable();
+        self.long.shrink_to_fit();
+        if self.long.is_empty() {
+            self.oldest = 1;
+        }
+    }
+
+    /// An index of the given entries (sequence number, consumer, request id).
+    #[cfg(test)]
+    fn build<'a>(entries: impl IntoIterator<Item = (i64, &'a str, &'a str)>) -> Self {
+        let mut index = RequestIndex::empty();
+        for (seq, consumer, request_id) in entries {
+            index.load(seq, consumer, request_id);
+        }
+        index.seal();
         index
     }
 
