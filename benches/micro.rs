@@ -299,7 +299,7 @@ fn bench(c: &mut Criterion) {
     let owners: Vec<(PciAddress, Owner)> = (0..64u32)
         .map(|i| {
             let address =
-                PciAddress::new(0, 0x10, (i / 8) as u8 + 1, (i % 8) as u8).expect("address");
+                PciAddress::new(0, 0x10, (i / 8) as u8, (i % 8) as u8).expect("address");
             let owner = Owner {
                 consumer: ConsumerId(uuid::Uuid::from_u128(5000 + u128::from(i))),
                 label: OwnerLabel::try_from(String::new()).expect("label"),
