@@ -298,8 +298,7 @@ fn bench(c: &mut Criterion) {
         .expect("inventory");
     let owners: Vec<(PciAddress, Owner)> = (0..64u32)
         .map(|i| {
-            let address =
-                PciAddress::new(0, 0x10, (i / 8) as u8, (i % 8) as u8).expect("address");
+            let address = PciAddress::new(0, 0x10, (i / 8) as u8, (i % 8) as u8).expect("address");
             let owner = Owner {
                 consumer: ConsumerId(uuid::Uuid::from_u128(5000 + u128::from(i))),
                 label: OwnerLabel::try_from(String::new()).expect("label"),
