@@ -209,7 +209,10 @@ impl Store {
         let path = &self.path;
         let limit = self.request_limit;
         let rows = self.request_log_len();
-        let excess = (rows - limit).saturating_add(limit / 10).min(rows);
+        let excess = rows
+            .saturating_sub(limit)
+            .saturating_add(limit / 10)
+            .min(rows);
         let next = self.requests.next_seq();
         let pruned = self
             .conn
@@ -292,8 +295,8 @@ impl Store {
     }
 
     /// Everything stored: host generation, device records and the request log (in the
-    /// order logged). Every record is decoded and checked against
-    /// its indexed columns; a disagreement is reported as corruption.
+    /// order logged). Every record is decoded and checked against its indexed columns; a
+    /// disagreement is reported as corruption.
     pub fn load(&self) -> Result<Snapshot, StoreError> {
         self.load_recent(usize::MAX)
     }

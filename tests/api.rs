@@ -402,8 +402,7 @@ async fn the_request_log_on_disk_is_pruned_oldest_first() {
     // count on disk is the store's own, kept in step with every commit and prune (the
     // store's unit tests check it against the table, across a reopen too).
     let rows = || s.metrics.request_log_entries();
-    // Entries made in the same second go by key: these ids sort in the order they are
-    // made, and consumer 2 after consumer 1.
+    // The oldest entries go first: the order logged.
     let mut most = 0;
     let mut last_claim = 0;
     for i in 0..20 {
