@@ -45,7 +45,8 @@ struct Rss(u64, u64, u64);
 
 /// Where CPU time went between two moments: the agent's (and its writer thread's), this
 /// benchmark process's (the clients), and the machine's CPUs: busy, and taken by the
-/// hypervisor for other guests (steal), which is how a noisy neighbour shows.
+/// hypervisor for other guests (steal), which is how a noisy neighbour shows. Also what
+/// the agent wrote to its disk.
 struct CpuMark {
     at: Instant,
     agent: f64,
@@ -54,11 +55,13 @@ struct CpuMark {
     busy: f64,
     steal: f64,
     total: f64,
+    written: f64,
 }
 
 /// What a [`CpuMark`] saw over a round of `calls` calls: CPU seconds per call of the
 /// agent, of its writer thread and of the clients; shares of the wall clock the writer
-/// thread was on a CPU; shares of the machine's CPU time that were busy and stolen.
+/// thread was on a CPU; shares of the machine's CPU time that were busy and stolen; bytes
+/// the agent wrote to its disk per call.
 #[derive(Debug, Clone, Copy)]
 struct CpuUse {
     agent: f64,
@@ -67,6 +70,21 @@ struct CpuUse {
     writer_on_cpu: f64,
     busy: f64,
     stolen: f64,
+    written: f64,
+}
+
+/// Bytes a process has caused to be written to storage (`write_bytes` in
+/// `/proc/PID/io`: pages it dirtied, so the database, its log and their checkpoints,
+/// not its sockets). Every change's cost in disk writes shows here, which a commit's
+/// time alone hides: a page a commit writes is 4 KiB to the disk, however little of it
+/// changed.
+fn written_bytes(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/io"))
+        .expect("the agent's I/O counters (/proc/PID/io)")
+        .lines()
+        .find_map(|l| l.strip_prefix("write_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("write_bytes in /proc/PID/io")
 }
 
 /// How many CPUs this process may run on, when the system says.
@@ -128,6 +146,7 @@ impl CpuMark {
             busy: total - tick(3) - tick(4) - tick(7),
             steal: tick(7),
             total,
+            written: written_bytes(pid),
         }
     }
 
@@ -144,6 +163,7 @@ impl CpuMark {
             writer_on_cpu: (now.writer - self.writer) / wall,
             busy: (now.busy - self.busy) / total,
             stolen: (now.steal - self.steal) / total,
+            written: (now.written - self.written) / calls,
         }
     }
 }
@@ -843,12 +863,13 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     };
     let claim_use = |rounds: &[CpuUse], committing: &[f64]| {
         format!(
-            "CPU per call: agent {:.0} µs (writer thread {:.0} µs), clients {:.0} µs; writer thread on a CPU {:.0}% of the round, a commit in progress {:.0}%; {}",
+            "CPU per call: agent {:.0} µs (writer thread {:.0} µs), clients {:.0} µs; writer thread on a CPU {:.0}% of the round, a commit in progress {:.0}%; the agent wrote {:.1} KiB to its disk per call; {}",
             median(rounds, |r| r.agent * 1e6),
             median(rounds, |r| r.writer * 1e6),
             median(rounds, |r| r.own * 1e6),
             median(rounds, |r| r.writer_on_cpu * 100.0),
             median_spread(committing.iter().map(|c| c * 100.0).collect()).0,
+            median(rounds, |r| r.written / 1024.0),
             machine(rounds)
         )
     };
