@@ -360,24 +360,27 @@ fn claim_at(
     }
 }
 
-/// Every device's generation, by address.
-async fn generations(c: &mut HostDevClient<Channel>) -> std::collections::HashMap<String, u64> {
+/// Every device, as ListDevices gives them.
+async fn devices(c: &mut HostDevClient<Channel>) -> Vec<proto::Device> {
     c.list_devices(proto::ListDevicesRequest {})
         .await
         .expect("list")
         .into_inner()
         .devices
+}
+
+/// Every device's generation, by address.
+async fn generations(c: &mut HostDevClient<Channel>) -> std::collections::HashMap<String, u64> {
+    devices(c)
+        .await
         .into_iter()
         .map(|d| (d.address, d.generation))
         .collect()
 }
 
 async fn free_vfs(c: &mut HostDevClient<Channel>) -> Vec<(String, u64)> {
-    c.list_devices(proto::ListDevicesRequest {})
+    devices(c)
         .await
-        .expect("list")
-        .into_inner()
-        .devices
         .into_iter()
         .filter(|d| d.state == proto::DeviceState::Free as i32)
         .map(|d| (d.address, d.generation))

@@ -41,6 +41,34 @@ fn owner() -> Owner {
     }
 }
 
+/// A store in a fresh temporary directory (kept while the returned guard lives), holding
+/// a host of 64 devices, and the ledger that wrote it.
+fn store_with_host() -> (tempfile::TempDir, Store, Ledger) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut store = Store::open(dir.path()).expect("store");
+    let mut ledger = Ledger::new();
+    store
+        .commit(&[ledger.apply_inventory(facts(64))])
+        .expect("inventory");
+    (dir, store, ledger)
+}
+
+/// `n` consumers (UUIDs from `first_consumer` on), each with a device of its own: the
+/// host's devices in address order from device `first_device` of bus 0x10.
+fn owners(n: u32, first_device: u8, first_consumer: u128) -> Vec<(PciAddress, Owner)> {
+    (0..n)
+        .map(|i| {
+            let address = PciAddress::new(0, 0x10, (i / 8) as u8 + first_device, (i % 8) as u8)
+                .expect("address");
+            let owner = Owner {
+                consumer: ConsumerId(uuid::Uuid::from_u128(first_consumer + u128::from(i))),
+                label: OwnerLabel::try_from(String::new()).expect("label"),
+            };
+            (address, owner)
+        })
+        .collect()
+}
+
 /// Claims the device at `address` at its current generation for `owner`.
 fn claim(
     ledger: &mut Ledger,
@@ -222,12 +250,7 @@ fn bench(c: &mut Criterion) {
         |b| b.iter(|| black_box(ledger.strays_around(std::slice::from_ref(&claimed)).len())),
     );
 
-    let dir = tempfile::tempdir().expect("tempdir");
-    let mut store = Store::open(dir.path()).expect("store");
-    let mut l2 = Ledger::new();
-    store
-        .commit(&[l2.apply_inventory(facts(64))])
-        .expect("inventory");
+    let (_dir, mut store, mut l2) = store_with_host();
     let a2 = PciAddress::new(0, 0x10, 0, 1).expect("address");
     let mut k = 0u64;
     c.bench_function("store commit (claim, fsync), on the temp dir's disk", |b| {
@@ -253,17 +276,7 @@ fn bench(c: &mut Criterion) {
     // device, in one transaction, then each releases it, in another. Per change this is
     // what the writer thread pays for the store with 64 clients (each change writes its
     // record's page and its consumer's request-log page).
-    let batch: Vec<(PciAddress, Owner)> = (0..32u32)
-        .map(|i| {
-            let address =
-                PciAddress::new(0, 0x10, (i / 8) as u8 + 1, (i % 8) as u8).expect("address");
-            let owner = Owner {
-                consumer: ConsumerId(uuid::Uuid::from_u128(1000 + u128::from(i))),
-                label: OwnerLabel::try_from(String::new()).expect("label"),
-            };
-            (address, owner)
-        })
-        .collect();
+    let batch = owners(32, 1, 1000);
     c.bench_function(
         "store commit (32 claims in one batch, then 32 releases in another, fsync each)",
         |b| {
@@ -290,25 +303,11 @@ fn bench(c: &mut Criterion) {
     // The request log as the writer asks it: every claim, release or transfer whose id
     // the ledger's newest entries in memory lack is looked up in the store first. The log
     // holds 100,000 entries (the default limit) from 64 consumers.
-    let dir = tempfile::tempdir().expect("tempdir");
-    let mut store = Store::open(dir.path()).expect("store");
-    let mut l3 = Ledger::new();
-    store
-        .commit(&[l3.apply_inventory(facts(64))])
-        .expect("inventory");
-    let owners: Vec<(PciAddress, Owner)> = (0..64u32)
-        .map(|i| {
-            let address = PciAddress::new(0, 0x10, (i / 8) as u8, (i % 8) as u8).expect("address");
-            let owner = Owner {
-                consumer: ConsumerId(uuid::Uuid::from_u128(5000 + u128::from(i))),
-                label: OwnerLabel::try_from(String::new()).expect("label"),
-            };
-            (address, owner)
-        })
-        .collect();
+    let (_dir3, mut store, mut l3) = store_with_host();
+    let consumers = owners(64, 0, 5000);
     let mut pending: Vec<ChangeSet> = Vec::new();
-    for round in 0..(100_000 / (2 * owners.len())) {
-        for (address, owner) in &owners {
+    for round in 0..(100_000 / (2 * consumers.len())) {
+        for (address, owner) in &consumers {
             let (o, cs) = claim(&mut l3, *address, owner, &format!("c{round}"), 1);
             pending.push(cs);
             let (_, cs) = release(
@@ -327,7 +326,7 @@ fn bench(c: &mut Criterion) {
         }
     }
     store.commit(&pending).expect("commit");
-    let logged = owners[7].1.consumer;
+    let logged = consumers[7].1.consumer;
     let rid = |s: &str| -> hostdevd::pci::RequestId { s.parse().expect("rid") };
     let (old, new) = (rid("c100"), rid("never-logged"));
     assert!(store.request(logged, &old).expect("lookup").is_some());

@@ -323,6 +323,24 @@ fn request_log_is_pruned_oldest_first_on_disk() {
     assert_eq!(reopen(tmp.path()).request_log_len(), 9);
 }
 
+/// Puts the request log back as versions 1 and 2 shipped it, keyed by consumer and
+/// request id, with the entries it holds.
+fn keyed_request_log(conn: &Connection) {
+    conn.execute_batch(
+        "CREATE TABLE keyed (
+             consumer   TEXT NOT NULL,
+             request_id TEXT NOT NULL,
+             outcome    TEXT NOT NULL,
+             at         INTEGER NOT NULL,
+             PRIMARY KEY (consumer, request_id)
+         ) STRICT, WITHOUT ROWID;
+         INSERT INTO keyed SELECT consumer, request_id, outcome, at FROM requests;
+         DROP TABLE requests;
+         ALTER TABLE keyed RENAME TO requests;",
+    )
+    .expect("the keyed request log");
+}
+
 /// A database written by the first schema (with the owner and time indexes) opens,
 /// migrates to the current schema in place and loads the same ledger.
 #[test]
@@ -339,18 +357,9 @@ fn a_version_1_database_migrates_and_keeps_its_ledger() {
     {
         // Back to version 1 as it shipped: its indexes, its version number.
         let conn = Connection::open(tmp.path().join(DB_FILE)).expect("sqlite");
+        keyed_request_log(&conn);
         conn.execute_batch(
-            "CREATE TABLE keyed (
-                 consumer   TEXT NOT NULL,
-                 request_id TEXT NOT NULL,
-                 outcome    TEXT NOT NULL,
-                 at         INTEGER NOT NULL,
-                 PRIMARY KEY (consumer, request_id)
-             ) STRICT, WITHOUT ROWID;
-             INSERT INTO keyed SELECT consumer, request_id, outcome, at FROM requests;
-             DROP TABLE requests;
-             ALTER TABLE keyed RENAME TO requests;
-             CREATE INDEX records_by_consumer ON records (consumer) WHERE consumer IS NOT NULL;
+            "CREATE INDEX records_by_consumer ON records (consumer) WHERE consumer IS NOT NULL;
              CREATE INDEX requests_by_at ON requests (at);
              PRAGMA user_version = 1;",
         )
@@ -387,18 +396,9 @@ fn a_version_2_request_log_migrates_in_order() {
     let outcome = serde_json::to_string(&entry(1, "x", &rec, 0).outcome).expect("json");
     {
         let conn = Connection::open(tmp.path().join(DB_FILE)).expect("sqlite");
-        conn.execute_batch(
-            "DROP TABLE requests;
-             CREATE TABLE requests (
-                 consumer   TEXT NOT NULL,
-                 request_id TEXT NOT NULL,
-                 outcome    TEXT NOT NULL,
-                 at         INTEGER NOT NULL,
-                 PRIMARY KEY (consumer, request_id)
-             ) STRICT, WITHOUT ROWID;
-             PRAGMA user_version = 2;",
-        )
-        .expect("downgrade");
+        keyed_request_log(&conn);
+        conn.pragma_update(None, "user_version", 2)
+            .expect("downgrade");
         for (c, r, at) in [(2, "b", 50), (1, "z", 10), (1, "a", 50), (2, "a", 40)] {
             conn.execute(
                 "INSERT INTO requests VALUES (?1, ?2, ?3, ?4)",
