@@ -726,6 +726,57 @@ async fn round_trip_rows(t: &mut Table, dir: &Path, runs: usize) {
     drop(d);
 }
 
+/// The most of the machine's CPU time that the host may take (steal) in a round of a
+/// load pass for the pass to count. A lone client waits on every wake-up, so steal slows
+/// it far more than 64 clients that keep the CPUs busy: a pass under steal inflates the
+/// ratio (one at 23% made 14× where quiet passes made 5–6×).
+const MAX_STEAL: f64 = 0.05;
+
+/// Which load passes count: those whose every round lost at most [`MAX_STEAL`] of the
+/// CPU time to the host. A pass over it is set aside and run again, at most as many
+/// times as the passes wanted; after that every pass counts, and the rows say how many
+/// were set aside either way.
+struct Steady {
+    /// Passes run so far, kept or not (their consumers must differ).
+    attempts: usize,
+    /// Passes set aside so far.
+    aside: usize,
+    /// How many may be set aside.
+    budget: usize,
+}
+
+impl Steady {
+    fn new(budget: usize) -> Steady {
+        Steady {
+            attempts: 0,
+            aside: 0,
+            budget,
+        }
+    }
+
+    /// Counts a pass whose rounds lost `stolen` shares of the CPU time; whether it is kept.
+    fn keep(&mut self, stolen: impl IntoIterator<Item = f64>) -> bool {
+        self.attempts += 1;
+        let noisy = stolen.into_iter().any(|s| s > MAX_STEAL);
+        if noisy && self.aside < self.budget {
+            self.aside += 1;
+            return false;
+        }
+        true
+    }
+
+    /// For a row's title: how many passes were set aside, if any.
+    fn set_aside(&self) -> String {
+        match self.aside {
+            0 => String::new(),
+            n => format!(
+                " ({n} more run and set aside: over {:.0}% of the CPU time stolen by the host)",
+                MAX_STEAL * 100.0
+            ),
+        }
+    }
+}
+
 /// One load round: `clients` clients claim and release their own VF in a loop for 3 s.
 /// Returns the changes per second and their count; `peak` follows the daemon's RSS.
 async fn load_round(
@@ -879,34 +930,50 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     let mut peak_rss = idle_rss;
     let mut first_pass = None;
     let mut ops_total = 0u64;
-    for pass in 0..runs {
+    // A pass in which the host took more than MAX_STEAL of the CPU time in any round is
+    // set aside and run again, up to `runs` times in all (see `Steady`).
+    let mut steady = Steady::new(runs);
+    while passes.len() < runs {
+        let pass = steady.attempts;
         let mut rates = [0.0; 3];
         let mut shared = [0.0; 3];
+        let mut uses = Vec::new();
+        let mut busy = [0.0; 3];
         for (slot, clients) in [1usize, 8, 64].into_iter().enumerate() {
             let (commits0, seconds0) = commits(metrics);
             let mark = CpuMark::now(&d);
             let (rate, ops) = load_round(&d, &mut c, pass, clients, &mut peak_rss).await;
-            cpu[slot].push(mark.per_call(&d, ops));
+            uses.push(mark.per_call(&d, ops));
             let (commits1, seconds1) = commits(metrics);
             let committed = commits1.saturating_sub(commits0).max(1);
-            committing[slot].push((seconds1 - seconds0) / mark.at.elapsed().as_secs_f64());
+            busy[slot] = (seconds1 - seconds0) / mark.at.elapsed().as_secs_f64();
             rates[slot] = rate;
             shared[slot] = ops as f64 / committed as f64;
             ops_total += ops;
         }
         let mark = CpuMark::now(&d);
         let (rate, calls) = echo_round(&d, 64, &mut peak_rss).await;
-        cpu[3].push(mark.per_call(&d, calls));
-        echoes.push(rate);
-        passes.push(rates);
-        per_commit.push(shared);
+        uses.push(mark.per_call(&d, calls));
         if pass == 0 {
             // What stays once the clients are gone and the writer has trimmed (it does so
             // when idle, at most once a second): the request log and the Watch ring.
             tokio::time::sleep(Duration::from_millis(2500)).await;
             first_pass = Some((peak_rss, d.rss(), ops_total));
         }
+        if !steady.keep(uses.iter().map(|u| u.stolen)) {
+            continue;
+        }
+        for (slot, u) in uses.into_iter().enumerate() {
+            cpu[slot].push(u);
+        }
+        for (slot, b) in busy.into_iter().enumerate() {
+            committing[slot].push(b);
+        }
+        echoes.push(rate);
+        passes.push(rates);
+        per_commit.push(shared);
     }
+    let load_passes = steady.attempts;
     let (first_peak, after_first, first_ops) = first_pass.expect("at least one pass");
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let after_all = d.rss();
@@ -933,7 +1000,10 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
                 .collect(),
         );
         t.row(
-            &format!("claims+releases/s, {clients} concurrent clients, 4096 VFs, {runs} passes"),
+            &format!(
+                "claims+releases/s, {clients} concurrent clients, 4096 VFs, {runs} passes{}",
+                steady.set_aside()
+            ),
             &format!("1 client: {base:.0}/s ({base0:.0}–{base1:.0})"),
             format!(
                 "{rate:.0}/s = **{ratio:.1}×** ({r0:.1}–{r1:.1}); {shared:.1} changes per commit; {}; at that CPU per call, {cpus:.0} fully busy CPUs would allow {bound:.1}×",
@@ -949,7 +1019,7 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     let (reached, _, _) =
         median_spread(echoes.iter().zip(&passes).map(|(e, p)| p[2] / e).collect());
     t.row(
-        &format!("context, not a goal: bare health-check echoes/s, 64 concurrent clients, same agent, {runs} passes"),
+        &format!("context, not a goal: bare health-check echoes/s, 64 concurrent clients, same agent, {runs} passes{}", steady.set_aside()),
         &format!("1 client's claims+releases: {base:.0}/s"),
         format!(
             "{echo:.0}/s ({e0:.0}–{e1:.0}) = {ceiling:.1}× ({c0:.1}–{c1:.1}); 64 claim clients reach {:.0}% of it; {}",
@@ -977,7 +1047,7 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     );
     t.row(
         &format!(
-            "resident memory after all {runs} passes ({ops_total} changes; request log: up to {} entries on disk, {} in memory)",
+            "resident memory after all {load_passes} passes ({ops_total} changes; request log: up to {} entries on disk, {} in memory)",
             ops_total.min(hostdevd::store::DEFAULT_REQUEST_LOG_ENTRIES as u64),
             ops_total.min(hostdevd::ledger::DEFAULT_REQUEST_LOG_LIMIT as u64)
         ),
@@ -997,20 +1067,27 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     let mut k = claim_free_vfs(&mut c, 64, 1_000_000).await;
     let mut full_peak = d.rss();
     let mut full: Vec<[f64; 2]> = Vec::new();
-    for pass in runs..2 * runs {
+    let mut full_steady = Steady::new(runs);
+    while full.len() < runs {
+        // Consumers of their own: pass numbers after the empty host's.
+        let pass = load_passes + full_steady.attempts;
         let mut rates = [0.0; 2];
+        let mut stolen = [0.0; 2];
         for (slot, clients) in [1usize, 64].into_iter().enumerate() {
-            rates[slot] = load_round(&d, &mut c, pass, clients, &mut full_peak)
-                .await
-                .0;
+            let mark = CpuMark::now(&d);
+            let (rate, ops) = load_round(&d, &mut c, pass, clients, &mut full_peak).await;
+            rates[slot] = rate;
+            stolen[slot] = mark.per_call(&d, ops).stolen;
         }
-        full.push(rates);
+        if full_steady.keep(stolen) {
+            full.push(rates);
+        }
     }
     let (one, one0, one1) = median_spread(full.iter().map(|f| f[0]).collect());
     let (many, many0, many1) = median_spread(full.iter().map(|f| f[1]).collect());
     let (empty64, _, _) = column(2);
     t.row(
-        &format!("context, not a goal: claims+releases/s on a nearly full host ({k} of 4096 VFs claimed by others), 1 and 64 clients, {runs} passes"),
+        &format!("context, not a goal: claims+releases/s on a nearly full host ({k} of 4096 VFs claimed by others), 1 and 64 clients, {runs} passes{}", full_steady.set_aside()),
         &format!("the empty host above: 1 client {base:.0}/s, 64 clients {empty64:.0}/s"),
         format!(
             "1 client {one:.0}/s ({one0:.0}–{one1:.0}) = {:.2}× the empty host's; 64 clients {many:.0}/s ({many0:.0}–{many1:.0}) = {:.2}×, {:.1}× one client; resident memory peak {:.1} MiB",
