@@ -728,8 +728,8 @@ async fn round_trip_rows(t: &mut Table, dir: &Path, runs: usize) {
 
 /// The most of the machine's CPU time that the host may take (steal) in a round of a
 /// load pass for the pass to count. A lone client waits on every wake-up, so steal slows
-/// it far more than 64 clients that keep the CPUs busy: a pass under steal inflates the
-/// ratio (one at 23% made 14× where quiet passes made 5–6×).
+/// it far more than 64 clients that keep the CPUs busy, so steal inflates the ratio: a
+/// run whose one-client rounds lost 23% made 8.5× (6.3–14.0×) where quiet runs make 5–6×.
 const MAX_STEAL: f64 = 0.05;
 
 /// Which load passes count: those whose every round lost at most [`MAX_STEAL`] of the
