@@ -743,6 +743,8 @@ struct Steady {
     aside: usize,
     /// How many may be set aside.
     budget: usize,
+    /// Passes kept over the limit, once the budget was spent.
+    kept_over: usize,
 }
 
 impl Steady {
@@ -751,6 +753,7 @@ impl Steady {
             attempts: 0,
             aside: 0,
             budget,
+            kept_over: 0,
         }
     }
 
@@ -762,16 +765,21 @@ impl Steady {
             self.aside += 1;
             return false;
         }
+        self.kept_over += usize::from(noisy);
         true
     }
 
-    /// For a row's title: how many passes were set aside, if any.
+    /// For a row's title: how many passes were set aside, and how many kept over the
+    /// limit once no more could be, if any.
     fn set_aside(&self) -> String {
-        match self.aside {
-            0 => String::new(),
-            n => format!(
-                " ({n} more run and set aside: over {:.0}% of the CPU time stolen by the host)",
-                MAX_STEAL * 100.0
+        let limit = MAX_STEAL * 100.0;
+        match (self.aside, self.kept_over) {
+            (0, _) => String::new(),
+            (n, 0) => format!(
+                " ({n} more run and set aside: over {limit:.0}% of the CPU time stolen by the host)"
+            ),
+            (n, k) => format!(
+                " ({n} more run and set aside: over {limit:.0}% of the CPU time stolen by the host; {k} of those kept were over it too)"
             ),
         }
     }
