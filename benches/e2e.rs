@@ -653,7 +653,9 @@ async fn round_trip_rows(t: &mut Table, dir: &Path, runs: usize) {
     // Each round's claim p50 over echo + bare fdatasync.
     let mut datasyncs = Vec::new();
     let mut seq = 0u64;
-    for _ in 0..runs {
+    let mut steady = Steady::new(runs);
+    while rounds.len() < runs {
+        let mark = CpuMark::now(&d);
         let (mut echo, mut fsync, mut claims, mut releases, mut datasync) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..per_round {
@@ -672,6 +674,9 @@ async fn round_trip_rows(t: &mut Table, dir: &Path, runs: usize) {
             releases.push(rl);
             g = ng;
             seq += 1;
+        }
+        if !steady.keep([mark.per_call(&d, 1).stolen]) {
+            continue;
         }
         let e50 = percentile(&mut echo, 0.5);
         let f50 = percentile(&mut fsync, 0.5);
@@ -699,7 +704,7 @@ async fn round_trip_rows(t: &mut Table, dir: &Path, runs: usize) {
     let sum = e50 + f50;
     let (dm, _, _) = median_spread(datasyncs);
     t.row(
-        &format!("claim round trip over the Unix socket, durable (p50 of {per_round} per round, {runs} rounds, interleaved with the baselines)"),
+        &format!("claim round trip over the Unix socket, durable (p50 of {per_round} per round, {runs} rounds{}, interleaved with the baselines)", steady.set_aside()),
         &format!(
             "health-check echo {:.3} ms + bare 4 KiB overwrite+fsync {:.3} ms = {:.3} ms (median round)",
             e50 * 1e3,
@@ -726,16 +731,18 @@ async fn round_trip_rows(t: &mut Table, dir: &Path, runs: usize) {
     drop(d);
 }
 
-/// The most of the machine's CPU time that the host may take (steal) in a round of a
-/// load pass for the pass to count. A lone client waits on every wake-up, so steal slows
-/// it far more than 64 clients that keep the CPUs busy, so steal inflates the ratio: a
-/// run whose one-client rounds lost 23% made 8.5× (6.3–14.0×) where quiet runs make 5–6×.
+/// The most of the machine's CPU time that the host may take (steal) in a round-trip
+/// round, or in any round of a load pass, for it to count. A lone client waits on every
+/// wake-up, so steal slows it far more than 64 clients that keep the CPUs busy, and the
+/// load ratio rises: a run whose one-client rounds lost 23% made 8.5× (6.3–14.0×) where
+/// quiet runs make 5–6×. A round trip has more wake-ups than the echo and the fsync it
+/// is compared with: a run at 14% steal put a claim at 1.85× where quiet runs make 1.4×.
 const MAX_STEAL: f64 = 0.05;
 
-/// Which load passes count: those whose every round lost at most [`MAX_STEAL`] of the
-/// CPU time to the host. A pass over it is set aside and run again, at most as many
-/// times as the passes wanted; after that every pass counts, and the rows say how many
-/// were set aside either way.
+/// Which load passes (or round-trip rounds) count: those whose every round lost at most
+/// [`MAX_STEAL`] of the CPU time to the host. A pass over it is set aside and run again,
+/// at most as many times as the passes wanted; after that every pass counts, and the
+/// rows say how many were set aside either way.
 struct Steady {
     /// Passes run so far, kept or not (their consumers must differ).
     attempts: usize,
