@@ -953,7 +953,7 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         let mut rates = [0.0; 3];
         let mut shared = [0.0; 3];
         let mut uses = Vec::new();
-        let mut busy = [0.0; 3];
+        let mut in_commit = [0.0; 3];
         for (slot, clients) in [1usize, 8, 64].into_iter().enumerate() {
             let (commits0, seconds0) = commits(metrics);
             let mark = CpuMark::now(&d);
@@ -961,7 +961,7 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
             uses.push(mark.per_call(&d, ops));
             let (commits1, seconds1) = commits(metrics);
             let committed = commits1.saturating_sub(commits0).max(1);
-            busy[slot] = (seconds1 - seconds0) / mark.at.elapsed().as_secs_f64();
+            in_commit[slot] = (seconds1 - seconds0) / mark.at.elapsed().as_secs_f64();
             rates[slot] = rate;
             shared[slot] = ops as f64 / committed as f64;
             ops_total += ops;
@@ -981,7 +981,7 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         for (slot, u) in uses.into_iter().enumerate() {
             cpu[slot].push(u);
         }
-        for (slot, b) in busy.into_iter().enumerate() {
+        for (slot, b) in in_commit.into_iter().enumerate() {
             committing[slot].push(b);
         }
         echoes.push(rate);
