@@ -46,12 +46,15 @@ struct Rss(u64, u64, u64);
 /// Where CPU time went between two moments: the agent's (and its writer thread's), this
 /// benchmark process's (the clients), and the machine's CPUs: busy, and taken by the
 /// hypervisor for other guests (steal), which is how a noisy neighbour shows. Also what
-/// the agent wrote to its disk.
+/// the agent wrote to its disk, and how often the agent's and the clients' threads left
+/// a CPU (context switches).
 struct CpuMark {
     at: Instant,
     agent: f64,
     writer: f64,
     own: f64,
+    agent_switches: f64,
+    own_switches: f64,
     busy: f64,
     steal: f64,
     total: f64,
@@ -61,12 +64,15 @@ struct CpuMark {
 /// What a [`CpuMark`] saw over a round of `calls` calls: CPU seconds per call of the
 /// agent, of its writer thread and of the clients; shares of the wall clock the writer
 /// thread was on a CPU; shares of the machine's CPU time that were busy and stolen; bytes
-/// the agent wrote to its disk per call.
+/// the agent wrote to its disk per call; context switches per call of the agent's threads
+/// and of the clients'.
 #[derive(Debug, Clone, Copy)]
 struct CpuUse {
     agent: f64,
     writer: f64,
     own: f64,
+    agent_switches: f64,
+    own_switches: f64,
     writer_on_cpu: f64,
     busy: f64,
     stolen: f64,
@@ -85,6 +91,29 @@ fn written_bytes(pid: u32) -> f64 {
         .find_map(|l| l.strip_prefix("write_bytes:"))
         .and_then(|v| v.trim().parse().ok())
         .expect("write_bytes in /proc/PID/io")
+}
+
+/// Context switches of every live thread of a process (`tasks`: `/proc/PID/task` or
+/// `/proc/self/task`), voluntary (it waited: a futex, epoll, the disk) and not (it was
+/// preempted). Each is a wake-up that some CPU paid for; a thread that has exited no
+/// longer counts, which under load is none of the agent's or the clients' workers.
+fn context_switches(tasks: &str) -> f64 {
+    let Ok(dir) = std::fs::read_dir(tasks) else {
+        return 0.0;
+    };
+    dir.flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .flat_map(|status| {
+            status
+                .lines()
+                .filter_map(|l| {
+                    l.strip_prefix("voluntary_ctxt_switches:")
+                        .or_else(|| l.strip_prefix("nonvoluntary_ctxt_switches:"))
+                })
+                .filter_map(|v| v.trim().parse::<f64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
 }
 
 /// How many CPUs this process may run on, when the system says.
@@ -143,6 +172,8 @@ impl CpuMark {
             agent: cpu_seconds(&format!("/proc/{pid}/stat")),
             writer: writer_cpu_seconds(pid),
             own: cpu_seconds("/proc/self/stat"),
+            agent_switches: context_switches(&format!("/proc/{pid}/task")),
+            own_switches: context_switches("/proc/self/task"),
             busy: total - tick(3) - tick(4) - tick(7),
             steal: tick(7),
             total,
@@ -160,6 +191,8 @@ impl CpuMark {
             agent: (now.agent - self.agent) / calls,
             writer: (now.writer - self.writer) / calls,
             own: (now.own - self.own) / calls,
+            agent_switches: (now.agent_switches - self.agent_switches) / calls,
+            own_switches: (now.own_switches - self.own_switches) / calls,
             writer_on_cpu: (now.writer - self.writer) / wall,
             busy: (now.busy - self.busy) / total,
             stolen: (now.steal - self.steal) / total,
@@ -922,20 +955,29 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
             median(rounds, |r| r.stolen * 100.0),
         )
     };
+    let switches = |rounds: &[CpuUse]| {
+        format!(
+            "context switches per call: agent {:.1}, clients {:.1}",
+            median(rounds, |r| r.agent_switches),
+            median(rounds, |r| r.own_switches),
+        )
+    };
     let echo_use = |rounds: &[CpuUse]| {
         format!(
-            "CPU per call: agent {:.0} µs, clients {:.0} µs; {}",
+            "CPU per call: agent {:.0} µs, clients {:.0} µs; {}; {}",
             median(rounds, |r| r.agent * 1e6),
             median(rounds, |r| r.own * 1e6),
+            switches(rounds),
             machine(rounds)
         )
     };
     let claim_use = |rounds: &[CpuUse], committing: &[f64]| {
         format!(
-            "CPU per call: agent {:.0} µs (writer thread {:.0} µs), clients {:.0} µs; writer thread on a CPU {:.0}% of the round, a commit in progress {:.0}%; the agent wrote {:.1} KiB to its disk per call; {}",
+            "CPU per call: agent {:.0} µs (writer thread {:.0} µs), clients {:.0} µs; {}; writer thread on a CPU {:.0}% of the round, a commit in progress {:.0}%; the agent wrote {:.1} KiB to its disk per call; {}",
             median(rounds, |r| r.agent * 1e6),
             median(rounds, |r| r.writer * 1e6),
             median(rounds, |r| r.own * 1e6),
+            switches(rounds),
             median(rounds, |r| r.writer_on_cpu * 100.0),
             median_spread(committing.iter().map(|c| c * 100.0).collect()).0,
             median(rounds, |r| r.written / 1024.0),
