@@ -52,6 +52,7 @@ struct CpuMark {
     at: Instant,
     agent: f64,
     writer: f64,
+    writer_wait: f64,
     own: f64,
     agent_switches: f64,
     own_switches: f64,
@@ -63,7 +64,7 @@ struct CpuMark {
 
 /// What a [`CpuMark`] saw over a round of `calls` calls: CPU seconds per call of the
 /// agent, of its writer thread and of the clients; shares of the wall clock the writer
-/// thread was on a CPU; shares of the machine's CPU time that were busy and stolen; bytes
+/// thread was on a CPU and waited for one; shares of the machine's CPU time that were busy and stolen; bytes
 /// the agent wrote to its disk per call; context switches per call of the agent's threads
 /// and of the clients'.
 #[derive(Debug, Clone, Copy)]
@@ -74,6 +75,7 @@ struct CpuUse {
     agent_switches: f64,
     own_switches: f64,
     writer_on_cpu: f64,
+    writer_waiting: f64,
     busy: f64,
     stolen: f64,
     written: f64,
@@ -139,8 +141,8 @@ fn cpu_seconds(stat_file: &str) -> f64 {
     f.iter().sum::<u64>() as f64 / hz
 }
 
-/// CPU seconds of the agent's writer thread (the one named `hostdevd-writer`).
-fn writer_cpu_seconds(pid: u32) -> f64 {
+/// The `/proc` directory of the agent's writer thread (the one named `hostdevd-writer`).
+fn writer_task(pid: u32) -> PathBuf {
     let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the agent's threads");
     tasks
         .flatten()
@@ -148,8 +150,18 @@ fn writer_cpu_seconds(pid: u32) -> f64 {
         .find(|t| {
             std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.trim() == "hostdevd-writer")
         })
-        .map(|t| cpu_seconds(&t.join("stat").to_string_lossy()))
         .expect("the agent has a hostdevd-writer thread")
+}
+
+/// Seconds a thread has spent runnable but waiting for a CPU (the second field of its
+/// `schedstat`: the scheduler's run delay). Every change passes through the writer
+/// thread, so its wait is the whole pipeline's; without scheduler statistics in the
+/// kernel it reads 0.
+fn run_delay_seconds(task: &Path) -> f64 {
+    std::fs::read_to_string(task.join("schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<f64>().ok())
+        .map_or(0.0, |ns| ns / 1e9)
 }
 
 impl CpuMark {
@@ -168,10 +180,12 @@ impl CpuMark {
         // and steal is time this machine wanted a CPU and the hypervisor ran another.
         let total: f64 = ticks.iter().take(8).sum();
         let pid = d.child.id();
+        let writer = writer_task(pid);
         CpuMark {
             at: Instant::now(),
             agent: cpu_seconds(&format!("/proc/{pid}/stat")),
-            writer: writer_cpu_seconds(pid),
+            writer: cpu_seconds(&writer.join("stat").to_string_lossy()),
+            writer_wait: run_delay_seconds(&writer),
             own: cpu_seconds("/proc/self/stat"),
             agent_switches: context_switches(&format!("/proc/{pid}/task")),
             own_switches: context_switches("/proc/self/task"),
@@ -195,6 +209,7 @@ impl CpuMark {
             agent_switches: (now.agent_switches - self.agent_switches) / calls,
             own_switches: (now.own_switches - self.own_switches) / calls,
             writer_on_cpu: (now.writer - self.writer) / wall,
+            writer_waiting: (now.writer_wait - self.writer_wait) / wall,
             busy: (now.busy - self.busy) / total,
             stolen: (now.steal - self.steal) / total,
             written: (now.written - self.written) / calls,
@@ -974,12 +989,13 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     };
     let claim_use = |rounds: &[CpuUse], committing: &[f64]| {
         format!(
-            "CPU per call: agent {:.0} µs (writer thread {:.0} µs), clients {:.0} µs; {}; writer thread on a CPU {:.0}% of the round, a commit in progress {:.0}%; the agent wrote {:.1} KiB to its disk per call; {}",
+            "CPU per call: agent {:.0} µs (writer thread {:.0} µs), clients {:.0} µs; {}; writer thread on a CPU {:.0}% of the round, waiting for one {:.0}%, a commit in progress {:.0}%; the agent wrote {:.1} KiB to its disk per call; {}",
             median(rounds, |r| r.agent * 1e6),
             median(rounds, |r| r.writer * 1e6),
             median(rounds, |r| r.own * 1e6),
             switches(rounds),
             median(rounds, |r| r.writer_on_cpu * 100.0),
+            median(rounds, |r| r.writer_waiting * 100.0),
             median_spread(committing.iter().map(|c| c * 100.0).collect()).0,
             median(rounds, |r| r.written / 1024.0),
             machine(rounds)
