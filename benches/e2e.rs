@@ -64,9 +64,9 @@ struct CpuMark {
 
 /// What a [`CpuMark`] saw over a round of `calls` calls: CPU seconds per call of the
 /// agent, of its writer thread and of the clients; shares of the wall clock the writer
-/// thread was on a CPU and waited for one; shares of the machine's CPU time that were busy and stolen; bytes
-/// the agent wrote to its disk per call; context switches per call of the agent's threads
-/// and of the clients'.
+/// thread was on a CPU and waited for one; shares of the machine's CPU time that were
+/// busy and stolen; bytes the agent wrote to its disk per call; context switches per call
+/// of the agent's threads and of the clients'.
 #[derive(Debug, Clone, Copy)]
 struct CpuUse {
     agent: f64,
