@@ -198,7 +198,11 @@ impl CpuMark {
 
     /// What happened since `self`, over `calls` calls.
     fn per_call(&self, d: &Daemon, calls: u64) -> CpuUse {
-        let now = CpuMark::now(d);
+        self.until(&CpuMark::now(d), calls)
+    }
+
+    /// What happened from `self` to `now`, over `calls` calls.
+    fn until(&self, now: &CpuMark, calls: u64) -> CpuUse {
         let total = (now.total - self.total).max(1.0);
         let calls = calls.max(1) as f64;
         let wall = now.at.duration_since(self.at).as_secs_f64().max(1e-9);
@@ -841,15 +845,17 @@ impl Steady {
     }
 }
 
-/// One load round: `clients` clients claim and release their own VF in a loop for 3 s.
-/// Returns the changes per second and their count; `peak` follows the daemon's RSS.
-async fn load_round(
+/// One load round: `clients` clients claim and release their own VF in a loop for 3 s,
+/// with `mark` taken at its start and end (see [`drive`]); a round's changes are its
+/// calls. `peak` follows the daemon's RSS.
+async fn load_round<M>(
     d: &Daemon,
     c: &mut HostDevClient<Channel>,
     pass: usize,
     clients: usize,
     peak: &mut Rss,
-) -> (f64, u64) {
+    mark: impl Fn() -> M,
+) -> Round<M> {
     // Fresh generations for each round: the previous round changed its VFs.
     let vfs = free_vfs(c).await;
     let socket = d.socket.clone();
@@ -857,12 +863,13 @@ async fn load_round(
         d,
         peak,
         vfs.into_iter().take(clients).enumerate(),
-        move |(k, (addr, g)), deadline| {
+        move |(k, (addr, g)), start| {
             let socket = socket.clone();
             // A consumer of its own per pass and client: request ids restart at 0.
             let who = 1000 + (pass * 10_000 + clients * 100 + k) as u128;
             async move {
                 let mut c = hostdevd::client::connect(&socket).await.expect("connect");
+                let deadline = start.ready().await;
                 let mut g = g;
                 let mut ops = 0u64;
                 let mut seq = 0u64;
@@ -875,16 +882,22 @@ async fn load_round(
                 ops
             }
         },
+        mark,
     )
     .await
 }
 
 /// The transport's ceiling for a load round: `clients` clients each send bare health
-/// checks (an echo through the same agent, socket and HTTP/2 stack) in a loop for 3 s.
-/// Returns the calls per second and their count.
-async fn echo_round(d: &Daemon, clients: usize, peak: &mut Rss) -> (f64, u64) {
+/// checks (an echo through the same agent, socket and HTTP/2 stack) in a loop for 3 s,
+/// with `mark` taken at its start and end.
+async fn echo_round<M>(
+    d: &Daemon,
+    clients: usize,
+    peak: &mut Rss,
+    mark: impl Fn() -> M,
+) -> Round<M> {
     let socket = d.socket.clone();
-    drive(d, peak, 0..clients, move |_, deadline| {
+    let client = move |_, start: Start| {
         let socket = socket.clone();
         async move {
             let mut health = tonic_health::pb::health_client::HealthClient::new(
@@ -892,6 +905,7 @@ async fn echo_round(d: &Daemon, clients: usize, peak: &mut Rss) -> (f64, u64) {
                     .await
                     .expect("channel"),
             );
+            let deadline = start.ready().await;
             let mut calls = 0u64;
             while Instant::now() < deadline {
                 health
@@ -904,41 +918,104 @@ async fn echo_round(d: &Daemon, clients: usize, peak: &mut Rss) -> (f64, u64) {
             }
             calls
         }
-    })
-    .await
+    };
+    drive(d, peak, 0..clients, client, mark).await
 }
 
-/// Runs one client task per item until 3 s from now, each returning how many calls it
-/// made; returns the calls per second and their count. `peak` follows the daemon's RSS.
-async fn drive<I, F, Fut>(d: &Daemon, peak: &mut Rss, items: I, client: F) -> (f64, u64)
+/// The start line of a round's clients: each connects first and then waits here, so
+/// that the round's clock starts once every client is connected.
+#[derive(Clone)]
+struct Start {
+    ready: tokio::sync::mpsc::Sender<()>,
+    go: tokio::sync::watch::Receiver<Option<Instant>>,
+}
+
+impl Start {
+    /// Says this client is connected and waits for the others; returns when to stop.
+    async fn ready(mut self) -> Instant {
+        self.ready.send(()).await.expect("the round is waiting");
+        let go = self
+            .go
+            .wait_for(Option::is_some)
+            .await
+            .expect("the round started");
+        go.expect("a deadline")
+    }
+}
+
+/// A round of clients: its calls per second and their count, and a mark taken (by the
+/// caller's `mark`) at the start line and again as the last call was answered, so that
+/// the CPU time and the commits counted between the two are the round's own.
+struct Round<M> {
+    rate: f64,
+    calls: u64,
+    start: M,
+    end: M,
+}
+
+/// Runs one client task per item for 3 s once all are connected, each returning how many
+/// calls it made. The round lasts from the start until the last client's last call is
+/// answered (calls started before the deadline all count); `mark` is taken at both
+/// ends. `peak` follows the daemon's RSS.
+async fn drive<I, F, Fut, M>(
+    d: &Daemon,
+    peak: &mut Rss,
+    items: I,
+    client: F,
+    mark: impl Fn() -> M,
+) -> Round<M>
 where
     I: IntoIterator,
-    F: Fn(I::Item, Instant) -> Fut,
+    F: Fn(I::Item, Start) -> Fut,
     Fut: std::future::Future<Output = u64> + Send + 'static,
 {
-    let deadline = Instant::now() + Duration::from_secs(3);
+    let (ready_tx, mut ready_rx) = tokio::sync::mpsc::channel(1);
+    let (go_tx, go_rx) = tokio::sync::watch::channel(None);
+    let start = Start {
+        ready: ready_tx,
+        go: go_rx,
+    };
     let tasks: Vec<_> = items
         .into_iter()
-        .map(|item| tokio::spawn(client(item, deadline)))
+        .map(|item| tokio::spawn(client(item, start.clone())))
         .collect();
-    let t0 = Instant::now();
-    let mut sampler = tokio::time::interval(Duration::from_millis(200));
-    let mut ops = 0;
-    let mut pending = tasks;
-    while !pending.is_empty() {
-        sampler.tick().await;
-        *peak = (*peak).max(d.rss());
-        let mut still = Vec::new();
-        for task in pending {
-            if task.is_finished() {
-                ops += task.await.expect("client");
-            } else {
-                still.push(task);
-            }
-        }
-        pending = still;
+    drop(start);
+    // A client that fails to connect panics without saying so here: the wait is bounded.
+    for _ in 0..tasks.len() {
+        tokio::time::timeout(Duration::from_secs(60), ready_rx.recv())
+            .await
+            .expect("every client connects within a minute")
+            .expect("a client connected");
     }
-    (ops as f64 / t0.elapsed().as_secs_f64(), ops)
+    let first = mark();
+    let t0 = Instant::now();
+    go_tx
+        .send(Some(t0 + Duration::from_secs(3)))
+        .expect("clients wait for the start");
+    let all = async {
+        let mut calls = 0;
+        for task in tasks {
+            calls += task.await.expect("client");
+        }
+        calls
+    };
+    tokio::pin!(all);
+    let mut sampler = tokio::time::interval(Duration::from_millis(200));
+    let calls = loop {
+        tokio::select! {
+            calls = &mut all => break calls,
+            _ = sampler.tick() => *peak = (*peak).max(d.rss()),
+        }
+    };
+    let elapsed = t0.elapsed().as_secs_f64();
+    let last = mark();
+    *peak = (*peak).max(d.rss());
+    Round {
+        rate: calls as f64 / elapsed,
+        calls,
+        start: first,
+        end: last,
+    }
 }
 
 /// Throughput with 1, 8, 64 concurrent clients (group commit), resident memory, and
@@ -1014,20 +1091,22 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         let mut uses = Vec::new();
         let mut in_commit = [0.0; 3];
         for (slot, clients) in [1usize, 8, 64].into_iter().enumerate() {
-            let (commits0, seconds0) = commits(metrics);
-            let mark = CpuMark::now(&d);
-            let (rate, ops) = load_round(&d, &mut c, pass, clients, &mut peak_rss).await;
-            uses.push(mark.per_call(&d, ops));
-            let (commits1, seconds1) = commits(metrics);
-            let committed = commits1.saturating_sub(commits0).max(1);
-            in_commit[slot] = (seconds1 - seconds0) / mark.at.elapsed().as_secs_f64();
-            rates[slot] = rate;
+            let mark = || (CpuMark::now(&d), commits(metrics));
+            let round = load_round(&d, &mut c, pass, clients, &mut peak_rss, mark).await;
+            let ((mark0, (commits0, seconds0)), (mark1, (commits1, seconds1))) =
+                (&round.start, &round.end);
+            let ops = round.calls;
+            uses.push(mark0.until(mark1, ops));
+            let committed = commits1.saturating_sub(*commits0).max(1);
+            let wall = mark1.at.duration_since(mark0.at).as_secs_f64();
+            in_commit[slot] = (seconds1 - seconds0) / wall;
+            rates[slot] = round.rate;
             shared[slot] = ops as f64 / committed as f64;
             ops_total += ops;
         }
-        let mark = CpuMark::now(&d);
-        let (rate, calls) = echo_round(&d, 64, &mut peak_rss).await;
-        uses.push(mark.per_call(&d, calls));
+        let echo = echo_round(&d, 64, &mut peak_rss, || CpuMark::now(&d)).await;
+        let rate = echo.rate;
+        uses.push(echo.start.until(&echo.end, echo.calls));
         if pass == 0 {
             // What stays once the clients are gone and the writer has trimmed (it does so
             // when idle, at most once a second): the request log and the Watch ring.
@@ -1148,10 +1227,12 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         let mut rates = [0.0; 2];
         let mut stolen = [0.0; 2];
         for (slot, clients) in [1usize, 64].into_iter().enumerate() {
-            let mark = CpuMark::now(&d);
-            let (rate, ops) = load_round(&d, &mut c, pass, clients, &mut full_peak).await;
-            rates[slot] = rate;
-            stolen[slot] = mark.per_call(&d, ops).stolen;
+            let round = load_round(&d, &mut c, pass, clients, &mut full_peak, || {
+                CpuMark::now(&d)
+            })
+            .await;
+            rates[slot] = round.rate;
+            stolen[slot] = round.start.until(&round.end, round.calls).stolen;
         }
         if full_steady.keep(stolen) {
             full.push(rates);
@@ -1301,12 +1382,12 @@ async fn slow_disk_row(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usi
     for pass in 0..runs {
         let (mut rate, mut per_commit, mut per_sync) = ([0.0; 2], [0.0; 2], [0.0; 2]);
         for (slot, clients) in [1usize, 64].into_iter().enumerate() {
-            let ((commits0, _), syncs0) = (commits(metrics), disk.syncs());
-            let (r, ops) = load_round(&d, &mut c, pass, clients, &mut peak).await;
-            let ((commits1, _), syncs1) = (commits(metrics), disk.syncs());
+            let mark = || (commits(metrics).0, disk.syncs());
+            let round = load_round(&d, &mut c, pass, clients, &mut peak, mark).await;
+            let ((commits0, syncs0), (commits1, syncs1)) = (round.start, round.end);
             let committed = commits1.saturating_sub(commits0).max(1) as f64;
-            rate[slot] = r;
-            per_commit[slot] = ops as f64 / committed;
+            rate[slot] = round.rate;
+            per_commit[slot] = round.calls as f64 / committed;
             per_sync[slot] = syncs1.saturating_sub(syncs0) as f64 / committed;
         }
         rates.push(rate);
