@@ -2,10 +2,11 @@
 #   make demo   run the agent on a simulated host
 #   make test   the whole test suite (what CI runs)
 #   make bench  the performance harness (writes BENCHMARKS.md)
+#   make profile  where the agent's CPU goes per call, claims against echoes (perf)
 #   make package  the .deb and .rpm, into target/packages/
 #   make fuzz     every cargo-fuzz target for FUZZ_SECONDS (25) each
 #   make deny     cargo deny: licences, bans, sources (advisories where reachable)
-.PHONY: demo test deps test-deps fmt clippy unit python doc bench package packaging vm torture fuzz fuzz-bounded deny
+.PHONY: demo test deps test-deps fmt clippy unit python doc bench profile package packaging vm torture fuzz fuzz-bounded deny
 
 demo: deps
 	cargo run --quiet --bin hostdevd -- demo
@@ -58,6 +59,12 @@ bench:
 	./scripts/deps.sh --dev
 	cargo bench --bench e2e
 	cargo bench --bench micro
+
+# Where the agent's CPU goes per call under 64 clients, claims and releases against bare
+# echoes (`perf record` on the agent; see benches/README.md). Prints its rows only.
+profile:
+	./scripts/deps.sh --dev --profile
+	HOSTDEVD_BENCH_ROWS=profile cargo bench --bench e2e
 
 # Every fuzz target for a bounded time; fails on a crash (see fuzz/run.sh).
 FUZZ_SECONDS ?= 25

@@ -16,6 +16,8 @@ use hostdevd::simhost::{FakeSys, FakeTree};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
+#[path = "support/profile.rs"]
+mod profile;
 #[path = "support/slowsync.rs"]
 mod slowsync;
 
@@ -534,8 +536,9 @@ async fn main() {
     println!("| --- | --- | --- | --- | --- |");
     let names = hostdevd::sysfs::PciNames::system_default();
 
-    // Row groups, for iterating on one goal: HOSTDEVD_BENCH_ROWS=scan,rtt,load,reconcile,watch
-    // (comma-separated). A filtered run prints its rows but leaves BENCHMARKS.md alone.
+    // Row groups, for iterating on one goal: HOSTDEVD_BENCH_ROWS=scan,rtt,load,slowdisk,
+    // reconcile,watch (comma-separated), and `profile`, which runs only when named. A
+    // filtered run prints its rows but leaves BENCHMARKS.md alone.
     let only: Option<Vec<String>> = std::env::var("HOSTDEVD_BENCH_ROWS")
         .ok()
         .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
@@ -621,6 +624,15 @@ async fn main() {
     // 8. Watch fan-out: 100 watchers vs 1, 10,000 changes.
     if want("watch") {
         watch_row(&mut t, disk.path()).await;
+    }
+
+    // 9. Where the agent's CPU goes, per call of a claim and of an echo: only when asked
+    // for by name, since it needs perf and takes minutes to unwind the stacks.
+    if only
+        .as_ref()
+        .is_some_and(|o| o.iter().any(|g| g == "profile"))
+    {
+        profile_rows(&mut t, &big_tree, disk.path()).await;
     }
 
     if only.is_some() || std::env::var_os("HOSTDEVD_BENCH_BIN").is_some() {
@@ -1849,5 +1861,110 @@ fn addr_of(ev: &proto::WatchEvent) -> String {
     match &ev.device {
         Some(d) if d.physfn.is_empty() => String::new(),
         _ => ev.address.clone(),
+    }
+}
+
+/// Where the agent's CPU goes per call under 64 clients of claims and releases, against
+/// 64 clients of bare echoes through the same agent: `perf record` on the agent for 2 s
+/// of each round (see `support/profile.rs`), each bucket's share of the samples times the
+/// agent's CPU per call measured over the same round. Context rows, not goals.
+async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
+    const SECONDS: f64 = 2.0;
+    // HOSTDEVD_BENCH_PROFILE_DIR keeps the recordings there, for `perf report -i`.
+    let kept = std::env::var_os("HOSTDEVD_BENCH_PROFILE_DIR").map(PathBuf::from);
+    let work = kept.clone().unwrap_or_else(|| dir.join("profile"));
+    std::fs::create_dir_all(&work).expect("profile dir");
+    // A fresh ledger each time: the clients' consumers and request ids repeat.
+    let state = dir.join("profile-state");
+    let d = start_daemon(big_tree, dir, &state);
+    let (mut c, _) = wait_ready(&d).await;
+    let mut peak = d.rss();
+    let pid = d.child.id();
+    // One round unrecorded first: the request log and the connections' buffers at their
+    // working size, as in the load rows' later passes.
+    load_round(&d, &mut c, 0, 64, &mut peak, || ()).await;
+    // Each round's mark starts perf at the start line (once) and reads the CPU time.
+    let recorded = |data: PathBuf| {
+        let (d, started) = (&d, std::cell::Cell::new(false));
+        move || {
+            let perf = (!started.replace(true)).then(|| profile::record(pid, SECONDS, &data));
+            (CpuMark::now(d), perf)
+        }
+    };
+    let claims = load_round(
+        &d,
+        &mut c,
+        1,
+        64,
+        &mut peak,
+        recorded(work.join("claims.data")),
+    )
+    .await;
+    let echoes = echo_round(&d, 64, &mut peak, recorded(work.join("echoes.data"))).await;
+    drop(c);
+    drop(d);
+    let read = |round: Round<(CpuMark, Option<Child>)>, data: &str| {
+        let ((start, perf), (end, _)) = (round.start, round.end);
+        profile::finish(perf.expect("perf started with the round"));
+        let cpu = start.until(&end, round.calls);
+        (cpu, round.rate, profile::read(&work.join(data)))
+    };
+    let (claim_cpu, claim_rate, claim) = read(claims, "claims.data");
+    let (echo_cpu, echo_rate, echo) = read(echoes, "echoes.data");
+    let per_call = |cpu: &CpuUse, share: f64| {
+        format!("{:.1} µs ({:.1}%)", cpu.agent * share * 1e6, share * 100.0)
+    };
+    t.row(
+        &format!("profile, not a goal: the agent's CPU per call, 64 clients (`perf record -F 999 --call-graph dwarf` on the agent for {SECONDS} s of a round)"),
+        &format!(
+            "bare echoes: {echo_rate:.0}/s, agent {:.0} µs a call, {} samples, {:.0}% of the CPU time stolen by the host",
+            echo_cpu.agent * 1e6,
+            echo.samples,
+            echo_cpu.stolen * 100.0
+        ),
+        format!(
+            "claims+releases: {claim_rate:.0}/s, agent {:.0} µs a call, {} samples, {:.0}% stolen",
+            claim_cpu.agent * 1e6,
+            claim.samples,
+            claim_cpu.stolen * 100.0
+        ),
+        "—",
+        None,
+    );
+    for ((name, mine), (_, theirs)) in claim.buckets.iter().zip(&echo.buckets) {
+        t.row(
+            &format!("profile: {name}"),
+            &per_call(&echo_cpu, *theirs),
+            per_call(&claim_cpu, *mine),
+            "—",
+            None,
+        );
+    }
+    let top = |p: &profile::Profile| {
+        p.leaves
+            .iter()
+            .take(8)
+            .map(|(name, share)| {
+                // Generic arguments make some names hundreds of characters long.
+                let name: String = match name.char_indices().nth(70) {
+                    Some((cut, _)) => format!("{}…", &name[..cut]),
+                    None => name.clone(),
+                };
+                format!("`{name}` {:.1}%", share * 100.0)
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    t.row(
+        "profile: the functions most often on top of the agent's stack (self time)",
+        &top(&echo),
+        top(&claim),
+        "—",
+        None,
+    );
+    std::fs::remove_dir_all(&state).expect("remove the profile's state");
+    match kept {
+        Some(kept) => println!("perf recordings kept in {}", kept.display()),
+        None => std::fs::remove_dir_all(&work).expect("remove the profile dir"),
     }
 }

@@ -5,6 +5,7 @@
 #   scripts/deps.sh            the demo's needs
 #   scripts/deps.sh --dev      plus what building the tests and benchmarks needs
 #   scripts/deps.sh --tests    plus the test suites' (Python venv, packaging tools)
+#   scripts/deps.sh --profile  plus perf, for `make profile`
 #   scripts/deps.sh --fuzz     plus a C++ compiler (libFuzzer) and cargo-fuzz
 #   scripts/deps.sh --deny     plus git (the advisory database fetch) and cargo-deny
 #
@@ -16,11 +17,13 @@ tests=0
 dev=0
 fuzz=0
 deny=0
+profile=0
 for arg in "$@"; do
   case "$arg" in
     --tests) tests=1; dev=1 ;;
     --dev) dev=1 ;;
     --fuzz) fuzz=1 ;;
+    --profile) profile=1 ;;
     --deny) deny=1 ;;
     *) echo "deps.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
@@ -46,6 +49,14 @@ if [ "$fuzz" = 1 ]; then
 fi
 if [ "$deny" = 1 ]; then
   command -v git >/dev/null 2>&1 || need+=(git)
+fi
+if [ "$profile" = 1 ] && ! perf --version >/dev/null 2>&1; then
+  # Debian packages perf as linux-perf; Ubuntu as a tool package per kernel.
+  if grep -qx 'ID=ubuntu' /etc/os-release 2>/dev/null; then
+    need+=(linux-tools-common "linux-tools-$(uname -r)")
+  else
+    need+=(linux-perf)
+  fi
 fi
 if [ "$tests" = 1 ]; then
   python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)

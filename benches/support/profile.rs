@@ -1,0 +1,159 @@
+//! Where a running agent's CPU time goes, from `perf`: records its call stacks for a few
+//! seconds and sorts each sample into the stage of a request it belongs to.
+//!
+//! Each sample is counted once, under the first bucket of [`BUCKETS`] whose pattern
+//! appears anywhere in its stack (leaf to root): a commit made in place on an async
+//! worker counts as the writer's work, like one on the writer thread, and a handler's
+//! decoding inside the gRPC layer counts as the handler's. Stacks are unwound from DWARF
+//! (release builds keep no frame pointers), so the agent needs its debug information,
+//! as the release profile keeps it.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+/// The stages of a request, in the order a sample is tested against them, each with the
+/// symbol fragments that mark it.
+pub const BUCKETS: &[(&str, &[&str])] = &[
+    (
+        "the writer's work (decisions, commit, next view)",
+        &["Worker::run_batch"],
+    ),
+    (
+        "the service's handlers",
+        &["HostDev>::", "Health>::check", "HealthService"],
+    ),
+    ("gRPC's framing, decoding and encoding", &["Grpc<T>::unary"]),
+    ("the HTTP/2 stream tasks", &["H2Stream"]),
+    (
+        "the HTTP/2 connection",
+        &[
+            "h2::proto::connection::Connection",
+            "proto::h2::server",
+            "h2::server",
+        ],
+    ),
+    ("the runtime's parking and polling", &["park", "epoll_wait"]),
+];
+
+/// The name of the bucket for a sample in none of [`BUCKETS`].
+pub const OTHER: &str = "other";
+
+/// Starts `perf record` on process `pid` for `seconds`, writing to `out`. Panics if perf
+/// cannot be run at all: a profile asked for must not quietly come back empty.
+pub fn record(pid: u32, seconds: f64, out: &Path) -> Child {
+    Command::new("perf")
+        .args(["record", "-q", "-F", "999", "--call-graph", "dwarf", "-p"])
+        .arg(pid.to_string())
+        .arg("-o")
+        .arg(out)
+        .args(["--", "sleep"])
+        .arg(format!("{seconds}"))
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("perf is missing: scripts/deps.sh --profile (linux-perf)")
+}
+
+/// Waits for a recording started by [`record`] and checks that it ended well.
+pub fn finish(mut perf: Child) {
+    let status = perf.wait().expect("wait for perf record");
+    assert!(status.success(), "perf record failed: {status}");
+}
+
+/// What one recording holds: how many samples, the share of them in each bucket (in the
+/// order of [`BUCKETS`], then [`OTHER`]), and the functions most often on top of the
+/// stack (self time), largest first.
+pub struct Profile {
+    pub samples: usize,
+    pub buckets: Vec<(&'static str, f64)>,
+    pub leaves: Vec<(String, f64)>,
+}
+
+/// Reads a recording through `perf script` and sorts its samples. Inlined frames count
+/// (perf resolves them from the debug information, which takes it tens of seconds): the
+/// gRPC layer's unary call, for one, is inlined into its caller.
+pub fn read(data: &Path) -> Profile {
+    let mut script = Command::new("perf")
+        .args(["script", "-F", "comm,tid,ip,sym", "-i"])
+        .arg(data)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("perf script");
+    let out = script.stdout.take().expect("perf script's output");
+    let mut tally = Tally::default();
+    let mut stack: Vec<String> = Vec::new();
+    for line in BufReader::new(out).lines() {
+        let line = line.expect("read perf script's output");
+        if line.trim().is_empty() {
+            tally.add(&stack);
+            stack.clear();
+        } else if line.starts_with(char::is_whitespace) {
+            // A frame: "<address> <symbol>", the leaf first.
+            let frame = line.trim();
+            let symbol = frame.split_once(' ').map_or("", |(_, s)| s);
+            stack.push(symbol.trim_end_matches(" (inlined)").to_string());
+        } else {
+            // A sample's header ("<comm> <tid>"): its frames follow.
+            tally.add(&stack);
+            stack.clear();
+        }
+    }
+    tally.add(&stack);
+    let status = script.wait().expect("wait for perf script");
+    assert!(status.success(), "perf script failed: {status}");
+    tally.profile()
+}
+
+/// Samples counted so far, by bucket and by leaf function.
+#[derive(Default)]
+struct Tally {
+    samples: usize,
+    buckets: HashMap<&'static str, usize>,
+    leaves: HashMap<String, usize>,
+}
+
+impl Tally {
+    fn add(&mut self, stack: &[String]) {
+        let Some(leaf) = stack.first() else {
+            return;
+        };
+        self.samples += 1;
+        *self.buckets.entry(bucket(stack)).or_default() += 1;
+        *self.leaves.entry(leaf.clone()).or_default() += 1;
+    }
+
+    fn profile(self) -> Profile {
+        let share = |n: usize| n as f64 / self.samples.max(1) as f64;
+        let buckets = BUCKETS
+            .iter()
+            .map(|(name, _)| *name)
+            .chain([OTHER])
+            .map(|name| (name, share(self.buckets.get(name).copied().unwrap_or(0))))
+            .collect();
+        let mut leaves: Vec<(String, f64)> = self
+            .leaves
+            .into_iter()
+            .map(|(name, n)| (name, share(n)))
+            .collect();
+        leaves.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        Profile {
+            samples: self.samples,
+            buckets,
+            leaves,
+        }
+    }
+}
+
+/// The first bucket whose pattern appears in the stack.
+fn bucket(stack: &[String]) -> &'static str {
+    BUCKETS
+        .iter()
+        .find(|(_, patterns)| {
+            stack
+                .iter()
+                .any(|frame| patterns.iter().any(|p| frame.contains(p)))
+        })
+        .map_or(OTHER, |(name, _)| name)
+}
