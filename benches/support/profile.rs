@@ -58,7 +58,10 @@ pub fn record(pid: u32, seconds: f64, out: &Path) -> Child {
 /// Waits for a recording started by [`record`] and checks that it ended well.
 pub fn finish(mut perf: Child) {
     let status = perf.wait().expect("wait for perf record");
-    assert!(status.success(), "perf record failed: {status}");
+    assert!(
+        status.success(),
+        "perf record failed: {status} (as another user than root, see kernel.perf_event_paranoid)"
+    );
 }
 
 /// What one recording holds: how many samples, the share of them in each bucket (in the
