@@ -3,10 +3,11 @@
 //!
 //! Each sample is counted once, under the first bucket of [`BUCKETS`] whose pattern
 //! appears anywhere in its stack (leaf to root): a commit made in place on an async
-//! worker counts as the writer's work, like one on the writer thread, and a handler's
-//! decoding inside the gRPC layer counts as the handler's. Stacks are unwound from DWARF
-//! (release builds keep no frame pointers), so the agent needs its debug information,
-//! as the release profile keeps it.
+//! worker counts as the writer's work, like one on the writer thread, and a handler,
+//! which runs inside gRPC's unary call, counts as the handler's, leaving to gRPC's stage
+//! the rest of that call (decoding the request, encoding the answer). Stacks are unwound
+//! from DWARF (release builds keep no frame pointers), so the agent needs its debug
+//! information, as the release profile keeps it.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
