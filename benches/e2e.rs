@@ -1884,33 +1884,27 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
     // working size, as in the load rows' later passes.
     load_round(&d, &mut c, 0, 64, &mut peak, || ()).await;
     // Each round's mark starts perf at the start line (once) and reads the CPU time.
-    let recorded = |data: PathBuf| {
+    let (claims_data, echoes_data) = (work.join("claims.data"), work.join("echoes.data"));
+    let recorded = |data: &Path| {
         let (d, started) = (&d, std::cell::Cell::new(false));
+        let data = data.to_path_buf();
         move || {
             let perf = (!started.replace(true)).then(|| profile::record(pid, SECONDS, &data));
             (CpuMark::now(d), perf)
         }
     };
-    let claims = load_round(
-        &d,
-        &mut c,
-        1,
-        64,
-        &mut peak,
-        recorded(work.join("claims.data")),
-    )
-    .await;
-    let echoes = echo_round(&d, 64, &mut peak, recorded(work.join("echoes.data"))).await;
+    let claims = load_round(&d, &mut c, 1, 64, &mut peak, recorded(&claims_data)).await;
+    let echoes = echo_round(&d, 64, &mut peak, recorded(&echoes_data)).await;
     drop(c);
     drop(d);
-    let read = |round: Round<(CpuMark, Option<Child>)>, data: &str| {
+    let read = |round: Round<(CpuMark, Option<Child>)>, data: &Path| {
         let ((start, perf), (end, _)) = (round.start, round.end);
         profile::finish(perf.expect("perf started with the round"));
         let cpu = start.until(&end, round.calls);
-        (cpu, round.rate, profile::read(&work.join(data)))
+        (cpu, round.rate, profile::read(data))
     };
-    let (claim_cpu, claim_rate, claim) = read(claims, "claims.data");
-    let (echo_cpu, echo_rate, echo) = read(echoes, "echoes.data");
+    let (claim_cpu, claim_rate, claim) = read(claims, &claims_data);
+    let (echo_cpu, echo_rate, echo) = read(echoes, &echoes_data);
     let per_call = |cpu: &CpuUse, share: f64| {
         format!("{:.1} µs ({:.1}%)", cpu.agent * share * 1e6, share * 100.0)
     };
