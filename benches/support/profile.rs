@@ -90,16 +90,13 @@ pub fn read(data: &Path) -> Profile {
     let mut stack: Vec<String> = Vec::new();
     for line in BufReader::new(out).lines() {
         let line = line.expect("read perf script's output");
-        if line.trim().is_empty() {
-            tally.add(&stack);
-            stack.clear();
-        } else if line.starts_with(char::is_whitespace) {
+        let frame = line.trim();
+        if line.starts_with(char::is_whitespace) && !frame.is_empty() {
             // A frame: "<address> <symbol>", the leaf first.
-            let frame = line.trim();
             let symbol = frame.split_once(' ').map_or("", |(_, s)| s);
             stack.push(symbol.trim_end_matches(" (inlined)").to_string());
         } else {
-            // A sample's header ("<comm> <tid>"): its frames follow.
+            // A blank line or the next sample's header ("<comm> <tid>") ends a sample.
             tally.add(&stack);
             stack.clear();
         }
