@@ -111,10 +111,11 @@ pub struct Config {
     /// Root of the sysfs tree to read. Default "/sys".
     #[serde(default = "d_sysfs")]
     pub sysfs_root: PathBuf,
-    /// Root under which VFIO group nodes live (`<dev_root>/vfio/N`). Default "/dev".
+    /// Root under which VFIO group nodes live (`<dev_root>/vfio/N`), and the iommufd
+    /// interface's device nodes (`<dev_root>/vfio/devices/vfioX`). Default "/dev".
     #[serde(default = "d_dev")]
     pub dev_root: PathBuf,
-    /// Root of the proc tree scanned for VFIO group holders. Default "/proc".
+    /// Root of the proc tree scanned for holders of VFIO nodes. Default "/proc".
     #[serde(default = "d_proc")]
     pub proc_root: PathBuf,
     /// Directory of the ledger database and its lock. Default "/var/lib/hostdevd".

@@ -22,7 +22,7 @@
 //! - [`config`]: the TOML configuration and the managed-device selection.
 //! - [`domains`]: libvirt: the domains on this host and the PCI addresses they
 //!   reference (domain XML), polled to keep views current, queried afresh before a free.
-//! - [`vfio`]: who holds a VFIO group node open (a scan of the proc tree).
+//! - [`vfio`]: who holds a VFIO group or device node open (a scan of the proc tree).
 //! - [`hotplug`]: kernel uevents (netlink) for PCI devices; [`rescan`] applies a full
 //!   scan or only the devices an event names.
 //! - [`hardware`]: sysfs writes: binding to vfio-pci and back, setting VF counts.

@@ -684,6 +684,20 @@ impl FakeTree {
         p
     }
 
+    /// Gives device `a` the iommufd interface's device node `vfioN` the way a kernel of
+    /// Linux 6.6 or later does once it is bound to vfio-pci: the directory
+    /// `vfio-dev/vfioN` under the device, and `<dev>/vfio/devices/vfioN` (a regular file
+    /// stands in for the character device). Returns the node.
+    pub fn vfio_device_node(&self, a: &str, n: u32) -> PathBuf {
+        let name = format!("vfio{n}");
+        mkdir(&self.device_dir(a).join("vfio-dev").join(&name));
+        let dir = self.dev.join("vfio/devices");
+        mkdir(&dir);
+        let p = dir.join(name);
+        write(&p, "");
+        p
+    }
+
     /// Removes device `a` the way a hot-unplug would: its directory, its bus link, and
     /// the driver, IOMMU group and PF links that point at it. Leaves VFs of a removed PF
     /// alone (the kernel removes VFs first; do that explicitly if needed).

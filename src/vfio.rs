@@ -1,13 +1,20 @@
-//! Who holds a VFIO group open: a scan of a proc tree's file descriptors for links to a
-//! group node (`<dev_root>/vfio/N`), naming each holder and, for QEMU, its domain.
+//! Who holds a device's VFIO nodes open: a scan of a proc tree's file descriptors for
+//! links to a group node (`<dev_root>/vfio/N`) or a per-device node of the iommufd
+//! interface (`<dev_root>/vfio/devices/vfioX`), naming each holder and, for QEMU, its
+//! domain.
 //!
 //! Why: a VFIO group can be opened by one process at a time, so an open group node means
-//! the device is in use whatever any database says (I3). The scan only reads links and
-//! small files under the proc root; it never opens the group node itself, because holding
-//! it open for even a moment would make a starting QEMU fail with EBUSY.
+//! the device is in use whatever any database says (I3). Since Linux 6.6 a device bound
+//! to vfio-pci can also be opened through its own node, with no group node open at all
+//! (QEMU with `iommufd`; libvirt opens the node and passes it on): an open device node
+//! means the same. The scan only reads links and small files under the proc root; it
+//! never opens a node itself, because holding it open for even a moment would make a
+//! starting QEMU fail with EBUSY.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+use crate::pci::PciAddress;
 
 /// Why the holders of a group could not be determined.
 #[derive(Debug, thiserror::Error)]
@@ -20,9 +27,71 @@ pub enum VfioError {
         #[source]
         source: std::io::Error,
     },
+    /// A device's `vfio-dev` directory exists but could not be read, so its device node
+    /// is unknown: an error too, never an empty answer.
+    #[error("cannot read the VFIO device nodes of {path}: {source}")]
+    DeviceNodes {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
-/// A process holding a VFIO group open.
+/// The iommufd interface's nodes of the device at `address`, as sysfs lists them now:
+/// `<dev_root>/vfio/devices/vfioX` for each `vfioX` under the device's `vfio-dev`
+/// directory (present while it is bound to vfio-pci; the node exists where the kernel
+/// has the device interface, Linux 6.6 and later). A device without that directory, or
+/// gone from sysfs, has none.
+pub fn device_nodes(
+    sysfs_root: &Path,
+    dev_root: &Path,
+    address: PciAddress,
+) -> Result<Vec<PathBuf>, VfioError> {
+    let dir = sysfs_root
+        .join("bus/pci/devices")
+        .join(address.to_string())
+        .join("vfio-dev");
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => return Err(VfioError::DeviceNodes { path: dir, source }),
+    };
+    let mut nodes = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|source| VfioError::DeviceNodes {
+            path: dir.clone(),
+            source,
+        })?;
+        let name = entry.file_name();
+        // The kernel names them vfio0, vfio1...: anything else is not a device node.
+        let is_node = name.to_str().is_some_and(|n| {
+            n.strip_prefix("vfio")
+                .is_some_and(|i| !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()))
+        });
+        if is_node {
+            nodes.push(dev_root.join("vfio/devices").join(name));
+        }
+    }
+    nodes.sort();
+    Ok(nodes)
+}
+
+/// "VFIO group /dev/vfio/12" or "VFIO device node /dev/vfio/devices/vfio3": for
+/// messages.
+pub fn describe_node(node: &Path) -> String {
+    let is_device = node
+        .parent()
+        .and_then(Path::file_name)
+        .is_some_and(|d| d == "devices");
+    let kind = if is_device {
+        "VFIO device node"
+    } else {
+        "VFIO group"
+    };
+    format!("{kind} {}", node.display())
+}
+
+/// A process holding a VFIO group or device node open.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holder {
     pub pid: u32,
@@ -56,25 +125,26 @@ impl Holder {
     }
 }
 
-/// The processes under `proc_root` with a file descriptor linked to `group_node`.
-pub fn holders(proc_root: &Path, group_node: &Path) -> Result<Vec<Holder>, VfioError> {
-    let mut by_node = holders_of(proc_root, &[group_node])?;
-    Ok(by_node.remove(group_node).unwrap_or_default())
+/// The processes under `proc_root` with a file descriptor linked to `node` (a group node
+/// or a device node).
+pub fn holders(proc_root: &Path, node: &Path) -> Result<Vec<Holder>, VfioError> {
+    let mut by_node = holders_of(proc_root, &[node])?;
+    Ok(by_node.remove(node).unwrap_or_default())
 }
 
-/// One pass over the proc tree for several group nodes (an audit checks many devices):
+/// One pass over the proc tree for several VFIO nodes (an audit checks many devices):
 /// the holders of each node that has any, keyed by the node as given.
 pub fn holders_of(
     proc_root: &Path,
-    group_nodes: &[&Path],
+    nodes: &[&Path],
 ) -> Result<BTreeMap<PathBuf, Vec<Holder>>, VfioError> {
     let mut out: BTreeMap<PathBuf, Vec<Holder>> = BTreeMap::new();
-    if group_nodes.is_empty() {
+    if nodes.is_empty() {
         return Ok(out);
     }
     // The kernel reports an fd's target as a resolved absolute path, so compare against
     // both the node as configured and its resolved form (a dev root behind a symlink).
-    let wanted: Vec<(&Path, Option<PathBuf>)> = group_nodes
+    let wanted: Vec<(&Path, Option<PathBuf>)> = nodes
         .iter()
         .map(|n| (*n, std::fs::canonicalize(n).ok()))
         .collect();
@@ -270,5 +340,45 @@ mod tests {
         assert_eq!(many.len(), 2);
         let err = holders(&t.path().join("no-proc"), &node).expect_err("missing root");
         assert!(err.to_string().contains("no-proc"), "{err}");
+    }
+
+    #[test]
+    fn device_nodes_as_sysfs_lists_them() {
+        let t = tempfile::tempdir().expect("tmp");
+        let (sys, dev) = (t.path().join("sys"), t.path().join("dev"));
+        let at = |a: &str| -> PciAddress { a.parse().expect("address") };
+        let devices = sys.join("bus/pci/devices");
+        // Bound to vfio-pci: one node, among entries that are not nodes.
+        let bound = devices.join("0000:3b:10.1/vfio-dev");
+        for d in ["vfio3", "vfio", "vfiox", "power"] {
+            std::fs::create_dir_all(bound.join(d)).expect("mkdir");
+        }
+        assert_eq!(
+            device_nodes(&sys, &dev, at("0000:3b:10.1")).expect("read"),
+            vec![dev.join("vfio/devices/vfio3")]
+        );
+        // Not bound to vfio-pci, and gone from sysfs: none, and no error.
+        std::fs::create_dir_all(devices.join("0000:3b:10.2")).expect("mkdir");
+        for a in ["0000:3b:10.2", "0000:3b:10.3"] {
+            assert!(device_nodes(&sys, &dev, at(a)).expect("read").is_empty());
+        }
+        // A `vfio-dev` that cannot be listed: an error naming it, never "none".
+        let odd = devices.join("0000:3b:10.4");
+        std::fs::create_dir_all(&odd).expect("mkdir");
+        std::fs::write(odd.join("vfio-dev"), "").expect("file");
+        let err = device_nodes(&sys, &dev, at("0000:3b:10.4")).expect_err("not a dir");
+        assert!(err.to_string().contains("0000:3b:10.4/vfio-dev"), "{err}");
+    }
+
+    #[test]
+    fn nodes_are_described_by_kind() {
+        assert_eq!(
+            describe_node(Path::new("/dev/vfio/12")),
+            "VFIO group /dev/vfio/12"
+        );
+        assert_eq!(
+            describe_node(Path::new("/dev/vfio/devices/vfio3")),
+            "VFIO device node /dev/vfio/devices/vfio3"
+        );
     }
 }

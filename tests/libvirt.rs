@@ -497,6 +497,136 @@ async fn vfio_holder_blocks_the_free_until_it_exits() {
     s.stop().await;
 }
 
+/// A fake QEMU process under a fake proc root: `comm`, a libvirt-style command line and
+/// one fd linked to each of `nodes`.
+fn fake_qemu(proc_root: &Path, pid: u32, domain: u128, nodes: &[&Path]) -> std::path::PathBuf {
+    let p = proc_root.join(pid.to_string());
+    std::fs::create_dir_all(p.join("fd")).expect("fd dir");
+    std::fs::write(p.join("comm"), "qemu-system-x86\n").expect("comm");
+    std::fs::write(
+        p.join("cmdline"),
+        format!(
+            "/usr/bin/qemu-system-x86_64\0-name\0guest=instance-{domain:x},debug-threads=on\0-uuid\0{}\0",
+            uuid(domain)
+        ),
+    )
+    .expect("cmdline");
+    for (fd, node) in nodes.iter().enumerate() {
+        symlink(node, p.join(format!("fd/{}", 30 + fd))).expect("fd");
+    }
+    p
+}
+
+/// The iommufd interface (Linux 6.6 and later): QEMU holds a VF's own VFIO device node
+/// (`/dev/vfio/devices/vfioN`), not its group node. Release is refused naming the
+/// process, and so is the release of a VF whose IOMMU group peer's device node is held;
+/// an acting audit protects both; a `vfio-dev` directory that cannot be listed refuses
+/// the free as unprovable. None of the refusals changes anything, and once the processes
+/// are gone the releases go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_vfio_device_node_blocks_the_free() {
+    let _lv = test_driver();
+    let pf = "0000:3f:00.0";
+    let mut f = FakeSys::new();
+    f.pf(pf, 0x8086, 0x1572, 64, 4)
+        .driver(pf, "i40e")
+        .iommu_group(pf, 159)
+        .vf_iommu_groups(pf, 160);
+    let vfs: Vec<String> = f.vfs(pf).iter().map(|a| a.to_string()).collect();
+    // VF2 and VF3 share IOMMU group 162.
+    f.iommu_group(&vfs[3], 162);
+    for vf in &vfs {
+        f.driver(vf, "vfio-pci");
+    }
+    let tree = f.build();
+    for g in 160..=162 {
+        tree.vfio_node(g);
+    }
+    let node = tree.vfio_device_node(&vfs[0], 0);
+    let peer_node = tree.vfio_device_node(&vfs[3], 3);
+    let h = Host {
+        tree,
+        vfs: vfs.clone(),
+        pf: pf.into(),
+    };
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let iommu = h.tree.dev_root().join("iommu");
+    let q1 = fake_qemu(proc_dir.path(), 4343, 0x3f01, &[&iommu, &node]);
+    let q2 = fake_qemu(proc_dir.path(), 4344, 0x3f02, &[&iommu, &peer_node]);
+    let s = start(&h, proc_dir.path(), "test:///default", 3_600_000).await;
+    let mut c = s.client().await;
+    let (vf, peer) = (vfs[0].as_str(), vfs[2].as_str());
+    let claimed = claim(&mut c, vf, 0x3f01).await;
+    let peer_claimed = claim(&mut c, peer, 0x3f02).await;
+
+    let err = release(&mut c, vf, 0x3f01, claimed.generation)
+        .await
+        .expect_err("its device node is held open");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    let (reason, meta) = info(&err);
+    assert_eq!(reason, "VFIO_GROUP_IN_USE");
+    assert_eq!(meta["holder_pid"], "4343");
+    assert_eq!(meta["domain_name"], "instance-3f01");
+    assert_eq!(meta["vfio_group"], node.display().to_string());
+    assert!(
+        err.message()
+            .contains(&format!("VFIO device node {}", node.display())),
+        "{}",
+        err.message()
+    );
+    let err = release(&mut c, peer, 0x3f02, peer_claimed.generation)
+        .await
+        .expect_err("its IOMMU group peer's device node is held open");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_eq!(info(&err).1["holder_pid"], "4344");
+
+    let rep = reconcile(&mut c, &[], true).await.expect("reconcile");
+    assert!(rep.orphans.is_empty(), "{rep:?}");
+    let mut protected: Vec<(String, u32)> = rep
+        .protections
+        .iter()
+        .map(|p| (p.address.clone(), p.holder_pid))
+        .collect();
+    protected.sort();
+    assert_eq!(protected, vec![(vf.into(), 4343), (peer.into(), 4344)]);
+    assert!(
+        rep.protections
+            .iter()
+            .all(|p| p.reason.contains("VFIO device node")),
+        "{:?}",
+        rep.protections
+    );
+
+    // QEMU exits, but the device's vfio-dev directory cannot be listed: nothing proves
+    // the device unused, so the free is refused and nothing changes.
+    std::fs::remove_dir_all(&q1).expect("process gone");
+    let vfio_dev = h.tree.device_dir(vf).join("vfio-dev");
+    std::fs::remove_dir_all(&vfio_dev).expect("rmdir");
+    std::fs::write(&vfio_dev, "").expect("odd file");
+    let err = release(&mut c, vf, 0x3f01, claimed.generation)
+        .await
+        .expect_err("device nodes unknown");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert_eq!(info(&err).0, "VFIO_HOLDERS_UNKNOWN");
+    for (a, g) in [(vf, claimed.generation), (peer, peer_claimed.generation)] {
+        let d = device(&mut c, a).await;
+        assert_eq!((d.state, d.generation), (CLAIMED, g), "{a}");
+    }
+
+    std::fs::remove_file(&vfio_dev).expect("rm");
+    release(&mut c, vf, 0x3f01, claimed.generation)
+        .await
+        .expect("nobody holds the device node any more");
+    std::fs::remove_dir_all(&q2).expect("process gone");
+    release(&mut c, peer, 0x3f02, peer_claimed.generation)
+        .await
+        .expect("nobody holds the peer's device node any more");
+    for a in [vf, peer] {
+        assert_eq!(device(&mut c, a).await.state, FREE, "{a}");
+    }
+    s.stop().await;
+}
+
 /// The real daemon binary over a `test:///PATH/host.xml` that pre-defines a running
 /// domain: attached on claim by its own UUID, strays reported, a foreign claim refused
 /// naming the domain, an acting audit with a wrong owner list frees nothing.

@@ -1,6 +1,6 @@
 //! The checks made right before any free (Release, acting Reconcile): libvirt's domains
 //! listed afresh and applied to the ledger, so the writer decides with that view, and the
-//! VFIO holders of the device's group scanned from the proc tree.
+//! VFIO holders of the device's group and device nodes scanned from the proc tree.
 //!
 //! Why fresh: the poller's view may be seconds old, and the seed race is exactly a VM
 //! that appeared after someone's snapshot. Why under one lock: the poller takes the same
@@ -33,8 +33,12 @@ pub struct FreeGuard {
     /// How long a free waits for libvirt (and for the poller to finish a poll).
     pub timeout: Duration,
     pub proc_root: PathBuf,
-    /// Where VFIO group nodes live (`<dev_root>/vfio/N`).
+    /// Where VFIO group nodes live (`<dev_root>/vfio/N`), and device nodes
+    /// (`<dev_root>/vfio/devices/vfioX`).
     pub dev_root: PathBuf,
+    /// Where sysfs lists a device's VFIO device nodes
+    /// (`<sysfs_root>/bus/pci/devices/<address>/vfio-dev`).
+    pub sysfs_root: PathBuf,
     /// Serializes "list domains, apply" of the poller with "list, apply, free" here.
     pub order: Arc<tokio::sync::Mutex<()>>,
     /// The fresh listings begun and applied here, so that frees share them.
@@ -88,6 +92,7 @@ impl FreeGuard {
             timeout: Duration::from_millis(cfg.libvirt.timeout_ms),
             proc_root: cfg.proc_root.clone(),
             dev_root: cfg.dev_root.clone(),
+            sysfs_root: cfg.sysfs_root.clone(),
             order: Arc::new(tokio::sync::Mutex::new(())),
             lists: Listings::default(),
         }
@@ -123,7 +128,7 @@ impl FreeGuard {
         Ok(guard)
     }
 
-    /// The holders of each group node (one proc scan, off the async threads).
+    /// The holders of each VFIO node (one proc scan, off the async threads).
     pub async fn holders(
         &self,
         nodes: Vec<PathBuf>,

@@ -196,24 +196,40 @@ impl HostDevService {
         found
     }
 
-    /// The VFIO group nodes that would show the device in use: the inventory's node, and
-    /// the nodes of its IOMMU group even when the inventory has not seen a vfio-pci bind
-    /// yet (a node nobody holds costs nothing to check).
-    fn group_nodes(&self, address: PciAddress) -> Vec<std::path::PathBuf> {
-        let inv = self.inv();
-        let Some(dev) = inv.get(&address) else {
-            return Vec::new();
-        };
-        let mut nodes: Vec<std::path::PathBuf> = dev.vfio_group.iter().cloned().collect();
-        if let Some(g) = dev.iommu_group {
-            let vfio = self.guard.dev_root.join("vfio");
-            for n in [vfio.join(g.to_string()), vfio.join(format!("noiommu-{g}"))] {
-                if !nodes.contains(&n) {
-                    nodes.push(n);
+    /// The VFIO nodes that would show the device in use: the inventory's group node, the
+    /// nodes of its IOMMU group even when the inventory has not seen a vfio-pci bind yet
+    /// (a node nobody holds costs nothing to check), and the device nodes that sysfs lists
+    /// now for the device and each other member of its group, which the group node
+    /// would have covered.
+    fn vfio_nodes(
+        &self,
+        address: PciAddress,
+    ) -> Result<Vec<std::path::PathBuf>, crate::vfio::VfioError> {
+        let (mut nodes, members) = {
+            let inv = self.inv();
+            let Some(dev) = inv.get(&address) else {
+                return Ok(Vec::new());
+            };
+            let mut nodes: Vec<std::path::PathBuf> = dev.vfio_group.iter().cloned().collect();
+            if let Some(g) = dev.iommu_group {
+                let vfio = self.guard.dev_root.join("vfio");
+                for n in [vfio.join(g.to_string()), vfio.join(format!("noiommu-{g}"))] {
+                    if !nodes.contains(&n) {
+                        nodes.push(n);
+                    }
                 }
             }
+            let members: Vec<PciAddress> = std::iter::once(address)
+                .chain(dev.iommu_group_peers.iter().copied())
+                .collect();
+            (nodes, members)
+        };
+        for member in members {
+            let found =
+                crate::vfio::device_nodes(&self.guard.sysfs_root, &self.guard.dev_root, member)?;
+            nodes.extend(found);
         }
-        nodes
+        Ok(nodes)
     }
 
     /// The fresh checks before freeing `address`: libvirt's domains listed and applied
@@ -231,15 +247,12 @@ impl HostDevService {
             }
         })?;
         drop(order);
-        let nodes = self.group_nodes(address);
-        let held =
-            self.guard
-                .holders(nodes.clone())
-                .await
-                .map_err(|source| ApiError::HoldersUnknown {
-                    what: address.to_string(),
-                    source: Box::new(source),
-                })?;
+        let unknown = |source| ApiError::HoldersUnknown {
+            what: address.to_string(),
+            source: Box::new(source),
+        };
+        let nodes = self.vfio_nodes(address).map_err(unknown)?;
+        let held = self.guard.holders(nodes.clone()).await.map_err(unknown)?;
         for node in nodes {
             if let Some(holder) = held.get(&node).and_then(|h| h.first()) {
                 return Err(ApiError::VfioHeld {
@@ -277,20 +290,18 @@ impl HostDevService {
                 holder_command: String::new(),
             })
             .collect();
+        let unknown = |source| ApiError::HoldersUnknown {
+            what: "the orphans".into(),
+            source: Box::new(source),
+        };
         let nodes: Vec<(PciAddress, Vec<std::path::PathBuf>)> = report
             .orphans
             .iter()
-            .map(|rec| (rec.address(), self.group_nodes(rec.address())))
-            .collect();
+            .map(|rec| Ok((rec.address(), self.vfio_nodes(rec.address())?)))
+            .collect::<Result<_, _>>()
+            .map_err(unknown)?;
         let all: Vec<std::path::PathBuf> = nodes.iter().flat_map(|(_, n)| n.clone()).collect();
-        let held = self
-            .guard
-            .holders(all)
-            .await
-            .map_err(|source| ApiError::HoldersUnknown {
-                what: "the orphans".into(),
-                source: Box::new(source),
-            })?;
+        let held = self.guard.holders(all).await.map_err(unknown)?;
         let orphans = std::mem::take(&mut report.orphans);
         for (rec, (_, rec_nodes)) in orphans.into_iter().zip(nodes) {
             let holder = rec_nodes
@@ -301,8 +312,8 @@ impl HostDevService {
                     protections.push(proto::Protection {
                         address: rec.address().to_string(),
                         reason: format!(
-                            "its VFIO group {} is held open by {}",
-                            node.display(),
+                            "its {} is held open by {}",
+                            crate::vfio::describe_node(node),
                             h.describe()
                         ),
                         domain: h.domain_uuid.map(|u| proto::Domain {

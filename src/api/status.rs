@@ -54,8 +54,8 @@ pub enum ApiError {
         #[source]
         source: Box<DomainsError>,
     },
-    /// A process holds the device's VFIO group open.
-    #[error("{address} is in use: its VFIO group {} is held open by {}; nothing was changed", group.display(), holder.describe())]
+    /// A process holds the device's VFIO group, or its VFIO device node, open.
+    #[error("{address} is in use: its {} is held open by {}; nothing was changed", crate::vfio::describe_node(group), holder.describe())]
     VfioHeld {
         address: PciAddress,
         group: std::path::PathBuf,

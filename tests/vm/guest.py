@@ -332,6 +332,10 @@ vf = true
         group = groups[vf]
         check("the VF is bound to vfio-pci", link_name(vf, "driver") == "vfio-pci", str(link_name(vf, "driver")))
         check(f"/dev/vfio/{group} exists", os.path.exists(f"/dev/vfio/{group}"))
+        # The layout the holder check reads for the iommufd interface's device node.
+        vfio_dev = os.listdir(f"/sys/bus/pci/devices/{vf}/vfio-dev") if os.path.isdir(f"/sys/bus/pci/devices/{vf}/vfio-dev") else []
+        check("sysfs lists the VF's vfio-dev/vfioN", len(vfio_dev) == 1 and vfio_dev[0].startswith("vfio") and vfio_dev[0][4:].isdigit(), str(vfio_dev))
+        info(f"/dev/vfio/devices/{vfio_dev[0] if vfio_dev else '?'}: {'present' if vfio_dev and os.path.exists('/dev/vfio/devices/' + vfio_dev[0]) else 'absent (no device interface in this kernel)'}")
         d = show(vf)
         check("binding recorded with the original driver (none)", [(m["address"], m["original_driver"]) for m in d["vfio_binding"]] == [(vf, None)], json.dumps(d["vfio_binding"]))
         check("the claimed VF shows vfio-pci and its group node", d["driver"] == "vfio-pci" and d["vfio_group"] == f"/dev/vfio/{group}", f"{d['driver']} {d['vfio_group']}")
