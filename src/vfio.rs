@@ -37,14 +37,35 @@ pub enum VfioError {
     },
 }
 
-/// The iommufd interface's nodes of the device at `address`, as sysfs lists them now:
-/// `<dev_root>/vfio/devices/vfioX` for each `vfioX` under the device's `vfio-dev`
+/// The iommufd interface's nodes of the devices at `addresses`, as sysfs lists them now:
+/// `<dev_root>/vfio/devices/vfioX` for each `vfioX` under a device's `vfio-dev`
 /// directory (present while it is bound to vfio-pci; the node exists where the kernel
 /// has the device interface, Linux 6.6 and later). A device without that directory, or
-/// gone from sysfs, has none.
+/// gone from sysfs, has none; and without `<dev_root>/vfio/devices` no device has one
+/// (the kernel lacks the interface, or no device is bound to vfio-pci), so sysfs is not
+/// read at all.
 pub fn device_nodes(
     sysfs_root: &Path,
     dev_root: &Path,
+    addresses: &[PciAddress],
+) -> Result<Vec<PathBuf>, VfioError> {
+    let nodes_dir = dev_root.join("vfio/devices");
+    if let Err(e) = nodes_dir.symlink_metadata() {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            return Ok(Vec::new());
+        }
+    }
+    let mut nodes = Vec::new();
+    for address in addresses {
+        nodes.extend(nodes_listed(sysfs_root, &nodes_dir, *address)?);
+    }
+    Ok(nodes)
+}
+
+/// The device nodes under `nodes_dir` that sysfs lists for the device at `address`.
+fn nodes_listed(
+    sysfs_root: &Path,
+    nodes_dir: &Path,
     address: PciAddress,
 ) -> Result<Vec<PathBuf>, VfioError> {
     let dir = sysfs_root
@@ -69,7 +90,7 @@ pub fn device_nodes(
                 .is_some_and(|i| !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()))
         });
         if is_node {
-            nodes.push(dev_root.join("vfio/devices").join(name));
+            nodes.push(nodes_dir.join(name));
         }
     }
     nodes.sort();
@@ -346,28 +367,41 @@ mod tests {
     fn device_nodes_as_sysfs_lists_them() {
         let t = tempfile::tempdir().expect("tmp");
         let (sys, dev) = (t.path().join("sys"), t.path().join("dev"));
-        let at = |a: &str| -> PciAddress { a.parse().expect("address") };
+        let at = |a: &str| -> Vec<PciAddress> { vec![a.parse().expect("address")] };
         let devices = sys.join("bus/pci/devices");
         // Bound to vfio-pci: one node, among entries that are not nodes.
         let bound = devices.join("0000:3b:10.1/vfio-dev");
         for d in ["vfio3", "vfio", "vfiox", "power"] {
             std::fs::create_dir_all(bound.join(d)).expect("mkdir");
         }
+        // A `vfio-dev` that cannot be listed.
+        let odd = devices.join("0000:3b:10.4");
+        std::fs::create_dir_all(&odd).expect("mkdir");
+        std::fs::write(odd.join("vfio-dev"), "").expect("file");
+        // No `<dev>/vfio/devices`: no device node can exist, and sysfs is not read.
+        for a in ["0000:3b:10.1", "0000:3b:10.4"] {
+            assert!(device_nodes(&sys, &dev, &at(a)).expect("none").is_empty());
+        }
+        std::fs::create_dir_all(dev.join("vfio/devices")).expect("mkdir");
         assert_eq!(
-            device_nodes(&sys, &dev, at("0000:3b:10.1")).expect("read"),
+            device_nodes(&sys, &dev, &at("0000:3b:10.1")).expect("read"),
             vec![dev.join("vfio/devices/vfio3")]
         );
         // Not bound to vfio-pci, and gone from sysfs: none, and no error.
         std::fs::create_dir_all(devices.join("0000:3b:10.2")).expect("mkdir");
         for a in ["0000:3b:10.2", "0000:3b:10.3"] {
-            assert!(device_nodes(&sys, &dev, at(a)).expect("read").is_empty());
+            assert!(device_nodes(&sys, &dev, &at(a)).expect("read").is_empty());
         }
-        // A `vfio-dev` that cannot be listed: an error naming it, never "none".
-        let odd = devices.join("0000:3b:10.4");
-        std::fs::create_dir_all(&odd).expect("mkdir");
-        std::fs::write(odd.join("vfio-dev"), "").expect("file");
-        let err = device_nodes(&sys, &dev, at("0000:3b:10.4")).expect_err("not a dir");
-        assert!(err.to_string().contains("0000:3b:10.4/vfio-dev"), "{err}");
+        // A `vfio-dev` that cannot be listed: an error naming it, never "none", also
+        // when another device's nodes were found.
+        let both: Vec<PciAddress> = ["0000:3b:10.1", "0000:3b:10.4"]
+            .iter()
+            .map(|a| a.parse().expect("address"))
+            .collect();
+        for addresses in [at("0000:3b:10.4"), both] {
+            let err = device_nodes(&sys, &dev, &addresses).expect_err("not a dir");
+            assert!(err.to_string().contains("0000:3b:10.4/vfio-dev"), "{err}");
+        }
     }
 
     #[test]

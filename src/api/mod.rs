@@ -224,11 +224,11 @@ impl HostDevService {
                 .collect();
             (nodes, members)
         };
-        for member in members {
-            let found =
-                crate::vfio::device_nodes(&self.guard.sysfs_root, &self.guard.dev_root, member)?;
-            nodes.extend(found);
-        }
+        nodes.extend(crate::vfio::device_nodes(
+            &self.guard.sysfs_root,
+            &self.guard.dev_root,
+            &members,
+        )?);
         Ok(nodes)
     }
 
