@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::pci::PciAddress;
+use crate::sysfs::SysfsError;
 
 /// Why the holders of a group could not be determined.
 #[derive(Debug, thiserror::Error)]
@@ -27,13 +28,13 @@ pub enum VfioError {
         #[source]
         source: std::io::Error,
     },
-    /// A device's `vfio-dev` directory exists but could not be read, so its device node
-    /// is unknown: an error too, never an empty answer.
-    #[error("cannot read the VFIO device nodes of {path}: {source}")]
+    /// A device's `vfio-dev` directory exists but could not be listed, so its device
+    /// node is unknown: an error too, never an empty answer.
+    #[error("cannot list the VFIO device nodes of {address}: {}", source.full_message())]
     DeviceNodes {
-        path: PathBuf,
+        address: PciAddress,
         #[source]
-        source: std::io::Error,
+        source: SysfsError,
     },
 }
 
@@ -68,33 +69,10 @@ fn nodes_listed(
     nodes_dir: &Path,
     address: PciAddress,
 ) -> Result<Vec<PathBuf>, VfioError> {
-    let dir = sysfs_root
-        .join("bus/pci/devices")
-        .join(address.to_string())
-        .join("vfio-dev");
-    let entries = match std::fs::read_dir(&dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(source) => return Err(VfioError::DeviceNodes { path: dir, source }),
-    };
-    let mut nodes = Vec::new();
-    for entry in entries {
-        let entry = entry.map_err(|source| VfioError::DeviceNodes {
-            path: dir.clone(),
-            source,
-        })?;
-        let name = entry.file_name();
-        // The kernel names them vfio0, vfio1...: anything else is not a device node.
-        let is_node = name.to_str().is_some_and(|n| {
-            n.strip_prefix("vfio")
-                .is_some_and(|i| !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()))
-        });
-        if is_node {
-            nodes.push(nodes_dir.join(name));
-        }
-    }
-    nodes.sort();
-    Ok(nodes)
+    let device_dir = sysfs_root.join("bus/pci/devices").join(address.to_string());
+    let names = crate::sysfs::attr::vfio_device_names(&device_dir)
+        .map_err(|source| VfioError::DeviceNodes { address, source })?;
+    Ok(names.into_iter().map(|n| nodes_dir.join(n)).collect())
 }
 
 /// "VFIO group /dev/vfio/12" or "VFIO device node /dev/vfio/devices/vfio3": for

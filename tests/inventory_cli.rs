@@ -86,6 +86,7 @@ fn json_has_exactly_the_documented_fields() {
         "vf_index",
         "sriov",
         "vfio_group",
+        "vfio_device",
         "errors",
     ]
     .into();

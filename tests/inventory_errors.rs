@@ -344,6 +344,34 @@ fn vfio_group_node_is_found() {
     assert_eq!(dev(&inv, PF).vfio_group, None, "not bound to vfio-pci");
 }
 
+/// The iommufd interface's device node: found where sysfs lists it and the node exists;
+/// not reported where a kernel older than the interface lists the name but has no node,
+/// nor for a device not on vfio-pci; a `vfio-dev` that cannot be listed is named in that
+/// device's errors and nothing else is lost.
+#[test]
+fn vfio_device_node_is_found_where_the_kernel_has_one() {
+    let f = base();
+    let t = f.build();
+    let vfs: Vec<String> = f.vfs(PF).iter().map(|a| a.to_string()).collect();
+    let node = t.vfio_device_node(&vfs[0], 0);
+    std::fs::create_dir_all(t.device_dir(&vfs[1]).join("vfio-dev/vfio1")).expect("mkdir");
+    std::fs::write(t.device_dir(&vfs[2]).join("vfio-dev"), "").expect("odd file");
+    std::fs::create_dir_all(t.device_dir(OTHER).join("vfio-dev/vfio9")).expect("mkdir");
+    let inv = scan(&t);
+    assert_eq!(dev(&inv, &vfs[0]).vfio_device, Some(node));
+    assert_eq!(dev(&inv, &vfs[1]).vfio_device, None, "listed, but no node");
+    let v2 = dev(&inv, &vfs[2]);
+    assert_eq!(v2.vfio_device, None);
+    assert!(
+        v2.errors.iter().any(|e| e.starts_with("vfio-dev:")),
+        "{:?}",
+        v2.errors
+    );
+    assert_eq!(v2.vfio_group, Some(t.dev_root().join("vfio/102")));
+    assert_eq!(dev(&inv, OTHER).vfio_device, None, "not bound to vfio-pci");
+    assert!(dev(&inv, &vfs[3]).errors.is_empty());
+}
+
 #[test]
 fn scan_one_matches_scan() {
     let f = base();

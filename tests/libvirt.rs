@@ -556,6 +556,11 @@ async fn a_held_vfio_device_node_blocks_the_free() {
     let s = start(&h, proc_dir.path(), "test:///default", 3_600_000).await;
     let mut c = s.client().await;
     let (vf, peer) = (vfs[0].as_str(), vfs[2].as_str());
+    assert_eq!(
+        device(&mut c, vf).await.vfio_device,
+        node.display().to_string()
+    );
+    assert_eq!(device(&mut c, peer).await.vfio_device, "");
     let claimed = claim(&mut c, vf, 0x3f01).await;
     let peer_claimed = claim(&mut c, peer, 0x3f02).await;
 

@@ -152,6 +152,11 @@ pub fn device_to_proto(v: &DeviceView, inv: Option<&PciDevice>) -> proto::Device
             .and_then(|d| d.vfio_group.as_ref())
             .map(|p| p.display().to_string())
             .unwrap_or_default(),
+        vfio_device: inv
+            .filter(|d| d.driver.as_deref() == Some("vfio-pci"))
+            .and_then(|d| d.vfio_device.as_ref())
+            .map(|p| p.display().to_string())
+            .unwrap_or_default(),
         vfio_binding: r
             .claim
             .as_ref()

@@ -415,6 +415,7 @@ fn device_json(d: &proto::Device) -> Value {
             "address": nonempty(&b.address), "relation": b.relation, "domain": domain_json(&b.domain),
         })),
         "vfio_group": nonempty(&d.vfio_group),
+        "vfio_device": nonempty(&d.vfio_device),
         "vfio_binding": d.vfio_binding.iter().map(bound_json).collect::<Vec<_>>(),
     })
 }
@@ -702,6 +703,9 @@ fn device_lines(d: &proto::Device) -> Vec<String> {
     }
     if !d.vfio_group.is_empty() {
         kv.push(("vfio group", d.vfio_group.clone()));
+    }
+    if !d.vfio_device.is_empty() {
+        kv.push(("vfio device", d.vfio_device.clone()));
     }
     if !d.vfio_binding.is_empty() {
         kv.push(("vfio bound", bound_text(&d.vfio_binding)));

@@ -217,11 +217,42 @@ pub fn read_link_number(link: &Path) -> Result<Option<u32>, SysfsError> {
 
 /// The VF index of a `virtfnN` entry name, or `None` for any other name.
 pub fn virtfn_index(name: &str) -> Option<u32> {
-    let digits = name.strip_prefix("virtfn")?;
+    numbered("virtfn", name)
+}
+
+/// N of a name `<prefix>N` (decimal, at most 10 digits), or `None` for any other name.
+fn numbered(prefix: &str, name: &str) -> Option<u32> {
+    let digits = name.strip_prefix(prefix)?;
     if digits.is_empty() || digits.len() > 10 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
     digits.parse().ok()
+}
+
+/// The names of the iommufd interface's device nodes (`vfio0`, `vfio1`...) that the
+/// kernel lists under a device's `vfio-dev` directory while it is bound to vfio-pci,
+/// sorted; none when the directory does not exist (not bound, or the device is gone).
+/// Entries of any other name are not device nodes and are left out.
+pub fn vfio_device_names(device_dir: &Path) -> Result<Vec<String>, SysfsError> {
+    let dir = device_dir.join("vfio-dev");
+    let list_err = |source| SysfsError::ListDir {
+        path: dir.clone(),
+        source,
+    };
+    let entries = match fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(list_err(e)),
+    };
+    let mut names = Vec::new();
+    for entry in entries {
+        let name = entry.map_err(list_err)?.file_name();
+        if let Some(name) = name.to_str().filter(|n| numbered("vfio", n).is_some()) {
+            names.push(name.to_string());
+        }
+    }
+    names.sort();
+    Ok(names)
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! The read-only inventory of PCI devices under a sysfs root: ids, names, driver, IOMMU group, NUMA node, SR-IOV links, netdevs, VFIO group node.
+//! The read-only inventory of PCI devices under a sysfs root: ids, names, driver, IOMMU group, NUMA node, SR-IOV links, netdevs, VFIO group and device nodes.
 //!
 //! The sysfs root and the dev root are always passed in ([`DEFAULT_SYSFS_ROOT`] and
 //! [`DEFAULT_DEV_ROOT`] exist only as defaults for configuration), so tests point the
@@ -182,6 +182,10 @@ pub struct PciDevice {
     pub sriov: Option<SriovInfo>,
     /// `<devroot>/vfio/N` when bound to vfio-pci and in IOMMU group N.
     pub vfio_group: Option<PathBuf>,
+    /// `<devroot>/vfio/devices/vfioX` when bound to vfio-pci, listed by sysfs as
+    /// `vfio-dev/vfioX`, and the node exists (the iommufd interface, Linux 6.6 and
+    /// later; older kernels list the name but have no node).
+    pub vfio_device: Option<PathBuf>,
     /// One sentence per attribute or link that could not be read, each naming it.
     pub errors: Vec<String>,
     /// `driver_override`; `None` when the kernel shows "(null)".
@@ -216,6 +220,7 @@ impl PciDevice {
             vf_index: None,
             sriov: None,
             vfio_group: None,
+            vfio_device: None,
             errors: Vec::new(),
             driver_override: None,
             iommu_group_peers: Vec::new(),

@@ -222,6 +222,16 @@ fn read_device(ctx: &mut Ctx<'_>, address: PciAddress) -> (PciDevice, Option<VfL
             dev.vfio_group = Some(path);
             dev.vfio_group_exists = exists;
         }
+        match attr::vfio_device_names(&dir) {
+            Ok(names) => {
+                let nodes = ctx.dev_root.join("vfio/devices");
+                dev.vfio_device = names
+                    .into_iter()
+                    .map(|n| nodes.join(n))
+                    .find(|node| node.symlink_metadata().is_ok());
+            }
+            Err(e) => dev.problem("vfio-dev", &e),
+        }
     }
     (dev, vfs)
 }

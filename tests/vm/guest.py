@@ -82,6 +82,13 @@ def virtfns(pf):
     return [(int(n[6:]), link_name(pf, n)) for n in sorted(names, key=lambda n: int(n[6:]))]
 
 
+def vfio_device_node(a):
+    """The iommufd interface's node of a device on vfio-pci, where this kernel has one."""
+    d = f"{PCI}/devices/{a}/vfio-dev"
+    names = sorted(n for n in os.listdir(d) if n[4:].isdigit() and n.startswith("vfio")) if os.path.isdir(d) else []
+    return next((f"/dev/vfio/devices/{n}" for n in names if os.path.exists(f"/dev/vfio/devices/{n}")), None)
+
+
 def kernel_view():
     """Every device as lspci and sysfs describe it, in hostdevd's field names. lspci
     quirks: no Rev line for 00, no SVendor/SDevice for 0000/ffff, no NUMANode for -1."""
@@ -108,6 +115,7 @@ def kernel_view():
             "sriov": None,
             "netdevs": sorted(os.listdir(f"{PCI}/devices/{a}/net")) if os.path.isdir(f"{PCI}/devices/{a}/net") else [],
             "vfio_group": f"/dev/vfio/{group}" if l.get("Driver") == "vfio-pci" and group is not None else None,
+            "vfio_device": vfio_device_node(a) if l.get("Driver") == "vfio-pci" else None,
         }
         total = sysfs(a, "sriov_totalvfs")
         if total is not None:
@@ -117,10 +125,11 @@ def kernel_view():
 
 
 FIELDS = ["vendor_id", "device_id", "subsystem_vendor_id", "subsystem_device_id", "class", "revision",
-          "driver", "iommu_group", "numa_node", "physfn", "vf_index", "sriov", "netdevs", "vfio_group"]
+          "driver", "iommu_group", "numa_node", "physfn", "vf_index", "sriov", "netdevs", "vfio_group",
+          "vfio_device"]
 # The daemon's device records carry these (no subsystem ids, class or revision).
 DAEMON_FIELDS = ["vendor_id", "device_id", "driver", "iommu_group", "numa_node", "physfn", "vf_index",
-                 "sriov", "netdevs", "vfio_group"]
+                 "sriov", "netdevs", "vfio_group", "vfio_device"]
 
 
 def diff(got, want, fields):
