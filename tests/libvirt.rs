@@ -449,20 +449,9 @@ async fn vfio_holder_blocks_the_free_until_it_exits() {
     let vf = h.vfs[0].as_str();
     let node = h.tree.dev_root().join("vfio/140");
     let proc_dir = tempfile::tempdir().expect("proc");
-    let p = proc_dir.path().join("4242");
-    std::fs::create_dir_all(p.join("fd")).expect("fd dir");
-    std::fs::write(p.join("comm"), "qemu-system-x86\n").expect("comm");
-    std::fs::write(
-        p.join("cmdline"),
-        format!(
-            "/usr/bin/qemu-system-x86_64\0-name\0guest=instance-3e01,debug-threads=on\0-uuid\0{}\0",
-            uuid(0x3e01)
-        ),
-    )
-    .expect("cmdline");
-    // An unrelated open file.
-    symlink(proc_dir.path().join("log"), p.join("fd/0")).expect("fd 0");
-    symlink(&node, p.join("fd/27")).expect("fd 27");
+    // An unrelated open file, and the group node.
+    let log = proc_dir.path().join("log");
+    let p = fake_qemu(proc_dir.path(), 4242, 0x3e01, &[&log, &node]);
     let s = start(&h, proc_dir.path(), "test:///default", 3_600_000).await;
     let mut c = s.client().await;
     let d = device(&mut c, vf).await;
@@ -472,13 +461,7 @@ async fn vfio_holder_blocks_the_free_until_it_exits() {
     let err = release(&mut c, vf, 0x3e01, claimed.generation)
         .await
         .expect_err("held open");
-    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
-    let (reason, meta) = info(&err);
-    assert_eq!(reason, "VFIO_GROUP_IN_USE");
-    assert_eq!(meta["holder_pid"], "4242");
-    assert_eq!(meta["holder_command"], "qemu-system-x86");
-    assert_eq!(meta["domain_name"], "instance-3e01");
-    assert!(err.message().contains("pid 4242"), "{}", err.message());
+    held_by(&err, 4242, "instance-3e01");
 
     let rep = reconcile(&mut c, &[], true).await.expect("reconcile");
     assert!(rep.orphans.is_empty(), "{rep:?}");
@@ -495,6 +478,23 @@ async fn vfio_holder_blocks_the_free_until_it_exits() {
         .expect("nobody holds the group any more");
     assert_eq!(device(&mut c, vf).await.state, FREE);
     s.stop().await;
+}
+
+/// Checks that `err` refuses a free because a VFIO node is held open by `pid`, a fake
+/// QEMU for `domain`; returns the status's metadata.
+fn held_by(err: &tonic::Status, pid: u32, domain: &str) -> HashMap<String, String> {
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    let (reason, meta) = info(err);
+    assert_eq!(reason, "VFIO_GROUP_IN_USE");
+    assert_eq!(meta["holder_pid"], pid.to_string());
+    assert_eq!(meta["holder_command"], "qemu-system-x86");
+    assert_eq!(meta["domain_name"], domain);
+    assert!(
+        err.message().contains(&format!("pid {pid}")),
+        "{}",
+        err.message()
+    );
+    meta
 }
 
 /// A fake QEMU process under a fake proc root: `comm`, a libvirt-style command line and
@@ -567,11 +567,7 @@ async fn a_held_vfio_device_node_blocks_the_free() {
     let err = release(&mut c, vf, 0x3f01, claimed.generation)
         .await
         .expect_err("its device node is held open");
-    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
-    let (reason, meta) = info(&err);
-    assert_eq!(reason, "VFIO_GROUP_IN_USE");
-    assert_eq!(meta["holder_pid"], "4343");
-    assert_eq!(meta["domain_name"], "instance-3f01");
+    let meta = held_by(&err, 4343, "instance-3f01");
     assert_eq!(meta["vfio_group"], node.display().to_string());
     assert!(
         err.message()
@@ -582,8 +578,7 @@ async fn a_held_vfio_device_node_blocks_the_free() {
     let err = release(&mut c, peer, 0x3f02, peer_claimed.generation)
         .await
         .expect_err("its IOMMU group peer's device node is held open");
-    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
-    assert_eq!(info(&err).1["holder_pid"], "4344");
+    held_by(&err, 4344, "instance-3f02");
 
     let rep = reconcile(&mut c, &[], true).await.expect("reconcile");
     assert!(rep.orphans.is_empty(), "{rep:?}");
