@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use crate::pci::PciAddress;
 use crate::sysfs::SysfsError;
 
-/// Why the holders of a group could not be determined.
+/// Why the holders of a device's VFIO nodes could not be determined.
 #[derive(Debug, thiserror::Error)]
 pub enum VfioError {
     /// Without the process list nothing proves a group unused, so this is an error and
@@ -51,6 +51,7 @@ pub fn device_nodes(
     addresses: &[PciAddress],
 ) -> Result<Vec<PathBuf>, VfioError> {
     let nodes_dir = dev_root.join("vfio/devices");
+    // Any other failure to stat it proves nothing: sysfs is read as if it existed.
     if let Err(e) = nodes_dir.symlink_metadata() {
         if e.kind() == std::io::ErrorKind::NotFound {
             return Ok(Vec::new());

@@ -257,7 +257,7 @@ impl HostDevService {
             if let Some(holder) = held.get(&node).and_then(|h| h.first()) {
                 return Err(ApiError::VfioHeld {
                     address,
-                    group: node,
+                    node,
                     holder: Box::new(holder.clone()),
                 });
             }

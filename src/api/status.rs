@@ -55,10 +55,11 @@ pub enum ApiError {
         source: Box<DomainsError>,
     },
     /// A process holds the device's VFIO group, or its VFIO device node, open.
-    #[error("{address} is in use: its {} is held open by {}; nothing was changed", crate::vfio::describe_node(group), holder.describe())]
+    #[error("{address} is in use: its {} is held open by {}; nothing was changed", crate::vfio::describe_node(node), holder.describe())]
     VfioHeld {
         address: PciAddress,
-        group: std::path::PathBuf,
+        /// The group node or device node held open.
+        node: std::path::PathBuf,
         holder: Box<Holder>,
     },
     /// The proc tree could not be scanned for VFIO holders.
@@ -244,12 +245,13 @@ pub fn to_status(e: &ApiError) -> Status {
         }
         ApiError::VfioHeld {
             address,
-            group,
+            node,
             holder,
         } => {
             let mut meta = HashMap::from([
                 ("address".to_string(), address.to_string()),
-                ("vfio_group".to_string(), group.display().to_string()),
+                // Named for the group node it always held before device nodes counted.
+                ("vfio_group".to_string(), node.display().to_string()),
                 ("holder_pid".to_string(), holder.pid.to_string()),
                 ("holder_command".to_string(), holder.command.clone()),
             ]);
