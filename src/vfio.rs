@@ -50,18 +50,25 @@ pub fn device_nodes(
     dev_root: &Path,
     addresses: &[PciAddress],
 ) -> Result<Vec<PathBuf>, VfioError> {
-    let nodes_dir = dev_root.join("vfio/devices");
-    // Any other failure to stat it proves nothing: sysfs is read as if it existed.
-    if let Err(e) = nodes_dir.symlink_metadata() {
-        if e.kind() == std::io::ErrorKind::NotFound {
-            return Ok(Vec::new());
-        }
+    if !device_nodes_possible(dev_root) {
+        return Ok(Vec::new());
     }
+    let nodes_dir = dev_root.join("vfio/devices");
     let mut nodes = Vec::new();
     for address in addresses {
         nodes.extend(nodes_listed(sysfs_root, &nodes_dir, *address)?);
     }
     Ok(nodes)
+}
+
+/// Whether any device node can exist under `dev_root`: false only when
+/// `<dev_root>/vfio/devices` does not exist. Any other failure to stat it proves nothing,
+/// so it counts as possible.
+pub fn device_nodes_possible(dev_root: &Path) -> bool {
+    match dev_root.join("vfio/devices").symlink_metadata() {
+        Err(e) => e.kind() != std::io::ErrorKind::NotFound,
+        Ok(_) => true,
+    }
 }
 
 /// The device nodes under `nodes_dir` that sysfs lists for the device at `address`.

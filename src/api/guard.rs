@@ -24,6 +24,18 @@ use crate::writer::Writer;
 /// Up to this many group nodes are checked for existence on the calling task.
 const INLINE_NODE_CHECKS: usize = 4;
 
+/// The VFIO nodes that would show one device in use: its IOMMU group's nodes, named
+/// without any I/O, and the members of that group (the device first), whose device
+/// nodes sysfs lists when the check runs.
+#[derive(Debug, Clone)]
+pub struct VfioCheck {
+    pub group_nodes: Vec<PathBuf>,
+    pub members: Vec<crate::pci::PciAddress>,
+}
+
+/// A node found held open, with its first holder.
+pub type Held = (PathBuf, Holder);
+
 /// What a free is checked against.
 #[derive(Debug)]
 pub struct FreeGuard {
@@ -128,34 +140,62 @@ impl FreeGuard {
         Ok(guard)
     }
 
-    /// The holders of each VFIO node (one proc scan, off the async threads).
-    pub async fn holders(
-        &self,
-        nodes: Vec<PathBuf>,
-    ) -> Result<std::collections::BTreeMap<PathBuf, Vec<Holder>>, VfioError> {
-        if nodes.is_empty() {
-            return Ok(Default::default());
+    /// For each device, in order, the first of its nodes found held open (`None`: none
+    /// is): its device nodes listed from sysfs and one proc scan for all of them, off the
+    /// async threads.
+    pub async fn held(&self, devices: Vec<VfioCheck>) -> Result<Vec<Option<Held>>, VfioError> {
+        if devices.is_empty() {
+            return Ok(Vec::new());
         }
-        // One device's nodes (a Release): a node that does not exist cannot be held open,
-        // and asking costs a stat or three, less than the thread hand-off a blocking task
-        // needs. Usually none exists and the proc tree is not read at all.
-        if nodes.len() <= INLINE_NODE_CHECKS && !nodes.iter().any(|n| n.symlink_metadata().is_ok())
-        {
-            return Ok(Default::default());
+        // One device (a Release): a node that does not exist cannot be held open, and
+        // asking costs a stat or three, less than the thread hand-off a blocking task
+        // needs. Usually none exists, sysfs is not listed and the proc tree not read.
+        if let [one] = devices.as_slice() {
+            if one.group_nodes.len() <= INLINE_NODE_CHECKS
+                && !one.group_nodes.iter().any(|n| n.symlink_metadata().is_ok())
+                && !crate::vfio::device_nodes_possible(&self.dev_root)
+            {
+                return Ok(vec![None]);
+            }
         }
-        let proc_root = self.proc_root.clone();
+        let (proc_root, sysfs_root, dev_root) = (
+            self.proc_root.clone(),
+            self.sysfs_root.clone(),
+            self.dev_root.clone(),
+        );
         tokio::task::spawn_blocking(move || {
+            let mut per_device = Vec::with_capacity(devices.len());
+            for d in devices {
+                let mut nodes = d.group_nodes;
+                nodes.extend(crate::vfio::device_nodes(
+                    &sysfs_root,
+                    &dev_root,
+                    &d.members,
+                )?);
+                per_device.push(nodes);
+            }
             // A node that does not exist cannot be held open; without any, the proc tree
             // need not be read at all (a host without VFIO, the demo).
-            let refs: Vec<&Path> = nodes
+            let refs: Vec<&Path> = per_device
                 .iter()
+                .flatten()
                 .map(PathBuf::as_path)
                 .filter(|n| n.symlink_metadata().is_ok())
                 .collect();
-            if refs.is_empty() {
-                return Ok(Default::default());
-            }
-            crate::vfio::holders_of(&proc_root, &refs)
+            let held = if refs.is_empty() {
+                Default::default()
+            } else {
+                crate::vfio::holders_of(&proc_root, &refs)?
+            };
+            Ok(per_device
+                .into_iter()
+                .map(|nodes| {
+                    nodes.into_iter().find_map(|n| {
+                        let h = held.get(&n).and_then(|h| h.first()).cloned();
+                        h.map(|h| (n, h))
+                    })
+                })
+                .collect())
         })
         .await
         .unwrap_or_else(|e| {

@@ -25,6 +25,7 @@ use crate::rescan::{Rescanner, SharedInventory};
 use crate::sysfs::PciDevice;
 use crate::writer::{Event, OrphanFree, Writer};
 use convert::device_to_proto;
+use guard::VfioCheck;
 use status::ApiError;
 use watch_queue::Pending;
 pub use watch_queue::QueueLimits;
@@ -196,40 +197,33 @@ impl HostDevService {
         found
     }
 
-    /// The VFIO nodes that would show the device in use: the inventory's group node, the
-    /// nodes of its IOMMU group even when the inventory has not seen a vfio-pci bind yet
-    /// (a node nobody holds costs nothing to check), and the device nodes that sysfs lists
-    /// now for the device and each other member of its group, which the group node
-    /// would have covered.
-    fn vfio_nodes(
-        &self,
-        address: PciAddress,
-    ) -> Result<Vec<std::path::PathBuf>, crate::vfio::VfioError> {
-        let (mut nodes, members) = {
-            let inv = self.inv();
-            let Some(dev) = inv.get(&address) else {
-                return Ok(Vec::new());
+    /// What would show the device in use: the inventory's group node, the nodes of its
+    /// IOMMU group even when the inventory has not seen a vfio-pci bind yet (a node nobody
+    /// holds costs nothing to check), and the members of that group, whose device nodes
+    /// the group node would have covered. A device the inventory does not know has none.
+    fn vfio_check(&self, address: PciAddress) -> VfioCheck {
+        let inv = self.inv();
+        let Some(dev) = inv.get(&address) else {
+            return VfioCheck {
+                group_nodes: Vec::new(),
+                members: Vec::new(),
             };
-            let mut nodes: Vec<std::path::PathBuf> = dev.vfio_group.iter().cloned().collect();
-            if let Some(g) = dev.iommu_group {
-                let vfio = self.guard.dev_root.join("vfio");
-                for n in [vfio.join(g.to_string()), vfio.join(format!("noiommu-{g}"))] {
-                    if !nodes.contains(&n) {
-                        nodes.push(n);
-                    }
+        };
+        let mut group_nodes: Vec<std::path::PathBuf> = dev.vfio_group.iter().cloned().collect();
+        if let Some(g) = dev.iommu_group {
+            let vfio = self.guard.dev_root.join("vfio");
+            for n in [vfio.join(g.to_string()), vfio.join(format!("noiommu-{g}"))] {
+                if !group_nodes.contains(&n) {
+                    group_nodes.push(n);
                 }
             }
-            let members: Vec<PciAddress> = std::iter::once(address)
+        }
+        VfioCheck {
+            group_nodes,
+            members: std::iter::once(address)
                 .chain(dev.iommu_group_peers.iter().copied())
-                .collect();
-            (nodes, members)
-        };
-        nodes.extend(crate::vfio::device_nodes(
-            &self.guard.sysfs_root,
-            &self.guard.dev_root,
-            &members,
-        )?);
-        Ok(nodes)
+                .collect(),
+        }
     }
 
     /// The fresh checks before freeing `address`: libvirt's domains listed and applied
@@ -247,20 +241,20 @@ impl HostDevService {
             }
         })?;
         drop(order);
-        let unknown = |source| ApiError::HoldersUnknown {
-            what: address.to_string(),
-            source: Box::new(source),
-        };
-        let nodes = self.vfio_nodes(address).map_err(unknown)?;
-        let held = self.guard.holders(nodes.clone()).await.map_err(unknown)?;
-        for node in nodes {
-            if let Some(holder) = held.get(&node).and_then(|h| h.first()) {
-                return Err(ApiError::VfioHeld {
-                    address,
-                    node,
-                    holder: Box::new(holder.clone()),
-                });
-            }
+        let held = self
+            .guard
+            .held(vec![self.vfio_check(address)])
+            .await
+            .map_err(|source| ApiError::HoldersUnknown {
+                what: address.to_string(),
+                source: Box::new(source),
+            })?;
+        if let Some((node, holder)) = held.into_iter().flatten().next() {
+            return Err(ApiError::VfioHeld {
+                address,
+                node,
+                holder: Box::new(holder),
+            });
         }
         Ok(())
     }
@@ -290,30 +284,28 @@ impl HostDevService {
                 holder_command: String::new(),
             })
             .collect();
-        let unknown = |source| ApiError::HoldersUnknown {
-            what: "the orphans".into(),
-            source: Box::new(source),
-        };
-        let nodes: Vec<(PciAddress, Vec<std::path::PathBuf>)> = report
+        let checks = report
             .orphans
             .iter()
-            .map(|rec| Ok((rec.address(), self.vfio_nodes(rec.address())?)))
-            .collect::<Result<_, _>>()
-            .map_err(unknown)?;
-        let all: Vec<std::path::PathBuf> = nodes.iter().flat_map(|(_, n)| n.clone()).collect();
-        let held = self.guard.holders(all).await.map_err(unknown)?;
+            .map(|rec| self.vfio_check(rec.address()))
+            .collect();
+        let held = self
+            .guard
+            .held(checks)
+            .await
+            .map_err(|source| ApiError::HoldersUnknown {
+                what: "the orphans".into(),
+                source: Box::new(source),
+            })?;
         let orphans = std::mem::take(&mut report.orphans);
-        for (rec, (_, rec_nodes)) in orphans.into_iter().zip(nodes) {
-            let holder = rec_nodes
-                .iter()
-                .find_map(|n| held.get(n).and_then(|h| h.first()).map(|h| (n, h)));
+        for (rec, holder) in orphans.into_iter().zip(held) {
             match holder {
                 Some((node, h)) => {
                     protections.push(proto::Protection {
                         address: rec.address().to_string(),
                         reason: format!(
                             "its {} is held open by {}",
-                            crate::vfio::describe_node(node),
+                            crate::vfio::describe_node(&node),
                             h.describe()
                         ),
                         domain: h.domain_uuid.map(|u| proto::Domain {
@@ -322,7 +314,7 @@ impl HostDevService {
                             running: true,
                         }),
                         holder_pid: h.pid,
-                        holder_command: h.command.clone(),
+                        holder_command: h.command,
                     });
                     report.protected.push(rec);
                 }
