@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::pci::PciAddress;
-use crate::sysfs::SysfsError;
+use crate::sysfs::{device_dir, vfio_device_nodes_dir, SysfsError};
 
 /// Why the holders of a device's VFIO nodes could not be determined.
 #[derive(Debug, thiserror::Error)]
@@ -53,7 +53,7 @@ pub fn device_nodes(
     if !device_nodes_possible(dev_root) {
         return Ok(Vec::new());
     }
-    let nodes_dir = dev_root.join("vfio/devices");
+    let nodes_dir = vfio_device_nodes_dir(dev_root);
     let mut nodes = Vec::new();
     for address in addresses {
         nodes.extend(nodes_listed(sysfs_root, &nodes_dir, *address)?);
@@ -65,7 +65,7 @@ pub fn device_nodes(
 /// `<dev_root>/vfio/devices` does not exist. Any other failure to stat it proves nothing,
 /// so it counts as possible.
 pub fn device_nodes_possible(dev_root: &Path) -> bool {
-    match dev_root.join("vfio/devices").symlink_metadata() {
+    match vfio_device_nodes_dir(dev_root).symlink_metadata() {
         Err(e) => e.kind() != std::io::ErrorKind::NotFound,
         Ok(_) => true,
     }
@@ -77,8 +77,7 @@ fn nodes_listed(
     nodes_dir: &Path,
     address: PciAddress,
 ) -> Result<Vec<PathBuf>, VfioError> {
-    let device_dir = sysfs_root.join("bus/pci/devices").join(address.to_string());
-    let names = crate::sysfs::attr::vfio_device_names(&device_dir)
+    let names = crate::sysfs::attr::vfio_device_names(&device_dir(sysfs_root, address))
         .map_err(|source| VfioError::DeviceNodes { address, source })?;
     Ok(names.into_iter().map(|n| nodes_dir.join(n)).collect())
 }
@@ -392,13 +391,14 @@ mod tests {
 
     #[test]
     fn nodes_are_described_by_kind() {
+        let dev = Path::new("fake/dev");
         assert_eq!(
-            describe_node(Path::new("/dev/vfio/12")),
-            "VFIO group /dev/vfio/12"
+            describe_node(&dev.join("vfio/12")),
+            "VFIO group fake/dev/vfio/12"
         );
         assert_eq!(
-            describe_node(Path::new("/dev/vfio/devices/vfio3")),
-            "VFIO device node /dev/vfio/devices/vfio3"
+            describe_node(&vfio_device_nodes_dir(dev).join("vfio3")),
+            "VFIO device node fake/dev/vfio/devices/vfio3"
         );
     }
 }

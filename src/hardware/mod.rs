@@ -119,9 +119,7 @@ impl HardwareError {
 impl Hardware {
     /// `<sysfs_root>/bus/pci/devices/<address>`.
     pub fn device_dir(&self, address: PciAddress) -> PathBuf {
-        self.sysfs_root
-            .join("bus/pci/devices")
-            .join(address.to_string())
+        crate::sysfs::device_dir(&self.sysfs_root, address)
     }
 
     /// `<sysfs_root>/bus/pci/<rel>`.

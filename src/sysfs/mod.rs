@@ -17,7 +17,7 @@ mod scan;
 
 use std::fmt;
 use std::io;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
@@ -35,6 +35,20 @@ pub const DEFAULT_DEV_ROOT: &str = "/dev";
 
 /// The name under which the kernel registers the VFIO PCI driver.
 pub const VFIO_PCI_DRIVER: &str = "vfio-pci";
+
+/// Where the PCI bus lists its devices, relative to the sysfs root.
+pub(crate) const BUS_DEVICES: &str = "bus/pci/devices";
+
+/// A device's directory as the PCI bus lists it: `<sysfs_root>/bus/pci/devices/<address>`
+/// (a link to the device's place in the tree).
+pub fn device_dir(sysfs_root: &Path, address: PciAddress) -> PathBuf {
+    sysfs_root.join(BUS_DEVICES).join(address.to_string())
+}
+
+/// Where the iommufd interface's device nodes live: `<dev_root>/vfio/devices`.
+pub fn vfio_device_nodes_dir(dev_root: &Path) -> PathBuf {
+    dev_root.join("vfio/devices")
+}
 
 /// Why something in a sysfs tree could not be read. Every message names the path; the
 /// underlying cause is kept as the error's `source()` (see [`SysfsError::full_message`]).

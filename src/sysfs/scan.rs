@@ -13,10 +13,8 @@ use std::path::{Path, PathBuf};
 use crate::pci::{DeviceId, PciAddress, VendorId};
 
 use super::attr::{self, read_link_address, read_link_name, read_link_number, read_text};
-use super::{Inventory, PciDevice, PciNames, SriovInfo, SysfsError, VFIO_PCI_DRIVER};
+use super::{Inventory, PciDevice, PciNames, SriovInfo, SysfsError, BUS_DEVICES, VFIO_PCI_DRIVER};
 
-/// Where the PCI bus lists its devices, relative to the sysfs root.
-const BUS_DEVICES: &str = "bus/pci/devices";
 /// Where the IOMMU groups live, relative to the sysfs root.
 const IOMMU_GROUPS: &str = "kernel/iommu_groups";
 
@@ -109,7 +107,7 @@ pub fn scan_one(
     names: &PciNames,
     address: PciAddress,
 ) -> Result<Option<PciDevice>, SysfsError> {
-    let link = sysfs_root.join(BUS_DEVICES).join(address.to_string());
+    let link = super::device_dir(sysfs_root, address);
     match fs::symlink_metadata(&link) {
         Ok(_) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -131,7 +129,7 @@ pub fn scan_one(
 /// Reads every attribute of one device; also returns a PF's VF list for the VF-index pass.
 fn read_device(ctx: &mut Ctx<'_>, address: PciAddress) -> (PciDevice, Option<VfList>) {
     let mut dev = PciDevice::new(address);
-    let dir = ctx.sysfs_root.join(BUS_DEVICES).join(address.to_string());
+    let dir = super::device_dir(ctx.sysfs_root, address);
 
     // A dangling bus link (the device was removed after the directory was listed) or a
     // non-directory: every attribute read would fail the same way, so report it once.
@@ -224,7 +222,7 @@ fn read_device(ctx: &mut Ctx<'_>, address: PciAddress) -> (PciDevice, Option<VfL
         }
         match attr::vfio_device_names(&dir) {
             Ok(names) => {
-                let nodes = ctx.dev_root.join("vfio/devices");
+                let nodes = super::vfio_device_nodes_dir(ctx.dev_root);
                 dev.vfio_device = names
                     .into_iter()
                     .map(|n| nodes.join(n))
@@ -402,7 +400,7 @@ fn set_vf_index(dev: &mut PciDevice, pf: PciAddress, vfs: &VfList) {
 /// Finds a VF's index by listing its PF's directory (for a single-device rescan).
 fn resolve_vf_index(sysfs_root: &Path, dev: &mut PciDevice) {
     let Some(pf) = dev.physfn else { return };
-    let pf_dir: PathBuf = sysfs_root.join(BUS_DEVICES).join(pf.to_string());
+    let pf_dir: PathBuf = super::device_dir(sysfs_root, pf);
     let mut pf_rec = PciDevice::new(pf);
     let vfs = list_virtfns(&mut pf_rec, &pf_dir);
     // Problems with the PF's other links belong to the PF, not to this VF.
