@@ -40,8 +40,9 @@ package: deps
 packaging:
 	./tests/packaging/run.sh
 
-# The real-kernel suite: Debian's 6.1 kernel under QEMU (TCG) with an emulated SR-IOV
-# NVMe controller and a virtual IOMMU (root; CI runs as root).
+# The real-kernel suite: Debian's 6.1 kernel, then a 6.12 kernel built from Debian's source
+# with the iommufd interface, under QEMU (TCG) with an emulated SR-IOV NVMe controller and
+# a virtual IOMMU (root; CI runs as root).
 vm:
 	./tests/vm/run.sh
 

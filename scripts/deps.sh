@@ -80,6 +80,14 @@ if [ "$tests" = 1 ]; then
   command -v depmod >/dev/null 2>&1 || need+=(kmod)
   command -v xz >/dev/null 2>&1 || need+=(xz-utils)
   command -v file >/dev/null 2>&1 || need+=(file)
+  # Its second kernel is built from Debian's linux-source package (downloaded by the suite).
+  command -v make >/dev/null 2>&1 || need+=(make)
+  command -v flex >/dev/null 2>&1 || need+=(flex)
+  command -v bison >/dev/null 2>&1 || need+=(bison)
+  command -v bc >/dev/null 2>&1 || need+=(bc)
+  dpkg -s libelf-dev >/dev/null 2>&1 || need+=(libelf-dev)
+  dpkg -s libssl-dev >/dev/null 2>&1 || need+=(libssl-dev)
+  [ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)
 fi
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 # libvirt0: the client library the agent loads at run time; its in-process test:/// driver

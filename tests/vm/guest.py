@@ -2,7 +2,10 @@
 # The checks tests/vm/run.sh runs inside the guest (chrooted into the host's / over 9p,
 # with the guest's own /proc, /sys and /dev): hostdevd against a real kernel's sysfs,
 # real SR-IOV VFs, real uevents and real vfio-pci binding.
-# Usage: guest.py BIN_DIR OUT_DIR. Exit status 0 only when every check passed.
+# Usage: guest.py BIN_DIR OUT_DIR NODES. NODES is "group" for a kernel with VFIO's group
+# nodes only (Debian's 6.1), "device" for one that also has the iommufd interface's device
+# nodes (/dev/vfio/devices/vfioN, Linux 6.6 and later with VFIO_DEVICE_CDEV). Exit status
+# 0 only when every check passed.
 import copy
 import json
 import os
@@ -13,7 +16,8 @@ import sys
 import time
 import uuid
 
-BIN, OUT = sys.argv[1], sys.argv[2]
+BIN, OUT, NODES = sys.argv[1], sys.argv[2], sys.argv[3]
+assert NODES in ("group", "device"), NODES
 HOSTDEVD, CTL = os.path.join(BIN, "hostdevd"), os.path.join(BIN, "hostdevctl")
 RUN = "/tmp/hostdevd"
 SOCK = os.path.join(RUN, "hostdevd.sock")
@@ -266,9 +270,10 @@ def stop_daemon(daemon):
         return "killed after 20s"
 
 
-def holder(group):
-    """A process holding /dev/vfio/GROUP open, as QEMU would."""
-    p = subprocess.Popen(["python3", "-c", f"import os,time; fd=os.open('/dev/vfio/{group}', os.O_RDWR); "
+def holder(node):
+    """A process holding a VFIO node open, as QEMU would: the group's /dev/vfio/N, or the
+    device's /dev/vfio/devices/vfioN (QEMU with iommufd opens only that one)."""
+    p = subprocess.Popen(["python3", "-c", f"import os,time; fd=os.open('{node}', os.O_RDWR); "
                           "print('open', flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
     return p, p.stdout.readline().strip() == "open"
 
@@ -344,8 +349,14 @@ vf = true
         # The layout the holder check reads for the iommufd interface's device node.
         vfio_dev = os.listdir(f"/sys/bus/pci/devices/{vf}/vfio-dev") if os.path.isdir(f"/sys/bus/pci/devices/{vf}/vfio-dev") else []
         check("sysfs lists the VF's vfio-dev/vfioN", len(vfio_dev) == 1 and vfio_dev[0].startswith("vfio") and vfio_dev[0][4:].isdigit(), str(vfio_dev))
-        info(f"/dev/vfio/devices/{vfio_dev[0] if vfio_dev else '?'}: {'present' if vfio_dev and os.path.exists('/dev/vfio/devices/' + vfio_dev[0]) else 'absent (no device interface in this kernel)'}")
+        node = f"/dev/vfio/devices/{vfio_dev[0]}" if vfio_dev else None
+        if NODES == "device":
+            check(f"{node} exists (this kernel has the iommufd interface)", node is not None and os.path.exists(node), str(node))
+        else:
+            check(f"{node} is absent (this kernel has no iommufd interface)", node is None or not os.path.exists(node), str(node))
         d = show(vf)
+        check("hostdevctl shows the device node where the kernel has one",
+              d.get("vfio_device") == (node if NODES == "device" else None), str(d.get("vfio_device")))
         check("binding recorded with the original driver (none)", [(m["address"], m["original_driver"]) for m in d["vfio_binding"]] == [(vf, None)], json.dumps(d["vfio_binding"]))
         check("the claimed VF shows vfio-pci and its group node", d["driver"] == "vfio-pci" and d["vfio_group"] == f"/dev/vfio/{group}", f"{d['driver']} {d['vfio_group']}")
         compare_daemon("VF on vfio-pci")
@@ -356,7 +367,7 @@ vf = true
         check("VFs unchanged after the refusal", sysfs(pf, "sriov_numvfs") == "2" and [v for _, v in virtfns(pf)] == vfs)
 
         # 4. A process holding the group open blocks the release.
-        h, opened = holder(group)
+        h, opened = holder(f"/dev/vfio/{group}")
         check(f"a holder opened /dev/vfio/{group}", opened)
         r = ctl("release", vf, "--owner", owner, "--generation", gen(vf), ok=False)
         check("release refused while /dev/vfio is held", r.returncode == 1 and ("vfio" in r.stderr.lower() or "in use" in r.stderr), r.stderr)
@@ -364,6 +375,17 @@ vf = true
         check("still claimed and on vfio-pci after the refusal", show(vf)["state"] == "claimed" and link_name(vf, "driver") == "vfio-pci")
         h.kill()
         h.wait()
+        if NODES == "device":
+            # 4b. A process holding only the device node (QEMU's iommufd way) blocks it too.
+            h, opened = holder(node)
+            check(f"a holder opened {node}, and nobody the group node", opened)
+            r = ctl("release", vf, "--owner", owner, "--generation", gen(vf), ok=False)
+            check("release refused while the device node is held", r.returncode == 1 and node in r.stderr, r.stderr)
+            check("that refusal names the holder's pid", str(h.pid) in r.stderr, r.stderr)
+            info(f"the refusal as hostdevctl prints it: {r.stderr.strip()}")
+            check("still claimed and on vfio-pci after that refusal", show(vf)["state"] == "claimed" and link_name(vf, "driver") == "vfio-pci")
+            h.kill()
+            h.wait()
         r = ctl("release", vf, "--owner", owner, "--generation", gen(vf), ok=False)
         check("release succeeds once the holder is gone", r.returncode == 0, r.stderr)
         check("the VF is unbound again, as before the claim", link_name(vf, "driver") is None, str(link_name(vf, "driver")))
