@@ -71,10 +71,16 @@ depmod -b "$kdir" "$kver"
 srcpkg=linux-source-6.12
 apt_dir="$work/apt"
 mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial"
-# The machine's Debian archive, as its own apt sources name it (no mirror named here).
-read -r archive codename < <(apt-get indextargets --format '$(REPO_URI) $(RELEASE) $(CODENAME) $(ORIGIN)' |
-    awk '$4 == "Debian" && $2 == $3 && $2 !~ /-/ {print $1, $2; exit}') ||
-    fail "no Debian archive in the apt sources (the built kernel's source comes from it)"
+# The machine's Debian archive, as its own apt sources name it (no mirror named here);
+# apt knows a suite's codename only once its lists are fetched.
+debian_archive() {
+    apt-get indextargets --format '$(REPO_URI) $(RELEASE) $(CODENAME) $(ORIGIN)' |
+        awk '!found && $4 == "Debian" && $2 == $3 && $2 !~ /-/ {print $1, $2; found = 1}'
+}
+archive_line=$(debian_archive)
+[ -n "$archive_line" ] || { apt-get update -qq && archive_line=$(debian_archive); }
+[ -n "$archive_line" ] || fail "no Debian archive in the apt sources (the built kernel's source comes from it)"
+read -r archive codename <<< "$archive_line"
 keyring=/usr/share/keyrings/debian-archive-keyring.gpg
 [ -f "$keyring" ] || fail "$keyring is missing (Debian package debian-archive-keyring)"
 printf 'deb [signed-by=%s] %s %s main\ndeb [signed-by=%s] %s %s-backports main\n' \
