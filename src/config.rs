@@ -267,6 +267,11 @@ pub struct LibvirtConfig {
     /// free always queries afresh regardless). Default 2000.
     #[serde(default = "d_poll")]
     pub poll_interval_ms: u64,
+    /// Whether to subscribe to libvirt's domain events (lifecycle, live device attach and
+    /// detach) and list the domains again at once on each, between polls. The poll goes
+    /// on either way: it is what recovers from a missed event. Default true.
+    #[serde(default = "d_true")]
+    pub events: bool,
     /// How long a free waits for libvirt's answer before refusing, in milliseconds.
     /// Default 5000.
     #[serde(default = "d_libvirt_timeout")]
@@ -279,6 +284,7 @@ impl Default for LibvirtConfig {
             enabled: d_true(),
             uri: d_libvirt_uri(),
             poll_interval_ms: d_poll(),
+            events: d_true(),
             timeout_ms: d_libvirt_timeout(),
         }
     }
@@ -721,13 +727,14 @@ mod tests {
         assert!(c.libvirt.enabled);
         assert_eq!(c.libvirt.uri, "qemu:///system");
         assert_eq!(c.libvirt.poll_interval_ms, 2000);
+        assert!(c.libvirt.events);
         let c = Config::parse(
-            "[libvirt]\nuri = \"test:///default\"\nenabled = false\npoll_interval_ms = 50\n",
+            "[libvirt]\nuri = \"test:///default\"\nenabled = false\npoll_interval_ms = 50\nevents = false\n",
         )
         .expect("libvirt");
         assert_eq!(
-            (c.libvirt.uri.as_str(), c.libvirt.enabled),
-            ("test:///default", false)
+            (c.libvirt.uri.as_str(), c.libvirt.enabled, c.libvirt.events),
+            ("test:///default", false, false)
         );
         for (text, needle) in [
             ("[libvirt]\nurl = \"x\"", "unknown field"),

@@ -298,6 +298,7 @@ impl Agent {
             crate::domains::PollSettings {
                 interval: std::time::Duration::from_millis(cfg.libvirt.poll_interval_ms),
                 max_backoff: std::time::Duration::from_secs(30),
+                events: cfg.libvirt.events,
             },
             tokio::runtime::Handle::current(),
         )

@@ -830,6 +830,116 @@ async fn until_device(
     }
 }
 
+/// Polls GetStatus until libvirt is healthy and its detail contains `needle`, or fails
+/// after 30 s.
+async fn until_libvirt_says(c: &mut HostDevClient<Channel>, needle: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = c
+            .get_status(proto::GetStatusRequest {})
+            .await
+            .expect("status")
+            .into_inner();
+        let h = s.libvirt.expect("libvirt health");
+        if h.ok && h.detail.contains(needle) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "libvirt never said {needle:?}: {h:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Ten minutes: in the tests below, anything that happens within their 30 s deadlines
+/// happened because of an event, not a poll.
+const NO_POLL_MS: u64 = 600_000;
+
+/// Domain events, from the in-process test driver: with the poll ten minutes away, a
+/// domain defined with the owner's UUID attaches its claim, starting it changes the
+/// record, and undefining it takes the claim back to claimed, each at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn domain_events_attach_and_detach_between_polls() {
+    let lv = test_driver();
+    let h = host(0x40, 170);
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let s = start(&h, proc_dir.path(), "test:///default", NO_POLL_MS).await;
+    let mut c = s.client().await;
+    let vf = h.vfs[1].as_str();
+    claim(&mut c, vf, 0x4001).await;
+    until_libvirt_says(&mut c, "domain events subscribed").await;
+
+    let dom = lv
+        .define_domain_xml(&domain_xml("instance-4001", 0x4001, &[vf], &[]))
+        .expect("define");
+    let d = until_device(&mut c, vf, "attached by the define event", |d| {
+        d.state == ATTACHED
+    })
+    .await;
+    assert!(!d.attached_domain.expect("domain").running);
+    dom.create().expect("start");
+    until_device(&mut c, vf, "running by the start event", |d| {
+        d.attached_domain.as_ref().is_some_and(|a| a.running)
+    })
+    .await;
+    dom.destroy().expect("stop");
+    dom.undefine().expect("undefine");
+    until_device(&mut c, vf, "claimed again by the undefine event", |d| {
+        d.state == CLAIMED
+    })
+    .await;
+    s.stop().await;
+}
+
+/// Domain events over libvirt's remote protocol (a real libvirtd): with the poll ten
+/// minutes away, a define reaches the agent as an event; libvirtd's death reaches it
+/// through the connection's close (libvirt unhealthy at once, frees refused); once
+/// libvirtd is back the agent reconnects within its backoff, subscribes again, and the
+/// next define reaches it as an event too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libvirtd_events_and_its_death_reach_the_agent_between_polls() {
+    let mut lvd = support::libvirtd::Libvirtd::start();
+    let uri = lvd.uri();
+    let h = host(0x41, 180);
+    let vf = h.vfs[1].clone();
+    let holder = Connect::open(Some(uri.as_str())).expect("holder connection");
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let s = start(&h, proc_dir.path(), &uri, NO_POLL_MS).await;
+    let mut c = s.client().await;
+    claim(&mut c, &vf, 0x4101).await;
+    until_libvirt_says(&mut c, "domain events subscribed").await;
+    let _dom = holder
+        .define_domain_xml(&domain_xml("vm-4101", 0x4101, &[&vf], &[]))
+        .expect("define");
+    until_device(&mut c, &vf, "attached by the define event", |d| {
+        d.state == ATTACHED
+    })
+    .await;
+
+    lvd.kill();
+    drop(holder);
+    until_libvirt(&mut c, false).await;
+
+    lvd.restart();
+    let holder = Connect::open(Some(uri.as_str())).expect("holder connection");
+    until_libvirt_says(&mut c, "domain events subscribed").await;
+    // The restarted test driver starts empty: the domain is gone, the claim detached.
+    until_device(&mut c, &vf, "claimed once the domain is gone", |d| {
+        d.state == CLAIMED
+    })
+    .await;
+    let _dom = holder
+        .define_domain_xml(&domain_xml("vm-4101", 0x4101, &[&vf], &[]))
+        .expect("define again");
+    until_device(&mut c, &vf, "attached by the next define event", |d| {
+        d.state == ATTACHED
+    })
+    .await;
+    drop(holder);
+    s.stop().await;
+}
+
 /// Polls GetStatus until libvirt's health is `ok`, or fails after 30 s.
 async fn until_libvirt(c: &mut HostDevClient<Channel>, ok: bool) {
     let deadline = Instant::now() + Duration::from_secs(30);

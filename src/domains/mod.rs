@@ -6,8 +6,10 @@
 //! Every call here blocks (libvirt's API is synchronous), so callers run it on a plain
 //! thread or `spawn_blocking`, never on an async worker. The poller only keeps views and
 //! `GetStatus` current: a free never trusts it, it queries afresh (see `api::guard`).
-//! Lifecycle events are not subscribed to; polling at `poll_interval_ms` is the
-//! mechanism, and the check at free time is always a fresh full query.
+//! The poller lists the domains every `poll_interval_ms`, and at once whenever libvirt
+//! reports a domain event (defined, undefined, started, stopped, a device attached or
+//! detached live) or the event connection closes: an event only says "list again now",
+//! the listing is the truth. The check at free time is always a fresh full query.
 
 pub mod ffi;
 pub mod xml;
@@ -226,12 +228,74 @@ pub struct PollSettings {
     pub interval: Duration,
     /// The longest wait between reconnect attempts (backoff doubles up to this).
     pub max_backoff: Duration,
+    /// Whether to subscribe to libvirt's domain events and list again on each.
+    pub events: bool,
+}
+
+/// What wakes the poller before its interval is up.
+enum Wake {
+    Stop,
+    /// A domain event, or the event connection closed.
+    Event,
+}
+
+/// The poller's domain-event subscription, made again whenever its connection dies.
+struct Events {
+    uri: String,
+    nudge: ffi::Nudge,
+    watch: Option<ffi::EventWatch>,
+    /// Why events are off for good: turned off in config, or the driver has none.
+    off: Option<String>,
+    /// The last failure to subscribe, logged once until a subscription succeeds.
+    failing: Option<String>,
+}
+
+impl Events {
+    /// Subscribes when there is no live subscription; true when a new one was made (the
+    /// caller lists again, for whatever changed before it).
+    fn ensure(&mut self) -> bool {
+        if self.off.is_some() || self.watch.as_ref().is_some_and(|w| w.is_alive()) {
+            return false;
+        }
+        self.watch = None;
+        match ffi::EventWatch::subscribe(&self.uri, self.nudge.clone()) {
+            Ok(w) => {
+                tracing::info!(uri = %self.uri, "subscribed to libvirt's domain events");
+                self.watch = Some(w);
+                self.failing = None;
+                true
+            }
+            Err(e) if e.code == ffi::ERR_NO_SUPPORT => {
+                tracing::warn!(uri = %self.uri, error = %e, "libvirt has no domain events here; polling only");
+                self.off = Some(format!("not supported: {e}"));
+                false
+            }
+            Err(e) => {
+                let e = e.to_string();
+                if self.failing.as_ref() != Some(&e) {
+                    tracing::warn!(uri = %self.uri, error = %e, "cannot subscribe to libvirt's domain events; polling meanwhile");
+                }
+                self.failing = Some(e);
+                false
+            }
+        }
+    }
+
+    /// For the health detail.
+    fn describe(&self) -> String {
+        match (&self.off, &self.watch, &self.failing) {
+            (Some(why), _, _) => format!("domain events off ({why})"),
+            (None, Some(_), _) => "domain events subscribed".into(),
+            (None, None, Some(e)) => format!("domain events not subscribed ({e})"),
+            (None, None, None) => "domain events not subscribed".into(),
+        }
+    }
 }
 
 /// The running poller; dropping it (or [`Poller::stop`]) ends the thread.
 #[derive(Debug)]
 pub struct Poller {
-    stop: Option<std::sync::mpsc::Sender<()>>,
+    stop: Option<std::sync::mpsc::Sender<Wake>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -242,7 +306,10 @@ impl Poller {
     }
 
     fn halt(&mut self) {
-        self.stop.take();
+        // The event subscription holds a sender too: say stop rather than hang up.
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(Wake::Stop);
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -255,10 +322,12 @@ impl Drop for Poller {
     }
 }
 
-/// Starts the poller thread: lists the domains every `interval` and applies them with
-/// `writer.domains`, under `order` (the lock a fresh free-time check also takes, so an
-/// older poll result can never be applied after a fresher one). On failure it keeps the
-/// last domain set, marks libvirt unhealthy, and retries with a doubling backoff.
+/// Starts the poller thread: lists the domains every `interval`, and at once on a domain
+/// event, and applies them with `writer.domains`, under `order` (the lock a fresh
+/// free-time check also takes, so an older poll result can never be applied after a
+/// fresher one). On failure it keeps the last domain set, marks libvirt unhealthy, and
+/// retries after the interval or a second, whichever is shorter, doubling up to
+/// `max_backoff`.
 pub fn spawn_poller(
     libvirt: Arc<Libvirt>,
     writer: Writer,
@@ -267,7 +336,17 @@ pub fn spawn_poller(
     settings: PollSettings,
     rt: tokio::runtime::Handle,
 ) -> std::io::Result<Poller> {
-    let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+    let (stop_tx, wake) = std::sync::mpsc::channel::<Wake>();
+    let nudge_tx = stop_tx.clone();
+    let mut events = Events {
+        uri: libvirt.uri().to_string(),
+        nudge: Arc::new(move || {
+            let _ = nudge_tx.send(Wake::Event);
+        }),
+        watch: None,
+        off: (!settings.events).then(|| "[libvirt] events = false".to_string()),
+        failing: None,
+    };
     let thread = std::thread::Builder::new()
         .name("hostdevd-libvirt".into())
         .spawn(move || {
@@ -278,17 +357,33 @@ pub fn spawn_poller(
                 Err(p) => p.into_inner().ok,
             });
             loop {
-                // The agent listed the domains once before serving; poll after a pause.
-                match stop_rx.recv_timeout(wait) {
+                // The agent listed the domains once before serving; poll after a pause,
+                // or at once after a new subscription (for what changed before it) or an
+                // event. A burst of events (defined, then started) is one listing.
+                if events.ensure() {
+                    wait = Duration::ZERO;
+                }
+                match wake.recv_timeout(wait) {
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-                    _ => return,
+                    Ok(Wake::Event) => loop {
+                        match wake.try_recv() {
+                            Ok(Wake::Event) => {}
+                            Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                            Ok(Wake::Stop) | Err(_) => return,
+                        }
+                    },
+                    Ok(Wake::Stop) | Err(_) => return,
                 }
                 let started = Instant::now();
                 let result = {
                     let _order = order.blocking_lock();
                     match libvirt.list() {
                         Ok(list) => {
-                            let detail = healthy_detail(libvirt.uri(), &list);
+                            let detail = format!(
+                                "{}; {}",
+                                healthy_detail(libvirt.uri(), &list),
+                                events.describe()
+                            );
                             match rt.block_on(writer.domains(list)) {
                                 Ok(()) => Ok(detail),
                                 Err(WriteError::ShuttingDown) => return,
@@ -311,7 +406,14 @@ pub fn spawn_poller(
                         if was_ok != Some(false) {
                             tracing::warn!(uri = %libvirt.uri(), error = %e, "libvirt poll failed; frees are refused until it answers");
                         }
-                        wait = (wait * 2).min(settings.max_backoff.max(settings.interval));
+                        // Retry after at most a second, doubling up to the cap: with events
+                        // on, the interval may be long, and reconnecting must not wait it.
+                        let first = settings.interval.min(Duration::from_secs(1));
+                        wait = if was_ok == Some(false) {
+                            (wait.max(first) * 2).min(settings.max_backoff.max(first))
+                        } else {
+                            first
+                        };
                         set_health(
                             &health.libvirt,
                             false,
