@@ -830,28 +830,6 @@ async fn until_device(
     }
 }
 
-/// Polls GetStatus until libvirt is healthy and its detail contains `needle`, or fails
-/// after 30 s.
-async fn until_libvirt_says(c: &mut HostDevClient<Channel>, needle: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let s = c
-            .get_status(proto::GetStatusRequest {})
-            .await
-            .expect("status")
-            .into_inner();
-        let h = s.libvirt.expect("libvirt health");
-        if h.ok && h.detail.contains(needle) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "libvirt never said {needle:?}: {h:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// Ten minutes: in the tests below, anything that happens within their 30 s deadlines
 /// happened because of an event, not a poll.
 const NO_POLL_MS: u64 = 600_000;
@@ -940,8 +918,12 @@ async fn libvirtd_events_and_its_death_reach_the_agent_between_polls() {
     s.stop().await;
 }
 
-/// Polls GetStatus until libvirt's health is `ok`, or fails after 30 s.
-async fn until_libvirt(c: &mut HostDevClient<Channel>, ok: bool) {
+/// Polls GetStatus until libvirt's health satisfies `f`, or fails after 30 s.
+async fn until_health(
+    c: &mut HostDevClient<Channel>,
+    what: &str,
+    f: impl Fn(&proto::Health) -> bool,
+) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let s = c
@@ -950,15 +932,25 @@ async fn until_libvirt(c: &mut HostDevClient<Channel>, ok: bool) {
             .expect("status")
             .into_inner();
         let h = s.libvirt.expect("libvirt health");
-        if h.ok == ok {
+        if f(&h) {
             return;
         }
-        assert!(
-            Instant::now() < deadline,
-            "libvirt health never {ok}: {h:?}"
-        );
+        assert!(Instant::now() < deadline, "libvirt never {what}: {h:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Until libvirt's health is `ok`.
+async fn until_libvirt(c: &mut HostDevClient<Channel>, ok: bool) {
+    until_health(c, &format!("healthy = {ok}"), |h| h.ok == ok).await;
+}
+
+/// Until libvirt is healthy and its detail contains `needle`.
+async fn until_libvirt_says(c: &mut HostDevClient<Channel>, needle: &str) {
+    until_health(c, &format!("said {needle:?}"), |h| {
+        h.ok && h.detail.contains(needle)
+    })
+    .await;
 }
 
 /// A real libvirtd (session mode, its test driver) killed and restarted under the agent.
