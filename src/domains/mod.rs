@@ -232,6 +232,9 @@ pub struct PollSettings {
     pub events: bool,
 }
 
+/// How long the poller gathers events after the first before it lists the domains.
+const EVENT_SETTLE: Duration = Duration::from_millis(100);
+
 /// What wakes the poller before its interval is up.
 enum Wake {
     Stop,
@@ -358,20 +361,28 @@ pub fn spawn_poller(
             });
             loop {
                 // The agent listed the domains once before serving; poll after a pause,
-                // or at once after a new subscription (for what changed before it) or an
-                // event. A burst of events (defined, then started) is one listing.
+                // or at once after a new subscription (for what changed before it), or
+                // EVENT_SETTLE after an event: a burst of events (defined, then started;
+                // a host starting its domains) is one listing, at most one per settle.
                 if events.ensure() {
                     wait = Duration::ZERO;
                 }
                 match wake.recv_timeout(wait) {
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-                    Ok(Wake::Event) => loop {
-                        match wake.try_recv() {
-                            Ok(Wake::Event) => {}
-                            Err(std::sync::mpsc::TryRecvError::Empty) => break,
-                            Ok(Wake::Stop) | Err(_) => return,
+                    Ok(Wake::Event) => {
+                        let settled = Instant::now() + EVENT_SETTLE;
+                        loop {
+                            let left = settled.saturating_duration_since(Instant::now());
+                            if left.is_zero() {
+                                break;
+                            }
+                            match wake.recv_timeout(left) {
+                                Ok(Wake::Event) => {}
+                                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => break,
+                                Ok(Wake::Stop) | Err(_) => return,
+                            }
                         }
-                    },
+                    }
                     Ok(Wake::Stop) | Err(_) => return,
                 }
                 let started = Instant::now();
