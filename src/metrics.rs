@@ -31,6 +31,7 @@ pub struct Metrics {
     commit_sum_us: AtomicU64,
     uevents: AtomicU64,
     uevent_resyncs: AtomicU64,
+    libvirt_events: AtomicU64,
     /// Request-log entries on disk, as of the last commit.
     stored_requests: AtomicU64,
     /// Batches decided and committed on the requesting worker's thread, the writer
@@ -125,6 +126,11 @@ impl Metrics {
     /// A full rescan because uevents were lost (overflow) or the socket failed.
     pub fn uevent_resync(&self) {
         self.uevent_resyncs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One libvirt domain event, or the close of the event connection.
+    pub fn libvirt_event(&self) {
+        self.libvirt_events.fetch_add(1, Ordering::Relaxed);
     }
 
     /// (uevents handled, full rescans after lost events).
@@ -325,6 +331,13 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         "counter",
         "Full rescans after uevents were lost (socket overflow, ENOBUFS) or the socket failed.",
         m.uevent_resyncs.load(Ordering::Relaxed),
+    );
+    single(
+        &mut out,
+        "hostdevd_libvirt_events_total",
+        "counter",
+        "libvirt domain events received, and closes of the event connection; each makes the poller list the domains again.",
+        m.libvirt_events.load(Ordering::Relaxed),
     );
     out
 }

@@ -341,9 +341,11 @@ pub fn spawn_poller(
 ) -> std::io::Result<Poller> {
     let (stop_tx, wake) = std::sync::mpsc::channel::<Wake>();
     let nudge_tx = stop_tx.clone();
+    let metrics = writer.metrics().clone();
     let mut events = Events {
         uri: libvirt.uri().to_string(),
         nudge: Arc::new(move || {
+            metrics.libvirt_event();
             let _ = nudge_tx.send(Wake::Event);
         }),
         watch: None,
