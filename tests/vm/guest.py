@@ -384,6 +384,16 @@ vf = true
             check("that refusal names the holder's pid", str(h.pid) in r.stderr, r.stderr)
             info(f"the refusal as hostdevctl prints it: {r.stderr.strip()}")
             check("still claimed and on vfio-pci after that refusal", show(vf)["state"] == "claimed" and link_name(vf, "driver") == "vfio-pci")
+            # The seed bug's audit: it believes nobody lives here and acts. The VF a
+            # running VM holds through its device node is protected, not freed.
+            hg = json.loads(ctl("status").stdout)["host_generation"]
+            r = ctl("reconcile", "--expect-none", "--snapshot-generation", str(hg), "--act", ok=False)
+            rep = json.loads(r.stdout) if r.returncode == 0 else {}
+            freed = [o["device"]["address"] for o in rep.get("orphans", []) if o.get("freed_generation")]
+            check("an acting audit expecting nobody keeps the VF whose device node is held",
+                  r.returncode == 0 and rep.get("acted") is True and vf in [d["address"] for d in rep.get("protected", [])]
+                  and vf not in freed, r.stdout + r.stderr)
+            check("still claimed and on vfio-pci after the audit", show(vf)["state"] == "claimed" and link_name(vf, "driver") == "vfio-pci")
             h.kill()
             h.wait()
         r = ctl("release", vf, "--owner", owner, "--generation", gen(vf), ok=False)
