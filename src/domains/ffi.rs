@@ -545,9 +545,9 @@ mod tests {
         assert!(e.contains("has no virSetErrorFunc"), "{e}");
     }
 
-    /// Through the real library's event loop: defining, starting, stopping and undefining
-    /// a domain on another connection each nudge the subscriber; once unsubscribed,
-    /// nothing does.
+    /// Through the real library's event loop: defining, starting and stopping a domain on
+    /// another connection each nudge the subscriber; once it is dropped, undefining the
+    /// domain does not.
     #[test]
     fn domain_events_nudge_the_subscriber() {
         let _host = default_host();
@@ -578,8 +578,8 @@ mod tests {
         drop(watch);
         while rx.try_recv().is_ok() {}
         dom.undefine().expect("undefine");
-        // Other tests in this process may use the same driver; this one's domain must not
-        // reach a dropped subscription (its nudge is freed with it).
+        // Events arrive on the loop's thread a little after the call that caused them:
+        // give a wrongly delivered one the time to show.
         std::thread::sleep(std::time::Duration::from_millis(300));
         assert!(
             rx.try_recv().is_err(),
