@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::pci::PciAddress;
-use crate::sysfs::{device_dir, vfio_device_nodes_dir, SysfsError};
+use crate::sysfs::{device_dir, vfio_device_nodes, vfio_device_nodes_dir, SysfsError};
 
 /// Why the holders of a device's VFIO nodes could not be determined.
 #[derive(Debug, thiserror::Error)]
@@ -53,10 +53,12 @@ pub fn device_nodes(
     if !device_nodes_possible(dev_root) {
         return Ok(Vec::new());
     }
-    let nodes_dir = vfio_device_nodes_dir(dev_root);
     let mut nodes = Vec::new();
-    for address in addresses {
-        nodes.extend(nodes_listed(sysfs_root, &nodes_dir, *address)?);
+    for &address in addresses {
+        nodes.extend(
+            vfio_device_nodes(&device_dir(sysfs_root, address), dev_root)
+                .map_err(|source| VfioError::DeviceNodes { address, source })?,
+        );
     }
     Ok(nodes)
 }
@@ -69,17 +71,6 @@ pub fn device_nodes_possible(dev_root: &Path) -> bool {
         Err(e) => e.kind() != std::io::ErrorKind::NotFound,
         Ok(_) => true,
     }
-}
-
-/// The device nodes under `nodes_dir` that sysfs lists for the device at `address`.
-fn nodes_listed(
-    sysfs_root: &Path,
-    nodes_dir: &Path,
-    address: PciAddress,
-) -> Result<Vec<PathBuf>, VfioError> {
-    let names = crate::sysfs::attr::vfio_device_names(&device_dir(sysfs_root, address))
-        .map_err(|source| VfioError::DeviceNodes { address, source })?;
-    Ok(names.into_iter().map(|n| nodes_dir.join(n)).collect())
 }
 
 /// "VFIO group /dev/vfio/12" or "VFIO device node /dev/vfio/devices/vfio3": for

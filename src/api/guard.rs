@@ -27,7 +27,7 @@ const INLINE_NODE_CHECKS: usize = 4;
 /// The VFIO nodes that would show one device in use: its IOMMU group's nodes, named
 /// without any I/O, and the members of that group (the device first), whose device
 /// nodes sysfs lists when the check runs.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct VfioCheck {
     pub group_nodes: Vec<PathBuf>,
     pub members: Vec<crate::pci::PciAddress>,

@@ -204,10 +204,7 @@ impl HostDevService {
     fn vfio_check(&self, address: PciAddress) -> VfioCheck {
         let inv = self.inv();
         let Some(dev) = inv.get(&address) else {
-            return VfioCheck {
-                group_nodes: Vec::new(),
-                members: Vec::new(),
-            };
+            return VfioCheck::default();
         };
         let mut group_nodes: Vec<std::path::PathBuf> = dev.vfio_group.iter().cloned().collect();
         if let Some(g) = dev.iommu_group {

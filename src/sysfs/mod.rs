@@ -50,6 +50,17 @@ pub fn vfio_device_nodes_dir(dev_root: &Path) -> PathBuf {
     dev_root.join("vfio/devices")
 }
 
+/// The device nodes sysfs lists for the device at `device_dir` (`vfio-dev/vfioX`), as
+/// paths under [`vfio_device_nodes_dir`], whether or not each exists; none when the
+/// device is not bound to vfio-pci or is gone.
+pub fn vfio_device_nodes(device_dir: &Path, dev_root: &Path) -> Result<Vec<PathBuf>, SysfsError> {
+    let nodes = vfio_device_nodes_dir(dev_root);
+    Ok(attr::vfio_device_names(device_dir)?
+        .into_iter()
+        .map(|n| nodes.join(n))
+        .collect())
+}
+
 /// Why something in a sysfs tree could not be read. Every message names the path; the
 /// underlying cause is kept as the error's `source()` (see [`SysfsError::full_message`]).
 #[derive(Debug, thiserror::Error)]

@@ -220,12 +220,10 @@ fn read_device(ctx: &mut Ctx<'_>, address: PciAddress) -> (PciDevice, Option<VfL
             dev.vfio_group = Some(path);
             dev.vfio_group_exists = exists;
         }
-        match attr::vfio_device_names(&dir) {
-            Ok(names) => {
-                let nodes = super::vfio_device_nodes_dir(ctx.dev_root);
-                dev.vfio_device = names
+        match super::vfio_device_nodes(&dir, ctx.dev_root) {
+            Ok(nodes) => {
+                dev.vfio_device = nodes
                     .into_iter()
-                    .map(|n| nodes.join(n))
                     .find(|node| node.symlink_metadata().is_ok());
             }
             Err(e) => dev.problem("vfio-dev", &e),
