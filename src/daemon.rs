@@ -199,6 +199,20 @@ impl Agent {
                     ok: false,
                     detail: "libvirt has not been asked yet".into(),
                 }),
+                // The poller sets it from its first moment; libvirt disabled, there is none.
+                libvirt_events: RwLock::new(if cfg.libvirt.enabled {
+                    HealthInfo {
+                        ok: !cfg.libvirt.events,
+                        detail: "not subscribed yet".into(),
+                    }
+                } else {
+                    HealthInfo {
+                        ok: true,
+                        detail:
+                            "not wanted: libvirt is disabled in config ([libvirt] enabled = false)"
+                                .into(),
+                    }
+                }),
                 hotplug: Arc::new(RwLock::new(HealthInfo {
                     ok: !cfg.hotplug.enabled,
                     detail: if cfg.hotplug.enabled {

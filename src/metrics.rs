@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,6 +32,8 @@ pub struct Metrics {
     uevents: AtomicU64,
     uevent_resyncs: AtomicU64,
     libvirt_events: AtomicU64,
+    /// Whether the poller holds a live subscription to libvirt's domain events.
+    libvirt_events_subscribed: AtomicBool,
     /// Request-log entries on disk, as of the last commit.
     stored_requests: AtomicU64,
     /// Batches decided and committed on the requesting worker's thread, the writer
@@ -131,6 +133,17 @@ impl Metrics {
     /// One libvirt domain event, or the close of the event connection.
     pub fn libvirt_event(&self) {
         self.libvirt_events.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether a live subscription to libvirt's domain events is held: set by the poller.
+    pub fn set_libvirt_events_subscribed(&self, subscribed: bool) {
+        self.libvirt_events_subscribed
+            .store(subscribed, Ordering::Relaxed);
+    }
+
+    /// Whether the poller last found a live subscription to libvirt's domain events.
+    pub fn libvirt_events_subscribed(&self) -> bool {
+        self.libvirt_events_subscribed.load(Ordering::Relaxed)
     }
 
     /// (uevents handled, full rescans after lost events).
@@ -338,6 +351,13 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         "counter",
         "libvirt domain events received, and closes of the event connection; each makes the poller list the domains again.",
         m.libvirt_events.load(Ordering::Relaxed),
+    );
+    single(
+        &mut out,
+        "hostdevd_libvirt_events_subscribed",
+        "gauge",
+        "1 while the agent holds a live subscription to libvirt's domain events; 0 when it is down, failing, or not wanted.",
+        u8::from(m.libvirt_events_subscribed()),
     );
     out
 }

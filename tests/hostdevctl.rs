@@ -303,6 +303,14 @@ fn list_shows_the_pf_tree_in_text_and_json() {
     assert_eq!(st["host_generation"].as_u64(), Some(host_gen));
     assert_eq!(st["devices_by_state"]["free"], 4);
     assert_eq!(st["store"]["ok"], true);
+    // The domain-event subscription has a line of its own (what it says, and when it
+    // changes, is tests/libvirt.rs's).
+    assert!(
+        status.lines().any(|l| l.starts_with("libvirt events   ")),
+        "{status}"
+    );
+    assert!(st["libvirt_events"]["ok"].is_boolean(), "{st}");
+    assert!(st["libvirt_events"]["detail"].is_string(), "{st}");
 }
 
 #[test]

@@ -58,6 +58,17 @@ fn host(bus: u8, group: u32) -> Host {
 type Server = support::server::TestServer;
 
 async fn start(h: &Host, proc_root: &Path, libvirt: &str, poll_ms: u64) -> Server {
+    start_with(h, proc_root, libvirt, poll_ms, |_| {}).await
+}
+
+/// [`start`], with `tweak` applied to the config last.
+async fn start_with(
+    h: &Host,
+    proc_root: &Path,
+    libvirt: &str,
+    poll_ms: u64,
+    tweak: impl FnOnce(&mut Config),
+) -> Server {
     let mut cfg = Config::parse("[[devices]]\naddress = \"*:*:*.*\"\n").expect("config");
     cfg.sysfs_root = h.tree.sysfs_root().to_path_buf();
     cfg.dev_root = h.tree.dev_root().to_path_buf();
@@ -69,6 +80,7 @@ async fn start(h: &Host, proc_root: &Path, libvirt: &str, poll_ms: u64) -> Serve
     }
     cfg.libvirt.poll_interval_ms = poll_ms;
     cfg.libvirt.timeout_ms = 3000;
+    tweak(&mut cfg);
     Server::start(cfg, 0o600, vec![nix::unistd::getuid().as_raw()], None).await
 }
 
@@ -847,6 +859,7 @@ async fn domain_events_attach_and_detach_between_polls() {
     let vf = h.vfs[1].as_str();
     claim(&mut c, vf, 0x4001).await;
     until_libvirt_says(&mut c, "domain events subscribed").await;
+    until_events(&mut c, true, "subscribed on test:///default").await;
 
     let dom = lv
         .define_domain_xml(&domain_xml("instance-4001", 0x4001, &[vf], &[]))
@@ -867,6 +880,30 @@ async fn domain_events_attach_and_detach_between_polls() {
         d.state == CLAIMED
     })
     .await;
+    s.stop().await;
+}
+
+/// Events not wanted are healthy and say why: turned off with `[libvirt] events = false`
+/// (the agent polls only, holds no subscription, and the gauge says 0), or libvirt
+/// disabled altogether.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn domain_events_turned_off_are_healthy_and_say_why() {
+    let h = host(0x42, 190);
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let s = start_with(&h, proc_dir.path(), "test:///default", 200, |cfg| {
+        cfg.libvirt.events = false;
+    })
+    .await;
+    let mut c = s.client().await;
+    until_events(&mut c, true, "off ([libvirt] events = false)").await;
+    until_libvirt_says(&mut c, "domain events off").await;
+    assert!(!s.metrics.libvirt_events_subscribed());
+    s.stop().await;
+
+    let s = start(&h, proc_dir.path(), "", 200).await;
+    let mut c = s.client().await;
+    until_events(&mut c, true, "[libvirt] enabled = false").await;
+    assert!(!s.metrics.libvirt_events_subscribed());
     s.stop().await;
 }
 
@@ -895,13 +932,21 @@ async fn libvirtd_events_and_its_death_reach_the_agent_between_polls() {
     })
     .await;
 
+    until_events(&mut c, true, &format!("subscribed on {uri}")).await;
+    // The metrics' gauge follows the subscription.
+    assert!(s.metrics.libvirt_events_subscribed());
+
     lvd.kill();
     drop(holder);
     until_libvirt(&mut c, false).await;
+    until_events(&mut c, false, "not subscribed").await;
+    assert!(!s.metrics.libvirt_events_subscribed());
 
     lvd.restart();
     let holder = Connect::open(Some(uri.as_str())).expect("holder connection");
     until_libvirt_says(&mut c, "domain events subscribed").await;
+    until_events(&mut c, true, "subscribed on").await;
+    assert!(s.metrics.libvirt_events_subscribed());
     // The restarted test driver starts empty: the domain is gone, the claim detached.
     until_device(&mut c, &vf, "claimed once the domain is gone", |d| {
         d.state == CLAIMED
@@ -924,6 +969,18 @@ async fn until_health(
     what: &str,
     f: impl Fn(&proto::Health) -> bool,
 ) {
+    until_status(c, "libvirt", |s| s.libvirt, what, f).await
+}
+
+/// Polls GetStatus until the health `which` picks (named `name`) satisfies `f`, or fails
+/// after 30 s.
+async fn until_status(
+    c: &mut HostDevClient<Channel>,
+    name: &str,
+    which: impl Fn(proto::AgentStatus) -> Option<proto::Health>,
+    what: &str,
+    f: impl Fn(&proto::Health) -> bool,
+) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let s = c
@@ -931,11 +988,11 @@ async fn until_health(
             .await
             .expect("status")
             .into_inner();
-        let h = s.libvirt.expect("libvirt health");
+        let h = which(s).expect("health");
         if f(&h) {
             return;
         }
-        assert!(Instant::now() < deadline, "libvirt never {what}: {h:?}");
+        assert!(Instant::now() < deadline, "{name} never {what}: {h:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -943,6 +1000,18 @@ async fn until_health(
 /// Until libvirt's health is `ok`.
 async fn until_libvirt(c: &mut HostDevClient<Channel>, ok: bool) {
     until_health(c, &format!("healthy = {ok}"), |h| h.ok == ok).await;
+}
+
+/// Until the domain-event subscription's health is `ok` and its detail contains `needle`.
+async fn until_events(c: &mut HostDevClient<Channel>, ok: bool, needle: &str) {
+    until_status(
+        c,
+        "libvirt_events",
+        |s| s.libvirt_events,
+        &format!("healthy = {ok} saying {needle:?}"),
+        |h| h.ok == ok && h.detail.contains(needle),
+    )
+    .await;
 }
 
 /// Until libvirt is healthy and its detail contains `needle`.

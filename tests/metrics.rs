@@ -128,6 +128,10 @@ async fn metrics_count_states_requests_rejections_and_commits() {
     assert!(inline <= 2.0, "{inline} in place, of two claims");
     assert_eq!(value(&after, "hostdevd_libvirt_up"), Some(0.0));
     assert_eq!(value(&after, "hostdevd_libvirt_events_total"), Some(0.0));
+    assert_eq!(
+        value(&after, "hostdevd_libvirt_events_subscribed"),
+        Some(0.0)
+    );
     // The claim is logged for retries (the refused one is not), and its change is kept
     // for resuming watchers.
     assert_eq!(value(&before, "hostdevd_request_log_entries"), Some(0.0));

@@ -89,6 +89,8 @@ pub struct AgentInfo {
     pub started: Instant,
     pub boot_id: String,
     pub libvirt: RwLock<HealthInfo>,
+    /// The subscription to libvirt's domain events (set by the poller).
+    pub libvirt_events: RwLock<HealthInfo>,
     /// The uevent listener (shared with its task).
     pub hotplug: Arc<RwLock<HealthInfo>>,
 }
@@ -834,9 +836,15 @@ impl HostDev for HostDevService {
                 lost += 1;
             }
         }
-        let libvirt = match self.info.libvirt.read() {
-            Ok(g) => g.clone(),
-            Err(p) => p.into_inner().clone(),
+        let read = |slot: &RwLock<HealthInfo>| {
+            let h = match slot.read() {
+                Ok(g) => g.clone(),
+                Err(p) => p.into_inner().clone(),
+            };
+            proto::Health {
+                ok: h.ok,
+                detail: h.detail,
+            }
         };
         let store = self.writer.store_health();
         let oldest = match self.writer.events().lock() {
@@ -851,27 +859,16 @@ impl HostDev for HostDevService {
                 ok: store.is_none(),
                 detail: store.unwrap_or_else(|| "last commit succeeded".into()),
             }),
-            libvirt: Some(proto::Health {
-                ok: libvirt.ok,
-                detail: libvirt.detail,
-            }),
+            libvirt: Some(read(&self.info.libvirt)),
             boot_id: self.info.boot_id.clone(),
             devices_by_state: by_state,
             strays: u32::try_from(view.stray_count()).unwrap_or(u32::MAX),
             lost,
             watch_oldest_generation: oldest.0,
-            hotplug: Some({
-                let h = match self.info.hotplug.read() {
-                    Ok(g) => g.clone(),
-                    Err(p) => p.into_inner().clone(),
-                };
-                proto::Health {
-                    ok: h.ok,
-                    detail: h.detail,
-                }
-            }),
+            hotplug: Some(read(&self.info.hotplug)),
             uevents: self.writer.metrics().uevent_counts().0,
             uevent_resyncs: self.writer.metrics().uevent_counts().1,
+            libvirt_events: Some(read(&self.info.libvirt_events)),
         }))
     }
 

@@ -1189,6 +1189,7 @@ async fn cmd_status(ctx: &mut Ctx) -> Outcome {
             "uptime_seconds": s.uptime_seconds,
             "store": health(&s.store),
             "libvirt": health(&s.libvirt),
+            "libvirt_events": health(&s.libvirt_events),
             "hotplug": health(&s.hotplug),
             "uevents": s.uevents,
             "uevent_resyncs": s.uevent_resyncs,
@@ -1213,6 +1214,7 @@ async fn cmd_status(ctx: &mut Ctx) -> Outcome {
         ("boot id", or_dash(&s.boot_id).into()),
         ("store", health_text(&s.store)),
         ("libvirt", health_text(&s.libvirt)),
+        ("libvirt events", health_text(&s.libvirt_events)),
         ("hotplug", health_text(&s.hotplug)),
         (
             "devices",

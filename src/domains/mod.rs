@@ -247,6 +247,8 @@ struct Events {
     uri: String,
     nudge: ffi::Nudge,
     watch: Option<ffi::EventWatch>,
+    /// Whether the config asks for events (`[libvirt] events`).
+    wanted: bool,
     /// Why events are off for good: turned off in config, or the driver has none.
     off: Option<String>,
     /// The last failure to subscribe, logged once until a subscription succeeds.
@@ -257,7 +259,7 @@ impl Events {
     /// Subscribes when there is no live subscription; true when a new one was made (the
     /// caller lists again, for whatever changed before it).
     fn ensure(&mut self) -> bool {
-        if self.off.is_some() || self.watch.as_ref().is_some_and(|w| w.is_alive()) {
+        if self.off.is_some() || self.live() {
             return false;
         }
         self.watch = None;
@@ -284,13 +286,41 @@ impl Events {
         }
     }
 
+    /// Whether a subscription is held and its connection still open.
+    fn live(&self) -> bool {
+        self.watch.as_ref().is_some_and(|w| w.is_alive())
+    }
+
+    /// The subscription's own health (GetStatus `libvirt_events`), kept in `slot`, and
+    /// the metrics' gauge: healthy while subscribed, or when turned off in config.
+    fn report(&self, slot: &RwLock<HealthInfo>, metrics: &crate::metrics::Metrics) {
+        let live = self.live();
+        metrics.set_libvirt_events_subscribed(live);
+        let (ok, detail) = match (&self.off, live, &self.failing) {
+            (Some(why), _, _) => (
+                !self.wanted,
+                format!("off ({why}): domains are seen at each poll only"),
+            ),
+            (None, true, _) => (true, format!("subscribed on {}", self.uri)),
+            (None, false, Some(e)) => (
+                false,
+                format!("not subscribed ({e}): domains are seen at each poll until a subscription succeeds"),
+            ),
+            (None, false, None) => (
+                false,
+                "not subscribed: the event connection closed; subscribing again".into(),
+            ),
+        };
+        set_health(slot, ok, detail);
+    }
+
     /// For the health detail.
     fn describe(&self) -> String {
-        match (&self.off, &self.watch, &self.failing) {
+        match (&self.off, self.live(), &self.failing) {
             (Some(why), _, _) => format!("domain events off ({why})"),
-            (None, Some(_), _) => "domain events subscribed".into(),
-            (None, None, Some(e)) => format!("domain events not subscribed ({e})"),
-            (None, None, None) => "domain events not subscribed".into(),
+            (None, true, _) => "domain events subscribed".into(),
+            (None, false, Some(e)) => format!("domain events not subscribed ({e})"),
+            (None, false, None) => "domain events not subscribed".into(),
         }
     }
 }
@@ -342,6 +372,7 @@ pub fn spawn_poller(
     let (stop_tx, wake) = std::sync::mpsc::channel::<Wake>();
     let nudge_tx = stop_tx.clone();
     let metrics = writer.metrics().clone();
+    let gauges = writer.metrics().clone();
     let mut events = Events {
         uri: libvirt.uri().to_string(),
         nudge: Arc::new(move || {
@@ -349,6 +380,7 @@ pub fn spawn_poller(
             let _ = nudge_tx.send(Wake::Event);
         }),
         watch: None,
+        wanted: settings.events,
         off: (!settings.events).then(|| "[libvirt] events = false".to_string()),
         failing: None,
     };
@@ -369,6 +401,7 @@ pub fn spawn_poller(
                 if events.ensure() {
                     wait = Duration::ZERO;
                 }
+                events.report(&health.libvirt_events, &gauges);
                 match wake.recv_timeout(wait) {
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
                     Ok(Wake::Event) => {
@@ -387,6 +420,8 @@ pub fn spawn_poller(
                     }
                     Ok(Wake::Stop) | Err(_) => return,
                 }
+                // An event may have been the connection's close: say so before listing.
+                events.report(&health.libvirt_events, &gauges);
                 let started = Instant::now();
                 let result = {
                     let _order = order.blocking_lock();
