@@ -247,12 +247,37 @@ struct Events {
     uri: String,
     nudge: ffi::Nudge,
     watch: Option<ffi::EventWatch>,
-    /// Whether the config asks for events (`[libvirt] events`).
-    wanted: bool,
-    /// Why events are off for good: turned off in config, or the driver has none.
-    off: Option<String>,
+    /// Why events are off for good, if they are.
+    off: Option<Off>,
     /// The last failure to subscribe, logged once until a subscription succeeds.
     failing: Option<String>,
+}
+
+/// Why domain events are off for good.
+enum Off {
+    /// `[libvirt] events = false`.
+    Config,
+    /// The driver has none (libvirt's error).
+    Unsupported(String),
+}
+
+impl std::fmt::Display for Off {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Off::Config => f.write_str("[libvirt] events = false"),
+            Off::Unsupported(e) => write!(f, "not supported: {e}"),
+        }
+    }
+}
+
+/// Where the subscription stands, for [`Events::report`] and [`Events::describe`].
+enum Standing<'a> {
+    Off(&'a Off),
+    Live,
+    /// Not held: the last attempt failed with this error.
+    Failing(&'a str),
+    /// Not held: the connection closed since the last subscription.
+    Closed,
 }
 
 impl Events {
@@ -272,7 +297,7 @@ impl Events {
             }
             Err(e) if e.code == ffi::ERR_NO_SUPPORT => {
                 tracing::warn!(uri = %self.uri, error = %e, "libvirt has no domain events here; polling only");
-                self.off = Some(format!("not supported: {e}"));
+                self.off = Some(Off::Unsupported(e.to_string()));
                 false
             }
             Err(e) => {
@@ -291,22 +316,31 @@ impl Events {
         self.watch.as_ref().is_some_and(|w| w.is_alive())
     }
 
+    fn standing(&self) -> Standing<'_> {
+        match (&self.off, self.live(), &self.failing) {
+            (Some(why), _, _) => Standing::Off(why),
+            (None, true, _) => Standing::Live,
+            (None, false, Some(e)) => Standing::Failing(e),
+            (None, false, None) => Standing::Closed,
+        }
+    }
+
     /// The subscription's own health (GetStatus `libvirt_events`), kept in `slot`, and
     /// the metrics' gauge: healthy while subscribed, or when turned off in config.
     fn report(&self, slot: &RwLock<HealthInfo>, metrics: &crate::metrics::Metrics) {
-        let live = self.live();
-        metrics.set_libvirt_events_subscribed(live);
-        let (ok, detail) = match (&self.off, live, &self.failing) {
-            (Some(why), _, _) => (
-                !self.wanted,
+        let standing = self.standing();
+        metrics.set_libvirt_events_subscribed(matches!(standing, Standing::Live));
+        let (ok, detail) = match standing {
+            Standing::Off(why) => (
+                matches!(why, Off::Config),
                 format!("off ({why}): domains are seen at each poll only"),
             ),
-            (None, true, _) => (true, format!("subscribed on {}", self.uri)),
-            (None, false, Some(e)) => (
+            Standing::Live => (true, format!("subscribed on {}", self.uri)),
+            Standing::Failing(e) => (
                 false,
                 format!("not subscribed ({e}): domains are seen at each poll until a subscription succeeds"),
             ),
-            (None, false, None) => (
+            Standing::Closed => (
                 false,
                 "not subscribed: the event connection closed; subscribing again".into(),
             ),
@@ -314,13 +348,13 @@ impl Events {
         set_health(slot, ok, detail);
     }
 
-    /// For the health detail.
+    /// For the libvirt health detail.
     fn describe(&self) -> String {
-        match (&self.off, self.live(), &self.failing) {
-            (Some(why), _, _) => format!("domain events off ({why})"),
-            (None, true, _) => "domain events subscribed".into(),
-            (None, false, Some(e)) => format!("domain events not subscribed ({e})"),
-            (None, false, None) => "domain events not subscribed".into(),
+        match self.standing() {
+            Standing::Off(why) => format!("domain events off ({why})"),
+            Standing::Live => "domain events subscribed".into(),
+            Standing::Failing(e) => format!("domain events not subscribed ({e})"),
+            Standing::Closed => "domain events not subscribed".into(),
         }
     }
 }
@@ -372,7 +406,6 @@ pub fn spawn_poller(
     let (stop_tx, wake) = std::sync::mpsc::channel::<Wake>();
     let nudge_tx = stop_tx.clone();
     let metrics = writer.metrics().clone();
-    let gauges = writer.metrics().clone();
     let mut events = Events {
         uri: libvirt.uri().to_string(),
         nudge: Arc::new(move || {
@@ -380,8 +413,7 @@ pub fn spawn_poller(
             let _ = nudge_tx.send(Wake::Event);
         }),
         watch: None,
-        wanted: settings.events,
-        off: (!settings.events).then(|| "[libvirt] events = false".to_string()),
+        off: (!settings.events).then_some(Off::Config),
         failing: None,
     };
     let thread = std::thread::Builder::new()
@@ -401,7 +433,7 @@ pub fn spawn_poller(
                 if events.ensure() {
                     wait = Duration::ZERO;
                 }
-                events.report(&health.libvirt_events, &gauges);
+                events.report(&health.libvirt_events, writer.metrics());
                 match wake.recv_timeout(wait) {
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
                     Ok(Wake::Event) => {
@@ -421,7 +453,7 @@ pub fn spawn_poller(
                     Ok(Wake::Stop) | Err(_) => return,
                 }
                 // An event may have been the connection's close: say so before listing.
-                events.report(&health.libvirt_events, &gauges);
+                events.report(&health.libvirt_events, writer.metrics());
                 let started = Instant::now();
                 let result = {
                     let _order = order.blocking_lock();
