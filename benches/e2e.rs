@@ -16,6 +16,8 @@ use hostdevd::simhost::{FakeSys, FakeTree};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
+#[path = "support/affinity.rs"]
+mod affinity;
 #[path = "support/profile.rs"]
 mod profile;
 #[path = "support/slowsync.rs"]
@@ -1049,6 +1051,13 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
     // Per round of 1, 8, 64 claim clients: the share of the round that a commit was in
     // progress (on the writer thread, or inline on the worker that took the request).
     let mut committing: [Vec<f64>; 3] = Default::default();
+    // After each pass's echoes, 1 and 64 claim clients again with the agent and the
+    // clients confined to one CPU (none where there is only one): their rates, and the
+    // CPU use of the 64.
+    let all_cpus = affinity::allowed();
+    let one_cpu = (cpu_count().unwrap_or(1) > 1).then(|| affinity::first_of(&all_cpus));
+    let mut confined: Vec<[f64; 2]> = Vec::new();
+    let mut confined_cpu: Vec<CpuUse> = Vec::new();
     // The median over a row's rounds of one figure of their CPU use.
     let median = |rounds: &[CpuUse], figure: fn(&CpuUse) -> f64| {
         median_spread(rounds.iter().map(figure).collect()).0
@@ -1125,8 +1134,37 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
             tokio::time::sleep(Duration::from_millis(2500)).await;
             first_pass = Some((peak_rss, d.rss(), ops_total));
         }
-        if !steady.keep(uses.iter().map(|u| u.stolen)) {
+        let mut narrow = None;
+        if let Some(one) = &one_cpu {
+            let me = std::process::id();
+            affinity::confine(d.child.id(), one);
+            affinity::confine(me, one);
+            let mut rates = [0.0; 2];
+            let mut last = None;
+            for (slot, clients) in [1usize, 64].into_iter().enumerate() {
+                // Pass numbers of their own, so that their consumers are new.
+                let round = load_round(&d, &mut c, 1000 + pass, clients, &mut peak_rss, || {
+                    CpuMark::now(&d)
+                })
+                .await;
+                rates[slot] = round.rate;
+                ops_total += round.calls;
+                last = Some(round.start.until(&round.end, round.calls));
+            }
+            affinity::confine(me, &all_cpus);
+            affinity::confine(d.child.id(), &all_cpus);
+            narrow = last.map(|u| (rates, u));
+        }
+        let stolen = uses
+            .iter()
+            .chain(narrow.as_ref().map(|(_, u)| u))
+            .map(|u| u.stolen);
+        if !steady.keep(stolen.collect::<Vec<_>>()) {
             continue;
+        }
+        if let Some((rates, u)) = narrow {
+            confined.push(rates);
+            confined_cpu.push(u);
         }
         for (slot, u) in uses.into_iter().enumerate() {
             cpu[slot].push(u);
@@ -1194,6 +1232,41 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         "—",
         None,
     );
+    // Where the 64 clients' rate is bound by CPU, it follows the CPUs given; the one
+    // client's, bound by waits (the fsync, the wake-ups), does not.
+    let title = format!("context, not a goal: claims+releases/s with the agent and its clients confined to one CPU, 1 and 64 clients, {runs} passes{}", steady.set_aside());
+    if confined.is_empty() {
+        t.row(
+            &title,
+            "—",
+            "not measured: the harness may use one CPU only".to_string(),
+            "—",
+            None,
+        );
+    } else {
+        let of = |f: fn(&[f64; 2], &[f64; 3]) -> f64| {
+            median_spread(confined.iter().zip(&passes).map(|(c, p)| f(c, p)).collect())
+        };
+        let (one, one0, one1) = of(|c, _| c[0]);
+        let (many, many0, many1) = of(|c, _| c[1]);
+        let (one_vs_all, _, _) = of(|c, p| c[0] / p[0]);
+        let (many_vs_one, m0, m1) = of(|c, _| c[1] / c[0]);
+        let (scale, s0, s1) = of(|c, p| p[2] / c[1]);
+        let (all64, _, _) = column(2);
+        t.row(
+            &title,
+            &format!("the same passes on all {cpus:.0} CPUs: 1 client {base:.0}/s, 64 clients {all64:.0}/s"),
+            format!(
+                "1 client {one:.0}/s ({one0:.0}–{one1:.0}) = {one_vs_all:.2}× all CPUs'; 64 clients {many:.0}/s ({many0:.0}–{many1:.0}) = {many_vs_one:.1}× ({m0:.1}–{m1:.1}) one client on one CPU; all {cpus:.0} CPUs made **{scale:.2}×** ({s0:.2}–{s1:.2}) one CPU's 64-client rate; at 64 on one CPU, CPU per call: agent {:.0} µs (writer thread {:.0} µs), clients {:.0} µs; {} (all the machine's CPUs counted)",
+                median(&confined_cpu, |r| r.agent * 1e6),
+                median(&confined_cpu, |r| r.writer * 1e6),
+                median(&confined_cpu, |r| r.own * 1e6),
+                machine(&confined_cpu)
+            ),
+            "—",
+            None,
+        );
+    }
 
     // 5. Resident memory, 4096 devices.
     let rss = |r: Rss| format!("{:.1} (anon {:.1})", mib(r.0), mib(r.1));
