@@ -1140,7 +1140,7 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
             affinity::confine(d.child.id(), one);
             affinity::confine(me, one);
             let mut rates = [0.0; 2];
-            let mut last = None;
+            let mut rounds = Vec::new();
             for (slot, clients) in [1usize, 64].into_iter().enumerate() {
                 // Pass numbers of their own, so that their consumers are new.
                 let round = load_round(&d, &mut c, 1000 + pass, clients, &mut peak_rss, || {
@@ -1149,20 +1149,21 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
                 .await;
                 rates[slot] = round.rate;
                 ops_total += round.calls;
-                last = Some(round.start.until(&round.end, round.calls));
+                rounds.push(round.start.until(&round.end, round.calls));
             }
             affinity::confine(me, &all_cpus);
             affinity::confine(d.child.id(), &all_cpus);
-            narrow = last.map(|u| (rates, u));
+            narrow = Some((rates, rounds));
         }
         let stolen = uses
             .iter()
-            .chain(narrow.as_ref().map(|(_, u)| u))
+            .chain(narrow.iter().flat_map(|(_, r)| r))
             .map(|u| u.stolen);
         if !steady.keep(stolen.collect::<Vec<_>>()) {
             continue;
         }
-        if let Some((rates, u)) = narrow {
+        // The CPU use reported is the 64 clients' round's.
+        if let Some((rates, u)) = narrow.and_then(|(r, mut u)| Some((r, u.pop()?))) {
             confined.push(rates);
             confined_cpu.push(u);
         }
