@@ -1177,10 +1177,10 @@ async fn load_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: usize) 
         if !steady.keep(stolen.collect::<Vec<_>>()) {
             continue;
         }
-        // The CPU use reported is the 64 clients' round's.
-        if let Some((rates, u)) = narrow.and_then(|(r, mut u)| Some((r, u.pop()?))) {
+        // The CPU use reported is the 64 clients' round's, the last.
+        if let Some((rates, rounds)) = narrow {
             confined.push(rates);
-            confined_cpu.push(u);
+            confined_cpu.extend(rounds.last().copied());
         }
         for (slot, u) in uses.into_iter().enumerate() {
             cpu[slot].push(u);

@@ -39,7 +39,7 @@ pub fn confine(pid: u32, set: &CpuSet) {
             let Ok(now) = sched_getaffinity(tid) else {
                 continue;
             };
-            if !same(&now, set) && sched_setaffinity(tid, set).is_ok() {
+            if now != *set && sched_setaffinity(tid, set).is_ok() {
                 changed = true;
             }
         }
@@ -48,8 +48,4 @@ pub fn confine(pid: u32, set: &CpuSet) {
         }
     }
     panic!("process {pid} kept starting threads while its CPU mask was set");
-}
-
-fn same(a: &CpuSet, b: &CpuSet) -> bool {
-    (0..CpuSet::count()).all(|c| a.is_set(c).ok() == b.is_set(c).ok())
 }
