@@ -1973,7 +1973,11 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
     // working size, as in the load rows' later passes.
     load_round(&d, &mut c, 0, 64, &mut peak, || ()).await;
     // Each round's mark starts perf at the start line (once) and reads the CPU time.
-    let (claims_data, echoes_data) = (work.join("claims.data"), work.join("echoes.data"));
+    let (claims_data, lone_data, echoes_data) = (
+        work.join("claims.data"),
+        work.join("lone.data"),
+        work.join("echoes.data"),
+    );
     let recorded = |data: &Path| {
         let (d, started) = (&d, std::cell::Cell::new(false));
         let data = data.to_path_buf();
@@ -1983,6 +1987,8 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
         }
     };
     let claims = load_round(&d, &mut c, 1, 64, &mut peak, recorded(&claims_data)).await;
+    // The baseline of the load rows: one client alone, each change a commit of its own.
+    let lone = load_round(&d, &mut c, 2, 1, &mut peak, recorded(&lone_data)).await;
     let echoes = echo_round(&d, 64, &mut peak, recorded(&echoes_data)).await;
     drop(c);
     drop(d);
@@ -1993,32 +1999,54 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
         (cpu, round.rate, profile::read(data))
     };
     let (claim_cpu, claim_rate, claim) = read(claims, &claims_data);
+    let (lone_cpu, lone_rate, lone) = read(lone, &lone_data);
     let (echo_cpu, echo_rate, echo) = read(echoes, &echoes_data);
     let per_call = |cpu: &CpuUse, share: f64| {
         format!("{:.1} µs ({:.1}%)", cpu.agent * share * 1e6, share * 100.0)
     };
     t.row(
-        &format!("profile, not a goal: the agent's CPU per call, 64 clients (`perf record -F 999 --call-graph dwarf` on the agent for {SECONDS} s of a round)"),
+        &format!("profile, not a goal: the agent's CPU per call, 64 clients, and one client alone (`perf record -F 999 --call-graph dwarf` on the agent for {SECONDS} s of a round)"),
         &format!(
-            "bare echoes: {echo_rate:.0}/s, agent {:.0} µs a call, {} samples, {:.0}% of the CPU time stolen by the host",
+            "bare echoes, 64 clients: {echo_rate:.0}/s, agent {:.0} µs a call, {} samples, {:.0}% of the CPU time stolen by the host",
             echo_cpu.agent * 1e6,
             echo.samples,
             echo_cpu.stolen * 100.0
         ),
         format!(
-            "claims+releases: {claim_rate:.0}/s, agent {:.0} µs a call, {} samples, {:.0}% stolen",
+            "claims+releases, 64 clients: {claim_rate:.0}/s, agent {:.0} µs a call, {} samples, {:.0}% stolen; one client alone: {lone_rate:.0}/s, agent {:.0} µs a call, {} samples, {:.0}% stolen",
             claim_cpu.agent * 1e6,
             claim.samples,
-            claim_cpu.stolen * 100.0
+            claim_cpu.stolen * 100.0,
+            lone_cpu.agent * 1e6,
+            lone.samples,
+            lone_cpu.stolen * 100.0
         ),
         "—",
         None,
     );
-    for ((name, mine), (_, theirs)) in claim.buckets.iter().zip(&echo.buckets) {
+    let stages = claim.buckets.iter().zip(&lone.buckets).zip(&echo.buckets);
+    for (((name, mine), (_, alone)), (_, theirs)) in stages {
         t.row(
             &format!("profile: {name}"),
             &per_call(&echo_cpu, *theirs),
-            per_call(&claim_cpu, *mine),
+            format!(
+                "{}; one client alone: {}",
+                per_call(&claim_cpu, *mine),
+                per_call(&lone_cpu, *alone)
+            ),
+            "—",
+            None,
+        );
+    }
+    for ((name, mine), (_, alone)) in claim.within.iter().zip(&lone.within) {
+        t.row(
+            &format!("profile: {name}"),
+            "—",
+            format!(
+                "{}; one client alone: {}",
+                per_call(&claim_cpu, *mine),
+                per_call(&lone_cpu, *alone)
+            ),
             "—",
             None,
         );
@@ -2041,7 +2069,7 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
     t.row(
         "profile: the functions most often on top of the agent's stack (self time)",
         &top(&echo),
-        top(&claim),
+        format!("{}; one client alone: {}", top(&claim), top(&lone)),
         "—",
         None,
     );

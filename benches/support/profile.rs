@@ -41,6 +41,14 @@ pub const BUCKETS: &[(&str, &[&str])] = &[
 /// The name of the bucket for a sample in none of [`BUCKETS`].
 pub const OTHER: &str = "other";
 
+/// Parts of the writer's work, each the share of all samples with its pattern anywhere in
+/// the stack: nested, not exclusive (the sync is part of the commit). What a batch
+/// shares among its changes, and so what group commit divides.
+pub const WITHIN: &[(&str, &str)] = &[
+    ("of the writer's work, the store's commit", "Store::commit"),
+    ("of the commit, the sync of the log", "sqlite3OsSync"),
+];
+
 /// Starts `perf record` on process `pid` for `seconds`, writing to `out`. Panics if perf
 /// cannot be run at all: a profile asked for must not quietly come back empty.
 pub fn record(pid: u32, seconds: f64, out: &Path) -> Child {
@@ -66,11 +74,12 @@ pub fn finish(mut perf: Child) {
 }
 
 /// What one recording holds: how many samples, the share of them in each bucket (in the
-/// order of [`BUCKETS`], then [`OTHER`]), and the functions most often on top of the
-/// stack (self time), largest first.
+/// order of [`BUCKETS`], then [`OTHER`]) and in each part of [`WITHIN`], and the
+/// functions most often on top of the stack (self time), largest first.
 pub struct Profile {
     pub samples: usize,
     pub buckets: Vec<(&'static str, f64)>,
+    pub within: Vec<(&'static str, f64)>,
     pub leaves: Vec<(String, f64)>,
 }
 
@@ -112,6 +121,7 @@ pub fn read(data: &Path) -> Profile {
 struct Tally {
     samples: usize,
     buckets: HashMap<&'static str, usize>,
+    within: HashMap<&'static str, usize>,
     leaves: HashMap<String, usize>,
 }
 
@@ -122,6 +132,11 @@ impl Tally {
         };
         self.samples += 1;
         *self.buckets.entry(bucket(stack)).or_default() += 1;
+        for (name, pattern) in WITHIN {
+            if stack.iter().any(|frame| frame.contains(pattern)) {
+                *self.within.entry(name).or_default() += 1;
+            }
+        }
         *self.leaves.entry(leaf.clone()).or_default() += 1;
     }
 
@@ -133,6 +148,10 @@ impl Tally {
             .chain([OTHER])
             .map(|name| (name, share(self.buckets.get(name).copied().unwrap_or(0))))
             .collect();
+        let within = WITHIN
+            .iter()
+            .map(|(name, _)| (*name, share(self.within.get(name).copied().unwrap_or(0))))
+            .collect();
         let mut leaves: Vec<(String, f64)> = self
             .leaves
             .into_iter()
@@ -142,6 +161,7 @@ impl Tally {
         Profile {
             samples: self.samples,
             buckets,
+            within,
             leaves,
         }
     }
