@@ -2004,6 +2004,14 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
     let per_call = |cpu: &CpuUse, share: f64| {
         format!("{:.1} µs ({:.1}%)", cpu.agent * share * 1e6, share * 100.0)
     };
+    // A claim's share at 64 clients, then alone.
+    let claims_and_lone = |mine: f64, alone: f64| {
+        format!(
+            "{}; one client alone: {}",
+            per_call(&claim_cpu, mine),
+            per_call(&lone_cpu, alone)
+        )
+    };
     t.row(
         &format!("profile, not a goal: the agent's CPU per call, 64 clients, and one client alone (`perf record -F 999 --call-graph dwarf` on the agent for {SECONDS} s of a round)"),
         &format!(
@@ -2029,11 +2037,7 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
         t.row(
             &format!("profile: {name}"),
             &per_call(&echo_cpu, *theirs),
-            format!(
-                "{}; one client alone: {}",
-                per_call(&claim_cpu, *mine),
-                per_call(&lone_cpu, *alone)
-            ),
+            claims_and_lone(*mine, *alone),
             "—",
             None,
         );
@@ -2042,11 +2046,7 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
         t.row(
             &format!("profile: {name}"),
             "—",
-            format!(
-                "{}; one client alone: {}",
-                per_call(&claim_cpu, *mine),
-                per_call(&lone_cpu, *alone)
-            ),
+            claims_and_lone(*mine, *alone),
             "—",
             None,
         );
