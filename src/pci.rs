@@ -309,6 +309,20 @@ macro_rules! text_id {
 }
 
 text_id!(RequestId, "request id", 128, false);
+
+impl RequestId {
+    /// How many bytes [`Self::per_device`] adds at most: "@" and the longest address,
+    /// "ffffffff:ff:1f.7" (a 32-bit domain; most are "dddd:bb:dd.f", 12).
+    pub const PER_DEVICE_SUFFIX: usize = 17;
+
+    /// The id of this request's part that acts on one device, "<id>@<address>": an
+    /// acting Reconcile logs each orphan's free under one, so that two orphans of one
+    /// owner are two requests, and a retry of the audit finds the same ids again. Fails
+    /// only if `self` is longer than [`Self::MAX_LEN`] less [`Self::PER_DEVICE_SUFFIX`].
+    pub fn per_device(&self, address: PciAddress) -> Result<RequestId, IdError> {
+        RequestId::try_from(format!("{}@{address}", self.0))
+    }
+}
 text_id!(OwnerLabel, "owner label", 256, true);
 text_id!(PhysNet, "physical network tag", 64, false);
 

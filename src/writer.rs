@@ -34,6 +34,8 @@ use crate::store::{Store, StoreError};
 mod closed;
 mod events;
 mod hardware;
+#[cfg(test)]
+mod tests;
 pub use events::{Event, EventBuffer, EventLog};
 pub use hardware::{BindVfio, Bound, SetVfCount, VfCountSet};
 
@@ -74,12 +76,14 @@ pub struct Applied {
 }
 
 /// One orphan to free during an acting reconcile: freed only if its record still has
-/// this generation and owner.
+/// this generation and owner. Logged under `request_id`, its own (the audit's id with the
+/// device's address, [`RequestId::per_device`]): an owner's orphans are separate requests.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OrphanFree {
     pub address: PciAddress,
     pub consumer: ConsumerId,
     pub generation: Generation,
+    pub request_id: RequestId,
 }
 
 /// A command for the writer.
@@ -105,11 +109,7 @@ pub enum Command {
         reply: Reply<Option<RequestEntry>>,
     },
     /// Free orphans found by a reconcile (each result in order).
-    FreeOrphans(
-        Vec<OrphanFree>,
-        RequestId,
-        Reply<Vec<Result<Applied, WriteError>>>,
-    ),
+    FreeOrphans(Vec<OrphanFree>, Reply<Vec<Result<Applied, WriteError>>>),
     /// Bind a claimed device's IOMMU group to vfio-pci (decided and done alone).
     BindVfio(BindVfio, Reply<Bound>),
     /// Set a PF's VF count (decided and done alone).
@@ -233,22 +233,13 @@ impl Writer {
         hardware: Option<Hardware>,
     ) -> std::io::Result<(Writer, std::thread::JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel(4096);
-        let view = Arc::new(RwLock::new(Arc::new(View::new(&ledger))));
-        let events = Arc::new(Mutex::new(EventLog::new(events, ledger.host_generation())));
-        let store_error = Arc::new(Mutex::new(None));
-        let metrics = Metrics::new();
-        metrics.stored_requests(store.request_log_len());
-        let worker = Worker {
-            metrics: metrics.clone(),
-            ledger,
-            store,
-            view: view.clone(),
-            events: events.clone(),
-            store_error: store_error.clone(),
-            hardware,
-            trimmer: crate::memory::Trimmer::new(TRIM_INTERVAL),
-            closed: closed::ClosedRequests::default(),
-        };
+        let worker = Worker::new(ledger, store, events, hardware);
+        let (view, events, store_error, metrics) = (
+            worker.view.clone(),
+            worker.events.clone(),
+            worker.store_error.clone(),
+            worker.metrics.clone(),
+        );
         let core = Arc::new(Core {
             worker: Mutex::new(worker),
             queued: AtomicUsize::new(0),
@@ -395,10 +386,8 @@ impl Writer {
     pub async fn free_orphans(
         &self,
         orphans: Vec<OrphanFree>,
-        request_id: RequestId,
     ) -> Result<Vec<Result<Applied, WriteError>>, WriteError> {
-        self.call(|r| Command::FreeOrphans(orphans, request_id, r))
-            .await
+        self.call(|r| Command::FreeOrphans(orphans, r)).await
     }
     pub async fn bind_vfio(&self, req: BindVfio) -> Result<Bound, WriteError> {
         self.call(|r| Command::BindVfio(req, r)).await
@@ -568,7 +557,50 @@ struct Worker {
     closed: closed::ClosedRequests,
 }
 
+/// Keeps a decided change for the batch's commit (a replay changes nothing) and says
+/// whether it was one.
+fn keep(changes: &mut Vec<ChangeSet>, (outcome, cs): (Outcome, ChangeSet)) -> Applied {
+    let replayed = cs.is_empty();
+    if !replayed {
+        changes.push(cs);
+    }
+    Applied { outcome, replayed }
+}
+
+impl OrphanFree {
+    /// The release of this orphan, by its owner, at the generation the audit saw.
+    fn release_request(&self) -> ReleaseRequest {
+        ReleaseRequest {
+            address: self.address,
+            consumer: self.consumer,
+            request_id: self.request_id.clone(),
+            generation: self.generation,
+        }
+    }
+}
+
 impl Worker {
+    fn new(
+        ledger: Ledger,
+        store: Store,
+        events: EventBuffer,
+        hardware: Option<Hardware>,
+    ) -> Worker {
+        let metrics = Metrics::new();
+        metrics.stored_requests(store.request_log_len());
+        Worker {
+            view: Arc::new(RwLock::new(Arc::new(View::new(&ledger)))),
+            events: Arc::new(Mutex::new(EventLog::new(events, ledger.host_generation()))),
+            store_error: Arc::new(Mutex::new(None)),
+            metrics,
+            ledger,
+            store,
+            hardware,
+            trimmer: crate::memory::Trimmer::new(TRIM_INTERVAL),
+            closed: closed::ClosedRequests::default(),
+        }
+    }
+
     fn set_store_error(&self, e: Option<String>) {
         match self.store_error.lock() {
             Ok(mut g) => *g = e,
@@ -577,22 +609,16 @@ impl Worker {
     }
 
     fn decide(&mut self, cmd: Command, now: u64, changes: &mut Vec<ChangeSet>) -> Pending {
-        let mut keep = |(outcome, cs): (Outcome, ChangeSet)| {
-            let replayed = cs.is_empty();
-            if !replayed {
-                changes.push(cs);
-            }
-            Applied { outcome, replayed }
-        };
         let key = match &cmd {
             Command::Claim(req, _) => Some((req.owner.consumer, &req.request_id)),
             Command::Release(req, _) => Some((req.consumer, &req.request_id)),
             Command::Transfer(req, _) => Some((req.from, &req.request_id)),
             _ => None,
         };
-        // A retry of a request that memory no longer holds is answered from the store.
+        // A retry of a request that memory no longer holds is answered from the store, or
+        // from this batch if it was decided here.
         let recalled = match key {
-            Some((c, r)) => self.recall(c, r),
+            Some((c, r)) => self.recall(c, r, changes),
             None => Ok(()),
         };
         let opened = recalled.and_then(|()| match key {
@@ -611,37 +637,36 @@ impl Worker {
             Command::Claim(req, reply) => Pending::Applied(
                 reply,
                 Op::Claim,
-                self.ledger.claim(&req, now).map(&mut keep),
+                self.ledger
+                    .claim(&req, now)
+                    .map(|decided| keep(changes, decided)),
             ),
             Command::Release(req, reply) => Pending::Applied(
                 reply,
                 Op::Release,
-                self.ledger.release(&req, now).map(&mut keep),
+                self.ledger
+                    .release(&req, now)
+                    .map(|decided| keep(changes, decided)),
             ),
             Command::Transfer(req, reply) => Pending::Applied(
                 reply,
                 Op::Transfer,
-                self.ledger.transfer(&req, now).map(&mut keep),
+                self.ledger
+                    .transfer(&req, now)
+                    .map(|decided| keep(changes, decided)),
             ),
-            Command::FreeOrphans(list, request_id, reply) => {
-                let results = list
-                    .into_iter()
-                    .map(|o| {
-                        self.recall(o.consumer, &request_id)?;
-                        self.ledger
-                            .release(
-                                &ReleaseRequest {
-                                    address: o.address,
-                                    consumer: o.consumer,
-                                    request_id: request_id.clone(),
-                                    generation: o.generation,
-                                },
-                                now,
-                            )
-                            .map(&mut keep)
-                            .map_err(WriteError::Ledger)
-                    })
-                    .collect();
+            Command::FreeOrphans(list, reply) => {
+                let mut results = Vec::with_capacity(list.len());
+                for o in list {
+                    let freed = self
+                        .recall(o.consumer, &o.request_id, changes)
+                        .and_then(|()| {
+                            self.ledger
+                                .release(&o.release_request(), now)
+                                .map_err(WriteError::Ledger)
+                        });
+                    results.push(freed.map(|decided| keep(changes, decided)));
+                }
                 Pending::Orphans(reply, results)
             }
             Command::Inventory(facts, reply) => {
@@ -664,7 +689,7 @@ impl Worker {
                 reply,
             } => {
                 let entry = self
-                    .recall(consumer, &request_id)
+                    .recall(consumer, &request_id, changes)
                     .map(|()| self.ledger.request(consumer, &request_id));
                 if close && matches!(entry, Ok(None)) {
                     self.closed.close(consumer, request_id);
@@ -798,8 +823,26 @@ impl Worker {
 
     /// Makes sure the ledger holds the request's logged outcome if the store does: the
     /// ledger keeps only the newest entries in memory.
-    fn recall(&mut self, consumer: ConsumerId, request_id: &RequestId) -> Result<(), WriteError> {
+    /// `batch`: the changes decided so far in the batch being decided, not yet on disk.
+    /// An entry one of them logged may have been pushed out of memory since (the window
+    /// drops its oldest by time, and a busy second fills it), and the store cannot know it
+    /// before the commit: a retry within the same batch finds it there.
+    fn recall(
+        &mut self,
+        consumer: ConsumerId,
+        request_id: &RequestId,
+        batch: &[ChangeSet],
+    ) -> Result<(), WriteError> {
         if self.ledger.knows_request(consumer, request_id) {
+            return Ok(());
+        }
+        let decided_here = batch
+            .iter()
+            .rev()
+            .flat_map(|cs| cs.requests.iter())
+            .find(|e| e.consumer == consumer && e.request_id == *request_id);
+        if let Some(entry) = decided_here {
+            self.ledger.recall(entry.clone());
             return Ok(());
         }
         let found = self.store.request(consumer, request_id).map_err(|e| {

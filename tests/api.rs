@@ -643,6 +643,79 @@ async fn reconcile_reports_then_frees_only_unchanged_orphans() {
     s.stop().await;
 }
 
+/// A dead instance that held two VFs: one acting audit frees both (each orphan's free is
+/// its own request, "<audit id>@<address>"), a retry of the audit frees nothing more, and
+/// an audit id too long to carry an address is refused before anything is freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_frees_every_orphan_of_one_owner() {
+    let s = start(4).await;
+    let mut c = s.client().await;
+    let dead = 2u128;
+    for (vf, req) in [("0000:3b:10.1", "b1"), ("0000:3b:10.3", "b2")] {
+        let g = device(&mut c, vf).await.generation;
+        claim(&mut c, vf, dead, req, g).await.expect("dead claim");
+    }
+    let snapshot = listing(&mut c).await.host_generation;
+    let req = |request_id: &str| proto::ReconcileRequest {
+        expected_consumer_ids: vec![],
+        snapshot_generation: snapshot,
+        act: true,
+        request_id: request_id.into(),
+    };
+    let too_long = c
+        .reconcile(req(&"x".repeat(112)))
+        .await
+        .expect_err("an id with no room for an address");
+    assert_eq!(too_long.code(), Code::InvalidArgument, "{too_long:?}");
+    assert!(too_long.message().contains("111"), "{}", too_long.message());
+    assert_eq!(
+        device(&mut c, "0000:3b:10.1").await.state,
+        proto::DeviceState::Claimed as i32,
+        "the refused audit freed nothing"
+    );
+
+    let acted = c
+        .reconcile(req(&"a".repeat(111)))
+        .await
+        .expect("act")
+        .into_inner();
+    let freed: Vec<(&str, bool)> = acted
+        .orphans
+        .iter()
+        .map(|o| {
+            let d = o.device.as_ref().expect("device");
+            (
+                d.address.as_str(),
+                o.freed_generation > snapshot && o.kept_because.is_empty(),
+            )
+        })
+        .collect();
+    assert_eq!(freed, vec![("0000:3b:10.1", true), ("0000:3b:10.3", true)]);
+    for vf in ["0000:3b:10.1", "0000:3b:10.3"] {
+        assert_eq!(
+            device(&mut c, vf).await.state,
+            proto::DeviceState::Free as i32
+        );
+    }
+    let out = c
+        .get_request_outcome(proto::GetRequestOutcomeRequest {
+            consumer_id: owner(dead).consumer_id,
+            request_id: format!("{}@0000:3b:10.3", "a".repeat(111)),
+        })
+        .await
+        .expect("each free is logged under its own id")
+        .into_inner();
+    assert_eq!(out.operation, "released");
+
+    let again = c
+        .reconcile(req(&"a".repeat(111)))
+        .await
+        .expect("retry")
+        .into_inner();
+    assert!(again.orphans.is_empty(), "nothing left to free: {again:?}");
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_concurrent_clients_never_share_a_device() {
     let s = start(48).await;

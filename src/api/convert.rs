@@ -23,6 +23,23 @@ pub fn request_id(s: &str) -> Result<RequestId, ApiError> {
     RequestId::from_str(s).map_err(ApiError::bad_id("request_id"))
 }
 
+/// An acting Reconcile's request id: short enough that each orphan's free can be logged
+/// under the id with the device's address added ([`RequestId::per_device`]).
+pub fn audit_request_id(s: &str) -> Result<RequestId, ApiError> {
+    let id = request_id(s)?;
+    let max = RequestId::MAX_LEN - RequestId::PER_DEVICE_SUFFIX;
+    if id.as_str().len() > max {
+        return Err(ApiError::BadField {
+            field: "request_id",
+            reason: format!(
+                "{} bytes is longer than the limit of {max} for an acting audit (each orphan's free is logged as \"<request_id>@<address>\")",
+                id.as_str().len()
+            ),
+        });
+    }
+    Ok(id)
+}
+
 pub fn owner(field: &'static str, o: Option<&proto::Owner>) -> Result<Owner, ApiError> {
     let o = o.ok_or(ApiError::BadField {
         field,

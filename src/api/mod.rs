@@ -552,7 +552,7 @@ impl HostDev for HostDevService {
             .map(|c| convert::consumer("expected_consumer_ids", c))
             .collect::<Result<_, _>>()?;
         let request_id = if r.act {
-            Some(convert::request_id(&r.request_id)?)
+            Some(convert::audit_request_id(&r.request_id)?)
         } else {
             None
         };
@@ -598,20 +598,22 @@ impl HostDev for HostDevService {
             })
             .collect();
         if let Some(request_id) = request_id {
-            let frees: Vec<OrphanFree> = report
-                .orphans
-                .iter()
-                .filter_map(|rec| {
-                    rec.claim.as_ref().map(|c| OrphanFree {
+            let mut frees = Vec::with_capacity(report.orphans.len());
+            for rec in &report.orphans {
+                if let Some(c) = &rec.claim {
+                    frees.push(OrphanFree {
                         address: rec.address(),
                         consumer: c.owner.consumer,
                         generation: rec.generation,
-                    })
-                })
-                .collect();
+                        request_id: request_id
+                            .per_device(rec.address())
+                            .map_err(ApiError::bad_id("request_id"))?,
+                    });
+                }
+            }
             let results = self
                 .writer
-                .free_orphans(frees, request_id)
+                .free_orphans(frees)
                 .await
                 .map_err(ApiError::from)?;
             for (o, res) in orphans.iter_mut().zip(results) {

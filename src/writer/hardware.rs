@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{now_unix, Applied, Command, OrphanFree, Worker, WriteError};
+use super::{now_unix, Applied, Command, Worker, WriteError};
 use crate::hardware::HardwareError;
 use crate::ledger::{BoundMember, ChangeSet, ReleaseRequest};
 use crate::metrics::Op;
@@ -57,7 +57,7 @@ impl Worker {
         match cmd {
             Command::BindVfio(..) | Command::SetVfCount(..) => true,
             Command::Release(req, _) => self.ledger.has_binding(req.address),
-            Command::FreeOrphans(list, _, _) => {
+            Command::FreeOrphans(list, _) => {
                 list.iter().any(|o| self.ledger.has_binding(o.address))
             }
             _ => false,
@@ -81,23 +81,12 @@ impl Worker {
                 self.count(Op::Release, &r);
                 let _ = reply.send(r);
             }
-            Command::FreeOrphans(list, request_id, reply) => {
+            Command::FreeOrphans(list, reply) => {
                 let mut out = Vec::with_capacity(list.len());
-                for OrphanFree {
-                    address,
-                    consumer,
-                    generation,
-                } in list
-                {
-                    let req = ReleaseRequest {
-                        address,
-                        consumer,
-                        request_id: request_id.clone(),
-                        generation,
-                    };
-                    let r = self.release_restoring(&req);
+                for orphan in list {
+                    let r = self.release_restoring(&orphan.release_request());
                     if let Err(e) = &r {
-                        tracing::warn!(device = %address, error = %e, "orphan not freed");
+                        tracing::warn!(device = %orphan.address, error = %e, "orphan not freed");
                     }
                     out.push(r);
                 }
@@ -180,6 +169,9 @@ impl Worker {
     /// A release that first gives a recorded binding back (only if the ledger would
     /// accept the release: checked on an O(1) copy of it).
     fn release_restoring(&mut self, req: &ReleaseRequest) -> Result<Applied, WriteError> {
+        // As in a batch: a retry that memory no longer holds is answered from the store
+        // (this runs alone, so nothing is decided and not yet committed).
+        self.recall(req.consumer, &req.request_id, &[])?;
         self.open_request(req.consumer, &req.request_id)?;
         let now = now_unix();
         if let Some(binding) =

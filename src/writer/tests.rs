@@ -1,0 +1,132 @@
+//! Unit tests of the writer's batches, decided on a worker directly (no thread), so that
+//! what one batch holds is exact.
+
+use tokio::sync::oneshot;
+
+use super::*;
+use crate::ledger::{ClaimTarget, DeviceFacts, Owner, Selector};
+use crate::pci::{DeviceId, OwnerLabel, VendorId};
+
+fn addr(s: &str) -> PciAddress {
+    s.parse().expect("address")
+}
+
+fn vf(i: u8) -> DeviceFacts {
+    DeviceFacts {
+        address: addr(&format!("0000:3b:02.{i}")),
+        vendor_id: VendorId(0x8086),
+        device_id: DeviceId(0x154c),
+        driver: Some("iavf".into()),
+        iommu_group: Some(40 + u32::from(i)),
+        numa_node: Some(0),
+        physfn: Some(addr("0000:3b:00.0")),
+        is_pf: false,
+        physnets: vec![],
+        managed: true,
+    }
+}
+
+fn consumer(n: u128) -> ConsumerId {
+    ConsumerId(uuid::Uuid::from_u128(n))
+}
+
+fn rid(s: &str) -> RequestId {
+    s.parse().expect("request id")
+}
+
+/// A worker over a fresh store with four free VFs, keeping `in_memory` request-log
+/// entries in memory.
+fn worker(dir: &std::path::Path, in_memory: usize) -> Worker {
+    let mut ledger = Ledger::new();
+    ledger.set_request_log_limit(in_memory);
+    let store = Store::open(dir).expect("store");
+    let mut w = Worker::new(ledger, store, EventBuffer::events(64), None);
+    let (reply, _rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Inventory((0..4).map(vf).collect(), reply)]);
+    w
+}
+
+fn claim_any(
+    who: u128,
+    request_id: &str,
+) -> (Command, oneshot::Receiver<Result<Applied, WriteError>>) {
+    let (reply, rx) = oneshot::channel();
+    let req = ClaimRequest {
+        target: ClaimTarget::Selector(Selector::default()),
+        owner: Owner {
+            consumer: consumer(who),
+            label: OwnerLabel::try_from(String::new()).expect("label"),
+        },
+        request_id: rid(request_id),
+    };
+    (Command::Claim(req, reply), rx)
+}
+
+fn answer<T>(mut rx: oneshot::Receiver<T>) -> T {
+    rx.try_recv().expect("answered when the batch is done")
+}
+
+fn claimed(w: &Worker) -> usize {
+    w.view_now()
+        .devices()
+        .iter()
+        .filter(|v| v.record.claim.is_some())
+        .count()
+}
+
+/// With room for two entries in memory, the three claims after the first push its entry
+/// out (the window drops its oldest by time, then by key, and the whole batch shares one
+/// second), before the commit has put it on disk. Its retry in the same batch must still
+/// be answered as the first time (I7): the same device, no second claim.
+#[test]
+fn a_retry_in_the_same_batch_is_replayed_after_memory_dropped_its_entry() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 2);
+    let (first, first_rx) = claim_any(1, "boot");
+    let (mut batch, mut others) = (vec![first], Vec::new());
+    for n in 2..=4 {
+        let (c, rx) = claim_any(n, "other");
+        batch.push(c);
+        others.push(rx);
+    }
+    let (retry, retry_rx) = claim_any(1, "boot");
+    batch.push(retry);
+    w.apply_batch(batch);
+
+    let first = answer(first_rx).expect("first claim");
+    let retry = answer(retry_rx).expect("the retry is answered");
+    assert!(retry.replayed, "the retry replays the first answer");
+    assert_eq!(retry.outcome, first.outcome);
+    for rx in others {
+        answer(rx).expect("other claims");
+    }
+    assert_eq!(claimed(&w), 4, "one claim per consumer, none twice");
+}
+
+/// GetRequestOutcome decided after the claim it asks about, in the same batch and after
+/// memory dropped the claim's entry, reports it applied and closes nothing.
+#[test]
+fn get_request_outcome_in_the_same_batch_sees_the_claim_before_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 2);
+    let (first, first_rx) = claim_any(1, "boot");
+    let mut batch = vec![first];
+    for n in 2..=4 {
+        batch.push(claim_any(n, "other").0);
+    }
+    let (reply, settle_rx) = oneshot::channel();
+    batch.push(Command::Settle {
+        consumer: consumer(1),
+        request_id: rid("boot"),
+        close: true,
+        reply,
+    });
+    w.apply_batch(batch);
+
+    let first = answer(first_rx).expect("claim");
+    let entry = answer(settle_rx)
+        .expect("settled")
+        .expect("the claim is applied");
+    assert_eq!(entry.outcome, first.outcome);
+    assert!(!w.closed.is_closed(consumer(1), &rid("boot")));
+}
