@@ -47,6 +47,16 @@ fn tree() -> FakeTree {
 }
 
 async fn start(t: &FakeTree, step_timeout_ms: u64, rcvbuf: usize) -> support::server::TestServer {
+    start_tuned(t, step_timeout_ms, rcvbuf, |_| {}).await
+}
+
+/// [`start`] with the configuration changed by `tune` last.
+async fn start_tuned(
+    t: &FakeTree,
+    step_timeout_ms: u64,
+    rcvbuf: usize,
+    tune: impl FnOnce(&mut Config),
+) -> support::server::TestServer {
     let mut cfg = Config {
         sysfs_root: t.sysfs_root().to_path_buf(),
         dev_root: t.dev_root().to_path_buf(),
@@ -58,6 +68,7 @@ async fn start(t: &FakeTree, step_timeout_ms: u64, rcvbuf: usize) -> support::se
     // A proc tree of the test's own: empty unless a test plants a holder in it.
     cfg.proc_root = t.sysfs_root().join("fake-proc");
     std::fs::create_dir_all(&cfg.proc_root).expect("fake proc");
+    tune(&mut cfg);
     support::server::TestServer::start(cfg, 0o600, vec![0], None).await
 }
 
@@ -674,4 +685,120 @@ async fn a_failed_vfio_bind_keeps_the_claim_and_a_failed_restore_keeps_the_bindi
     })
     .await;
     assert!(d.iter().any(|d| d.address == a));
+}
+
+/// A claim with vfio whose first bind failed part way (the binding is recorded before the
+/// sysfs writes), retried with the same request id once the fault is gone: the retry binds
+/// what the first call could not, and every answer carries the claim's generation now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_vfio_claim_binds_what_the_first_call_could_not() {
+    use nix::errno::Errno;
+    let _alone = alone().await;
+    let t = tree();
+    let a = virtfn(&t, 2);
+    let fs = support::faultfs::FaultFs::mount(&[("driver_override", "(null)\n")]);
+    fs.plant(&t.bus_link(&a).join("driver_override"), "driver_override");
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let g = device(&mut c, &a).await.expect("device").generation;
+    let boot = |c: &mut HostDevClient<Channel>| {
+        let mut c = c.clone();
+        let a = a.clone();
+        async move {
+            c.claim(proto::ClaimRequest {
+                owner: Some(owner(7)),
+                request_id: "boot".into(),
+                target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+                    address: a,
+                    expected_generation: g,
+                })),
+                vfio: true,
+            })
+            .await
+            .map(|r| r.into_inner())
+        }
+    };
+
+    fs.fail_writes("driver_override", Some(Errno::EIO));
+    let e = boot(&mut c).await.expect_err("the bind fails");
+    assert_eq!(reason(&e).0, "HARDWARE_STEP_FAILED");
+    assert_eq!(device(&mut c, &a).await.expect("device").driver, "iavf");
+
+    fs.fail_writes("driver_override", None);
+    let retry = boot(&mut c).await.expect("the retry binds");
+    assert!(retry.replayed);
+    let d = until(&mut c, "VF on vfio-pci", |l| {
+        l.iter().any(|d| d.address == a && d.driver == "vfio-pci")
+    })
+    .await;
+    let d = d.iter().find(|d| d.address == a).expect("device");
+    assert_eq!(retry.generation, d.generation, "the generation now");
+    assert_eq!(d.owner, Some(owner(7)));
+
+    // Bound already: a further retry binds nothing and changes nothing.
+    let again = boot(&mut c).await.expect("retry once bound");
+    assert!(again.replayed);
+    assert_eq!(again.generation, d.generation);
+    assert_eq!(
+        device(&mut c, &a).await.expect("device").generation,
+        d.generation,
+        "nothing changed"
+    );
+    s.stop().await;
+}
+
+/// A release retried after memory forgot it, while the device is bound for its next
+/// owner (so the release runs alone, where drivers are restored): it is answered from the
+/// request log on disk, as any other retry, and frees nothing. (The service looks such a
+/// retry up before the writer decides it; the writer's own look-up for a release run
+/// alone is tested in src/writer/tests.rs.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_release_of_a_device_bound_since_is_answered_from_disk() {
+    let _alone = alone().await;
+    let t = tree();
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start_tuned(&t, 3000, 1 << 20, |cfg| cfg.api.request_log_in_memory = 2).await;
+    let mut c = s.client().await;
+    let (a, other) = (vf(&mut c, 1).await, vf(&mut c, 3).await);
+    let stop = |c: &mut HostDevClient<Channel>, g: u64| {
+        let mut c = c.clone();
+        let a = a.clone();
+        async move {
+            c.release(proto::ReleaseRequest {
+                address: a,
+                owner: Some(owner(7)),
+                request_id: "stop".into(),
+                generation: g,
+            })
+            .await
+            .map(|r| r.into_inner())
+        }
+    };
+
+    let first = claim(&mut c, &a, 7, true).await.expect("claim --vfio");
+    let freed = stop(&mut c, first.generation).await.expect("release");
+    until(&mut c, "VF back on iavf", |l| {
+        l.iter().any(|d| d.address == a && d.driver == "iavf")
+    })
+    .await;
+    let next = claim(&mut c, &a, 8, true)
+        .await
+        .expect("the next owner binds it");
+    // Pushes the release out of memory (2 entries kept).
+    for _ in 0..3 {
+        claim(&mut c, &other, 9, false).await.expect("churn claim");
+        release(&mut c, &other, 9).await.expect("churn release");
+    }
+
+    let retried = stop(&mut c, first.generation)
+        .await
+        .expect("the retry replays");
+    assert!(retried.replayed);
+    assert_eq!(retried.generation, freed.generation);
+    let d = device(&mut c, &a).await.expect("device");
+    assert_eq!(d.owner, Some(owner(8)), "still the next owner's");
+    assert_eq!(d.generation, next.generation, "nothing changed");
+    assert_eq!(d.driver, "vfio-pci");
+    s.stop().await;
 }

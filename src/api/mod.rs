@@ -20,7 +20,7 @@ use tonic::{Request, Response, Status};
 use crate::ledger::{
     ClaimRequest, ClaimTarget, DeviceState, Outcome, ReleaseRequest, TransferRequest,
 };
-use crate::pci::{Generation, PciAddress};
+use crate::pci::{ConsumerId, Generation, PciAddress};
 use crate::rescan::{Rescanner, SharedInventory};
 use crate::sysfs::PciDevice;
 use crate::writer::{Event, OrphanFree, Writer};
@@ -186,6 +186,34 @@ impl HostDevService {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         }
+    }
+
+    /// `consumer`'s claim on the present device at `address`, as it is now: its
+    /// generation, and whether it has a recorded binding whose every member the
+    /// inventory shows on vfio-pci.
+    fn claim_now(&self, address: PciAddress, consumer: ConsumerId) -> (Option<Generation>, bool) {
+        let view = self.writer.view();
+        let Some(rec) = view.device(address).map(|v| v.record).find(|r| {
+            r.present
+                && r.claim
+                    .as_ref()
+                    .is_some_and(|c| c.owner.consumer == consumer)
+        }) else {
+            return (None, false);
+        };
+        let inv = self.inv();
+        let on_vfio = rec
+            .claim
+            .as_ref()
+            .and_then(|c| c.vfio.as_ref())
+            .is_some_and(|b| {
+                b.members.iter().all(|m| {
+                    inv.get(&m.address).is_some_and(|d| {
+                        d.driver.as_deref() == Some(crate::hardware::VFIO_PCI_DRIVER)
+                    })
+                })
+            });
+        (Some(rec.generation), on_vfio)
     }
 
     /// The present device at an address as a message, from the latest view.
@@ -435,13 +463,17 @@ impl HostDev for HostDevService {
         let mut generation = applied.outcome.generation();
         if r.vfio {
             let address = applied.outcome.address();
-            let bound = self
-                .writer
-                .view()
-                .device(address)
-                .any(|v| v.record.claim.as_ref().is_some_and(|c| c.vfio.is_some()));
-            // A replayed claim that was already bound is not bound again.
-            if !(applied.replayed && bound) {
+            if applied.replayed {
+                // The first call's binding moved the claim's generation on, and may have
+                // stopped part way (the binding is recorded before the sysfs writes): a
+                // retry answers the claim's generation now, and binds again unless every
+                // member is on vfio-pci already.
+                let (now, on_vfio) = self.claim_now(address, consumer);
+                generation = now.unwrap_or(generation);
+                if !on_vfio {
+                    generation = self.bind_vfio(address, consumer, generation).await?.0;
+                }
+            } else {
                 generation = self.bind_vfio(address, consumer, generation).await?.0;
             }
         }

@@ -106,7 +106,7 @@ impl Worker {
     }
 
     /// Commits one change set on its own and publishes it; on failure it is undone.
-    fn commit_one(&mut self, cs: ChangeSet) -> Result<(), WriteError> {
+    pub(super) fn commit_one(&mut self, cs: ChangeSet) -> Result<(), WriteError> {
         if cs.is_empty() {
             return Ok(());
         }
@@ -168,7 +168,10 @@ impl Worker {
 
     /// A release that first gives a recorded binding back (only if the ledger would
     /// accept the release: checked on an O(1) copy of it).
-    fn release_restoring(&mut self, req: &ReleaseRequest) -> Result<Applied, WriteError> {
+    pub(super) fn release_restoring(
+        &mut self,
+        req: &ReleaseRequest,
+    ) -> Result<Applied, WriteError> {
         // As in a batch: a retry that memory no longer holds is answered from the store
         // (this runs alone, so nothing is decided and not yet committed).
         self.recall(req.consumer, &req.request_id, &[])?;

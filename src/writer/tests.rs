@@ -130,3 +130,81 @@ fn get_request_outcome_in_the_same_batch_sees_the_claim_before_it() {
     assert_eq!(entry.outcome, first.outcome);
     assert!(!w.closed.is_closed(consumer(1), &rid("boot")));
 }
+
+fn claim_at(
+    who: u128,
+    request_id: &str,
+    address: PciAddress,
+    expected: Generation,
+) -> (Command, oneshot::Receiver<Result<Applied, WriteError>>) {
+    let (c, rx) = claim_any(who, request_id);
+    let Command::Claim(mut req, reply) = c else {
+        unreachable!("claim_any makes a claim")
+    };
+    req.target = ClaimTarget::Address {
+        address,
+        expected_generation: expected,
+    };
+    (Command::Claim(req, reply), rx)
+}
+
+fn release(
+    who: u128,
+    request_id: &str,
+    address: PciAddress,
+    generation: Generation,
+) -> ReleaseRequest {
+    ReleaseRequest {
+        address,
+        consumer: consumer(who),
+        request_id: rid(request_id),
+        generation,
+    }
+}
+
+/// A release that runs alone (the device holds a recorded binding, here its next
+/// owner's) and retries one that memory no longer holds: answered from the store, as in
+/// a batch, not decided again against the claim as it is now.
+#[test]
+fn a_release_run_alone_recalls_its_retry_from_the_store() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 2);
+    let (c, rx) = claim_any(1, "boot");
+    w.apply_batch(vec![c]);
+    let first = answer(rx).expect("claim").outcome;
+    let x = first.address();
+    let freed = w
+        .release_restoring(&release(1, "stop", x, first.generation()))
+        .expect("release")
+        .outcome;
+    let (c, rx) = claim_at(2, "next", x, freed.generation());
+    w.apply_batch(vec![c]);
+    let next = answer(rx).expect("the next owner's claim").outcome;
+    let (bound, cs) = w
+        .ledger
+        .record_binding(x, consumer(2), next.generation(), vec![])
+        .expect("binding");
+    w.commit_one(cs).expect("commit");
+    assert!(w.acts_on_hardware(&Command::Release(
+        release(1, "stop", x, first.generation()),
+        oneshot::channel().0
+    )));
+    // Three more entries push the release out of memory.
+    let others: Vec<Command> = (3..=5).map(|n| claim_any(n, "other").0).collect();
+    w.apply_batch(others);
+    assert!(!w.ledger.knows_request(consumer(1), &rid("stop")));
+
+    let retried = w
+        .release_restoring(&release(1, "stop", x, first.generation()))
+        .expect("the retry is answered from the store");
+    assert!(retried.replayed);
+    assert_eq!(retried.outcome, freed);
+    let now = w.view_now();
+    let rec = now
+        .device(x)
+        .map(|v| v.record)
+        .find(|r| r.present)
+        .expect("present");
+    assert_eq!(rec.generation, bound, "nothing changed");
+    assert_eq!(rec.claim.map(|c| c.owner.consumer), Some(consumer(2)));
+}
