@@ -227,6 +227,33 @@ async fn claim_with_vfio_binds_and_release_restores_the_driver() {
     assert_eq!(why, "VFIO_GROUP_IN_USE");
     assert_eq!(meta.get("holder_pid").map(String::as_str), Some("4242"));
     assert_eq!(device(&mut c, &a).await.expect("device").driver, "vfio-pci");
+    // A release the ledger refuses anyway gets the ledger's own answer, not the check's:
+    // a stale generation, another owner.
+    let stale = c
+        .release(proto::ReleaseRequest {
+            address: a.clone(),
+            owner: Some(owner(7)),
+            request_id: "stale".into(),
+            generation: 1,
+        })
+        .await
+        .expect_err("stale");
+    assert_eq!(
+        (stale.code(), reason(&stale).0.as_str()),
+        (Code::Aborted, "STALE_GENERATION")
+    );
+    let g = device(&mut c, &a).await.expect("device").generation;
+    let theirs = c
+        .release(proto::ReleaseRequest {
+            address: a.clone(),
+            owner: Some(owner(8)),
+            request_id: "not-mine".into(),
+            generation: g,
+        })
+        .await
+        .expect_err("another owner");
+    assert_eq!(reason(&theirs).0, "WRONG_OWNER", "{theirs:?}");
+    assert_eq!(device(&mut c, &a).await.expect("device").generation, g);
     std::fs::remove_dir_all(&holder).expect("holder exits");
 
     release(&mut c, &a, 7).await.expect("release");

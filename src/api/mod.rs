@@ -497,28 +497,23 @@ impl HostDev for HostDevService {
             request_id: convert::request_id(&r.request_id)?,
             generation: Generation(r.generation),
         };
-        // A retry of a recorded request replays its first answer (I7) and frees nothing
-        // new; a device nobody holds has nothing to free: the ledger answers both. A
-        // release that names the claim as it is now is no retry (a release applied would
-        // have moved the generation on); for any other, the writer looks in the request
-        // log, on disk too.
-        let (mut claimed, mut current) = (false, false);
-        for v in self.writer.view().device(rel.address) {
-            if let Some(c) = &v.record.claim {
-                claimed = true;
-                current |=
-                    v.record.generation == rel.generation && c.owner.consumer == rel.consumer;
-            }
-        }
-        let replay = claimed
-            && !current
-            && self
-                .writer
-                .lookup(rel.consumer, rel.request_id.clone())
-                .await
-                .map_err(ApiError::from)?
-                .is_some();
-        if claimed && !replay {
+        // Only a release that names a present device's claim as it is now, by its owner,
+        // can free that device: it alone is checked first (libvirt listed afresh, no VFIO
+        // holder). Any other the ledger answers without freeing anything: a retry of a
+        // recorded request replays its first answer (I7; the writer looks in the request
+        // log, on disk too), and the rest it refuses (a stale generation, another
+        // owner), with their own status rather than a check's. A lost claim's device is
+        // gone: the device at its address now is another one, and not this release's to
+        // check.
+        let checked = self.writer.view().device(rel.address).any(|v| {
+            v.record.present
+                && v.record.generation == rel.generation
+                && v.record
+                    .claim
+                    .as_ref()
+                    .is_some_and(|c| c.owner.consumer == rel.consumer)
+        });
+        if checked {
             self.check_free(rel.address).await?;
         }
         let bound: BTreeSet<PciAddress> = self
