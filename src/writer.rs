@@ -25,7 +25,8 @@ use tokio::sync::{mpsc, oneshot};
 use crate::hardware::{Hardware, HardwareError};
 use crate::ledger::{
     ChangeSet, ClaimRequest, DeviceFacts, DeviceState, DeviceView, DomainDevices, Ledger,
-    LedgerError, Outcome, RecordId, ReleaseRequest, RequestEntry, Stray, TransferRequest,
+    LedgerError, Outcome, RecordId, ReleaseRequest, RequestEntry, RequestKey, Stray,
+    TransferRequest,
 };
 use crate::metrics::{Metrics, Op};
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
@@ -403,9 +404,11 @@ enum Pending {
     /// Refused before the ledger was asked (a closed request id, or a request log that
     /// could not be read).
     Refused(Reply<Applied>, WriteError),
+    /// GetRequestOutcome's answer, and the request id it closed, if it did.
     Entry(
         Reply<Option<RequestEntry>>,
         Result<Option<RequestEntry>, WriteError>,
+        Option<RequestKey>,
     ),
     Unit(Reply<()>),
     Orphans(
@@ -691,10 +694,11 @@ impl Worker {
                 let entry = self
                     .recall(consumer, &request_id, changes)
                     .map(|()| self.ledger.request(consumer, &request_id));
-                if close && matches!(entry, Ok(None)) {
-                    self.closed.close(consumer, request_id);
-                }
-                Pending::Entry(reply, entry)
+                let closed = (close && matches!(entry, Ok(None))).then(|| {
+                    self.closed.close(consumer, request_id.clone());
+                    (consumer, request_id)
+                });
+                Pending::Entry(reply, entry, closed)
             }
             // Routed to `run_alone` by `run`; answered here only if one slips through.
             Command::BindVfio(_, reply) => {
@@ -722,11 +726,20 @@ impl Worker {
     fn apply_batch(&mut self, batch: Vec<Command>) {
         let now = now_unix();
         let before = self.view_now();
-        let mut changes = Vec::new();
-        let pending: Vec<Pending> = batch
-            .into_iter()
-            .map(|cmd| self.decide(cmd, now, &mut changes))
-            .collect();
+        let mut changes: Vec<ChangeSet> = Vec::new();
+        // Each decision with whether it came after one that a failed commit would undo
+        // (a change, or a request id closed): only an answer decided before any such may
+        // stand when the commit fails, since a later one may rest on what is undone.
+        let mut undoable = false;
+        let mut pending: Vec<(Pending, bool)> = Vec::with_capacity(batch.len());
+        for cmd in batch {
+            let decided_before = changes.len();
+            let p = self.decide(cmd, now, &mut changes);
+            let after_undoable = undoable;
+            undoable |= changes[decided_before..].iter().any(|c| !c.is_empty())
+                || matches!(p, Pending::Entry(_, _, Some(_)));
+            pending.push((p, after_undoable));
+        }
         let durable: Vec<&ChangeSet> = changes.iter().filter(|c| !c.is_empty()).collect();
         let committed = if durable.is_empty() {
             Ok(())
@@ -742,7 +755,7 @@ impl Worker {
                 if !changes.is_empty() {
                     self.publish(&before, &changes);
                 }
-                for p in pending {
+                for (p, _) in pending {
                     match p {
                         Pending::Applied(r, op, res) => {
                             match &res {
@@ -755,7 +768,7 @@ impl Worker {
                             self.count_refused(&e);
                             let _ = r.send(Err(e));
                         }
-                        Pending::Entry(r, entry) => {
+                        Pending::Entry(r, entry, _) => {
                             let _ = r.send(entry);
                         }
                         Pending::Unit(r) => {
@@ -774,21 +787,27 @@ impl Worker {
                     self.ledger.undo(cs);
                 }
                 let e = Arc::new(e);
-                for p in pending {
-                    // A request the ledger rejected changed nothing: its own answer stands.
+                for (p, after_undoable) in pending {
+                    // A request the ledger rejected changed nothing: its own answer stands,
+                    // unless it was decided after something now undone (it may name an
+                    // owner or a generation that never reached the disk).
                     match p {
-                        Pending::Applied(r, _, Err(le)) => {
+                        Pending::Applied(r, _, Err(le)) if !after_undoable => {
                             self.metrics.rejected(le.reason());
                             let _ = r.send(Err(WriteError::Ledger(le)));
                         }
-                        Pending::Applied(r, _, Ok(_)) => {
-                            let _ = r.send(Err(WriteError::Store(e.clone())));
-                        }
-                        Pending::Refused(r, refused) => {
+                        Pending::Refused(r, refused) if !after_undoable => {
                             self.count_refused(&refused);
                             let _ = r.send(Err(refused));
                         }
-                        Pending::Entry(r, _) => {
+                        Pending::Applied(r, _, _) | Pending::Refused(r, _) => {
+                            let _ = r.send(Err(WriteError::Store(e.clone())));
+                        }
+                        Pending::Entry(r, _, closed) => {
+                            // Answered with the error, so nothing was closed either.
+                            if let Some((consumer, request_id)) = closed {
+                                self.closed.reopen(consumer, &request_id);
+                            }
                             let _ = r.send(Err(WriteError::Store(e.clone())));
                         }
                         Pending::Unit(r) => {

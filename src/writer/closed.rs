@@ -31,6 +31,14 @@ impl ClosedRequests {
         }
     }
 
+    /// Takes back a close whose answer never went out (its batch failed to commit).
+    pub(super) fn reopen(&mut self, consumer: ConsumerId, request_id: &RequestId) {
+        let key = (consumer, request_id.clone());
+        if self.set.remove(&key) {
+            self.order.retain(|k| *k != key);
+        }
+    }
+
     pub(super) fn is_closed(&self, consumer: ConsumerId, request_id: &RequestId) -> bool {
         self.set.contains(&(consumer, request_id.clone()))
     }

@@ -208,3 +208,73 @@ fn a_release_run_alone_recalls_its_retry_from_the_store() {
     assert_eq!(rec.generation, bound, "nothing changed");
     assert_eq!(rec.claim.map(|c| c.owner.consumer), Some(consumer(2)));
 }
+
+/// A batch whose commit fails: the second claim of one device was refused because of the
+/// first, which is undone, so its refusal may not stand (it would name an owner and a
+/// generation that never reached the disk). A refusal decided before anything in the
+/// batch changed stands.
+#[test]
+fn a_failed_commit_takes_back_refusals_that_rested_on_what_it_undid() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 64);
+    let (x, y) = (addr("0000:3b:02.0"), addr("0000:3b:02.1"));
+    let g = w
+        .view_now()
+        .device(x)
+        .map(|v| v.record.generation)
+        .next()
+        .expect("x");
+    let (stale, stale_rx) = claim_at(3, "stale", y, Generation(g.0 + 100));
+    let (first, first_rx) = claim_at(1, "first", x, g);
+    let (second, second_rx) = claim_at(2, "second", x, g);
+    w.store.refuse_writes(true);
+    w.apply_batch(vec![stale, first, second]);
+    w.store.refuse_writes(false);
+
+    let stale = answer(stale_rx).expect_err("stale");
+    assert!(
+        matches!(
+            stale,
+            WriteError::Ledger(LedgerError::StaleGeneration { address, .. }) if address == y
+        ),
+        "decided before any change, it stands: {stale}"
+    );
+    for rx in [first_rx, second_rx] {
+        let e = answer(rx).expect_err("the batch failed");
+        assert!(matches!(e, WriteError::Store(_)), "{e}");
+    }
+    assert_eq!(claimed(&w), 0);
+}
+
+/// GetRequestOutcome closes an id it answers "not applied"; if its batch then fails to
+/// commit, it answers the error and the id stays open.
+#[test]
+fn a_failed_commit_takes_back_the_close_it_answered_with_an_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 64);
+    let (c, claim_rx) = claim_any(1, "boot");
+    let (reply, settle_rx) = oneshot::channel();
+    let settle = Command::Settle {
+        consumer: consumer(9),
+        request_id: rid("lost"),
+        close: true,
+        reply,
+    };
+    w.store.refuse_writes(true);
+    w.apply_batch(vec![c, settle]);
+    w.store.refuse_writes(false);
+
+    assert!(matches!(answer(claim_rx), Err(WriteError::Store(_))));
+    assert!(matches!(answer(settle_rx), Err(WriteError::Store(_))));
+    assert!(!w.closed.is_closed(consumer(9), &rid("lost")));
+    // Asked again with the store back, it is answered and closed.
+    let (reply, settle_rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Settle {
+        consumer: consumer(9),
+        request_id: rid("lost"),
+        close: true,
+        reply,
+    }]);
+    assert_eq!(answer(settle_rx).expect("answered"), None);
+    assert!(w.closed.is_closed(consumer(9), &rid("lost")));
+}
