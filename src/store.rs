@@ -321,6 +321,10 @@ impl Store {
         let tx = self.conn.unchecked_transaction().map_err(sql)?;
 
         let mut records = std::collections::BTreeMap::new();
+        // One present record an address: the agent never writes a second (it marks the
+        // old one lost first), so two are a database changed by hand, and loading them
+        // would leave one of the claims beyond any release.
+        let mut present_at = std::collections::HashMap::new();
         let mut stmt = tx.prepare_cached(schema::SELECT_RECORDS).map_err(sql)?;
         let mut rows = stmt.query([]).map_err(sql)?;
         while let Some(row) = rows.next().map_err(sql)? {
@@ -333,6 +337,19 @@ impl Store {
             };
             let json: String = row.get(5).map_err(sql)?;
             let record = decode_record(path, &columns, &json)?;
+            if record.present {
+                if let Some(other) = present_at.insert(record.address(), record.id) {
+                    return Err(StoreError::corrupt(
+                        path,
+                        format!(
+                            "records {} and {} are both present at {}",
+                            other.0,
+                            record.id.0,
+                            record.address()
+                        ),
+                    ));
+                }
+            }
             records.insert(record.id, record);
         }
         drop(rows);

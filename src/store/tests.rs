@@ -847,6 +847,26 @@ fn columns_that_disagree_with_the_json_are_corrupt() {
     );
 }
 
+/// Two present records at one address (only a hand-edited database has them) would
+/// leave one claim beyond any release: load refuses them as corruption.
+#[test]
+fn two_present_records_at_one_address_are_corrupt() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut store = Store::open(tmp.path()).expect("open");
+    let mut cs = change(0, 2);
+    cs.upserts = vec![record(1, 0, 1, Some(1)), record(2, 0, 2, None)];
+    store
+        .commit(&[cs])
+        .expect("the store itself does not judge records");
+    let err = store.load().expect_err("load must notice");
+    assert!(err.is_corrupt(), "{err}");
+    assert!(
+        err.to_string()
+            .contains("records 1 and 2 are both present at 0000:3b:02.0"),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_read_only_connection_rejects_the_batch_and_recovers() {
     let tmp = TempDir::new().expect("tempdir");
