@@ -315,7 +315,7 @@ impl RequestId {
     /// "ffffffff:ff:1f.7" (a 32-bit domain; most are "dddd:bb:dd.f", 12).
     pub const PER_DEVICE_SUFFIX: usize = 17;
 
-    /// The id of this request's part that acts on one device, "<id>@<address>": an
+    /// The id of this request's part that acts on one device, `<id>@<address>`: an
     /// acting Reconcile logs each orphan's free under one, so that two orphans of one
     /// owner are two requests, and a retry of the audit finds the same ids again. Fails
     /// only if `self` is longer than [`Self::MAX_LEN`] less [`Self::PER_DEVICE_SUFFIX`].
