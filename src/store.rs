@@ -26,17 +26,6 @@ mod schema;
 #[cfg(test)]
 mod tests;
 
-#[cfg(test)]
-impl Store {
-    /// Makes every write fail as on a read-only file (SQLite's `query_only`), for tests of
-    /// what a failed commit leaves behind elsewhere.
-    pub(crate) fn refuse_writes(&self, refuse: bool) {
-        self.conn
-            .pragma_update(None, "query_only", refuse)
-            .expect("query_only");
-    }
-}
-
 use std::borrow::Borrow;
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
@@ -939,4 +928,15 @@ fn sibling(path: &Path, suffix: &str) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
     name.push(suffix);
     PathBuf::from(name)
+}
+
+#[cfg(test)]
+impl Store {
+    /// Makes every write fail as on a read-only file (SQLite's `query_only`), for tests of
+    /// what a failed commit leaves behind elsewhere.
+    pub(crate) fn refuse_writes(&self, refuse: bool) {
+        self.conn
+            .pragma_update(None, "query_only", refuse)
+            .expect("query_only");
+    }
 }

@@ -842,6 +842,7 @@ impl Worker {
 
     /// Makes sure the ledger holds the request's logged outcome if the store does: the
     /// ledger keeps only the newest entries in memory.
+    ///
     /// `batch`: the changes decided so far in the batch being decided, not yet on disk.
     /// An entry one of them logged may have been pushed out of memory since (the window
     /// drops its oldest by time, and a busy second fills it), and the store cannot know it

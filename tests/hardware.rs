@@ -772,6 +772,23 @@ async fn a_retried_vfio_claim_binds_what_the_first_call_could_not() {
         d.generation,
         "nothing changed"
     );
+
+    // Released since: a late retry is replayed as it was, and binds nothing.
+    release(&mut c, &a, 7).await.expect("release");
+    let freed = until(&mut c, "VF back on iavf", |l| {
+        l.iter()
+            .any(|d| d.address == a && d.driver == "iavf" && d.owner.is_none())
+    })
+    .await;
+    let freed = freed
+        .iter()
+        .find(|d| d.address == a)
+        .expect("device")
+        .clone();
+    let late = boot(&mut c).await.expect("a late retry is replayed");
+    assert!(late.replayed);
+    let now = device(&mut c, &a).await.expect("device");
+    assert_eq!((now.generation, now.owner), (freed.generation, None));
     s.stop().await;
 }
 

@@ -20,7 +20,7 @@ use tonic::{Request, Response, Status};
 use crate::ledger::{
     ClaimRequest, ClaimTarget, DeviceState, Outcome, ReleaseRequest, TransferRequest,
 };
-use crate::pci::{ConsumerId, Generation, PciAddress};
+use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 use crate::rescan::{Rescanner, SharedInventory};
 use crate::sysfs::PciDevice;
 use crate::writer::{Event, OrphanFree, Writer};
@@ -188,19 +188,22 @@ impl HostDevService {
         }
     }
 
-    /// `consumer`'s claim on the present device at `address`, as it is now: its
-    /// generation, and whether it has a recorded binding whose every member the
-    /// inventory shows on vfio-pci.
-    fn claim_now(&self, address: PciAddress, consumer: ConsumerId) -> (Option<Generation>, bool) {
+    /// The claim that `consumer` made with `request_id` on the present device at
+    /// `address`, if it still stands: its generation now, and whether it has a recorded
+    /// binding whose every member the inventory shows on vfio-pci.
+    fn claim_now(
+        &self,
+        address: PciAddress,
+        consumer: ConsumerId,
+        request_id: &RequestId,
+    ) -> Option<(Generation, bool)> {
         let view = self.writer.view();
-        let Some(rec) = view.device(address).map(|v| v.record).find(|r| {
+        let rec = view.device(address).map(|v| v.record).find(|r| {
             r.present
                 && r.claim
                     .as_ref()
-                    .is_some_and(|c| c.owner.consumer == consumer)
-        }) else {
-            return (None, false);
-        };
+                    .is_some_and(|c| c.owner.consumer == consumer && c.request_id == *request_id)
+        })?;
         let inv = self.inv();
         let on_vfio = rec
             .claim
@@ -213,7 +216,7 @@ impl HostDevService {
                     })
                 })
             });
-        (Some(rec.generation), on_vfio)
+        Some((rec.generation, on_vfio))
     }
 
     /// The present device at an address as a message, from the latest view.
@@ -456,7 +459,7 @@ impl HostDev for HostDevService {
             .claim(ClaimRequest {
                 target,
                 owner,
-                request_id,
+                request_id: request_id.clone(),
             })
             .await
             .map_err(ApiError::from)?;
@@ -467,11 +470,13 @@ impl HostDev for HostDevService {
                 // The first call's binding moved the claim's generation on, and may have
                 // stopped part way (the binding is recorded before the sysfs writes): a
                 // retry answers the claim's generation now, and binds again unless every
-                // member is on vfio-pci already.
-                let (now, on_vfio) = self.claim_now(address, consumer);
-                generation = now.unwrap_or(generation);
-                if !on_vfio {
-                    generation = self.bind_vfio(address, consumer, generation).await?.0;
+                // member is on vfio-pci already. A claim released since is replayed as it
+                // was: there is nothing of it to bind.
+                if let Some((now, on_vfio)) = self.claim_now(address, consumer, &request_id) {
+                    generation = now;
+                    if !on_vfio {
+                        generation = self.bind_vfio(address, consumer, generation).await?.0;
+                    }
                 }
             } else {
                 generation = self.bind_vfio(address, consumer, generation).await?.0;
