@@ -121,6 +121,7 @@ fn reason(s: &tonic::Status) -> (String, HashMap<String, String>) {
     (i.reason, i.metadata)
 }
 
+/// Claims `a` at its generation now, with a request id of its own.
 async fn claim(
     c: &mut HostDevClient<Channel>,
     a: &str,
@@ -128,9 +129,21 @@ async fn claim(
     vfio: bool,
 ) -> Result<proto::ClaimResponse, tonic::Status> {
     let g = device(c, a).await.expect("device").generation;
+    claim_as(c, a, who, vfio, &format!("claim-{a}-{g}"), g).await
+}
+
+/// Claims `a` with a given request id and expected generation (a retry sends the same).
+async fn claim_as(
+    c: &mut HostDevClient<Channel>,
+    a: &str,
+    who: u128,
+    vfio: bool,
+    request_id: &str,
+    g: u64,
+) -> Result<proto::ClaimResponse, tonic::Status> {
     c.claim(proto::ClaimRequest {
         owner: Some(owner(who)),
-        request_id: format!("claim-{a}-{g}"),
+        request_id: request_id.into(),
         target: Some(proto::claim_request::Target::Address(proto::ByAddress {
             address: a.into(),
             expected_generation: g,
@@ -141,16 +154,28 @@ async fn claim(
     .map(|r| r.into_inner())
 }
 
+/// Releases `a` at its generation now, with a request id of its own.
 async fn release(
     c: &mut HostDevClient<Channel>,
     a: &str,
     who: u128,
 ) -> Result<proto::ReleaseResponse, tonic::Status> {
     let g = device(c, a).await.expect("device").generation;
+    release_as(c, a, who, &format!("release-{a}-{g}"), g).await
+}
+
+/// Releases `a` with a given request id and generation (a retry sends the same).
+async fn release_as(
+    c: &mut HostDevClient<Channel>,
+    a: &str,
+    who: u128,
+    request_id: &str,
+    g: u64,
+) -> Result<proto::ReleaseResponse, tonic::Status> {
     c.release(proto::ReleaseRequest {
         address: a.into(),
         owner: Some(owner(who)),
-        request_id: format!("release-{a}-{g}"),
+        request_id: request_id.into(),
         generation: g,
     })
     .await
@@ -229,13 +254,7 @@ async fn claim_with_vfio_binds_and_release_restores_the_driver() {
     assert_eq!(device(&mut c, &a).await.expect("device").driver, "vfio-pci");
     // A release the ledger refuses anyway gets the ledger's own answer, not the check's:
     // a stale generation, another owner.
-    let stale = c
-        .release(proto::ReleaseRequest {
-            address: a.clone(),
-            owner: Some(owner(7)),
-            request_id: "stale".into(),
-            generation: 1,
-        })
+    let stale = release_as(&mut c, &a, 7, "stale", 1)
         .await
         .expect_err("stale");
     assert_eq!(
@@ -243,13 +262,7 @@ async fn claim_with_vfio_binds_and_release_restores_the_driver() {
         (Code::Aborted, "STALE_GENERATION")
     );
     let g = device(&mut c, &a).await.expect("device").generation;
-    let theirs = c
-        .release(proto::ReleaseRequest {
-            address: a.clone(),
-            owner: Some(owner(8)),
-            request_id: "not-mine".into(),
-            generation: g,
-        })
+    let theirs = release_as(&mut c, &a, 8, "not-mine", g)
         .await
         .expect_err("another owner");
     assert_eq!(reason(&theirs).0, "WRONG_OWNER", "{theirs:?}");
@@ -729,31 +742,17 @@ async fn a_retried_vfio_claim_binds_what_the_first_call_could_not() {
     let s = start(&t, 3000, 1 << 20).await;
     let mut c = s.client().await;
     let g = device(&mut c, &a).await.expect("device").generation;
-    let boot = |c: &mut HostDevClient<Channel>| {
-        let mut c = c.clone();
-        let a = a.clone();
-        async move {
-            c.claim(proto::ClaimRequest {
-                owner: Some(owner(7)),
-                request_id: "boot".into(),
-                target: Some(proto::claim_request::Target::Address(proto::ByAddress {
-                    address: a,
-                    expected_generation: g,
-                })),
-                vfio: true,
-            })
-            .await
-            .map(|r| r.into_inner())
-        }
-    };
-
     fs.fail_writes("driver_override", Some(Errno::EIO));
-    let e = boot(&mut c).await.expect_err("the bind fails");
+    let e = claim_as(&mut c, &a, 7, true, "boot", g)
+        .await
+        .expect_err("the bind fails");
     assert_eq!(reason(&e).0, "HARDWARE_STEP_FAILED");
     assert_eq!(device(&mut c, &a).await.expect("device").driver, "iavf");
 
     fs.fail_writes("driver_override", None);
-    let retry = boot(&mut c).await.expect("the retry binds");
+    let retry = claim_as(&mut c, &a, 7, true, "boot", g)
+        .await
+        .expect("the retry binds");
     assert!(retry.replayed);
     let d = until(&mut c, "VF on vfio-pci", |l| {
         l.iter().any(|d| d.address == a && d.driver == "vfio-pci")
@@ -764,7 +763,9 @@ async fn a_retried_vfio_claim_binds_what_the_first_call_could_not() {
     assert_eq!(d.owner, Some(owner(7)));
 
     // Bound already: a further retry binds nothing and changes nothing.
-    let again = boot(&mut c).await.expect("retry once bound");
+    let again = claim_as(&mut c, &a, 7, true, "boot", g)
+        .await
+        .expect("retry once bound");
     assert!(again.replayed);
     assert_eq!(again.generation, d.generation);
     assert_eq!(
@@ -785,7 +786,9 @@ async fn a_retried_vfio_claim_binds_what_the_first_call_could_not() {
         .find(|d| d.address == a)
         .expect("device")
         .clone();
-    let late = boot(&mut c).await.expect("a late retry is replayed");
+    let late = claim_as(&mut c, &a, 7, true, "boot", g)
+        .await
+        .expect("a late retry is replayed");
     assert!(late.replayed);
     let now = device(&mut c, &a).await.expect("device");
     assert_eq!((now.generation, now.owner), (freed.generation, None));
@@ -805,23 +808,10 @@ async fn a_retried_release_of_a_device_bound_since_is_answered_from_disk() {
     let s = start_tuned(&t, 3000, 1 << 20, |cfg| cfg.api.request_log_in_memory = 2).await;
     let mut c = s.client().await;
     let (a, other) = (vf(&mut c, 1).await, vf(&mut c, 3).await);
-    let stop = |c: &mut HostDevClient<Channel>, g: u64| {
-        let mut c = c.clone();
-        let a = a.clone();
-        async move {
-            c.release(proto::ReleaseRequest {
-                address: a,
-                owner: Some(owner(7)),
-                request_id: "stop".into(),
-                generation: g,
-            })
-            .await
-            .map(|r| r.into_inner())
-        }
-    };
-
     let first = claim(&mut c, &a, 7, true).await.expect("claim --vfio");
-    let freed = stop(&mut c, first.generation).await.expect("release");
+    let freed = release_as(&mut c, &a, 7, "stop", first.generation)
+        .await
+        .expect("release");
     until(&mut c, "VF back on iavf", |l| {
         l.iter().any(|d| d.address == a && d.driver == "iavf")
     })
@@ -835,7 +825,7 @@ async fn a_retried_release_of_a_device_bound_since_is_answered_from_disk() {
         release(&mut c, &other, 9).await.expect("churn release");
     }
 
-    let retried = stop(&mut c, first.generation)
+    let retried = release_as(&mut c, &a, 7, "stop", first.generation)
         .await
         .expect("the retry replays");
     assert!(retried.replayed);
