@@ -46,13 +46,12 @@ fn worker(dir: &std::path::Path, in_memory: usize) -> Worker {
     w
 }
 
-fn claim_any(
-    who: u128,
-    request_id: &str,
-) -> (Command, oneshot::Receiver<Result<Applied, WriteError>>) {
+type Answer = oneshot::Receiver<Result<Applied, WriteError>>;
+
+fn claim(who: u128, request_id: &str, target: ClaimTarget) -> (Command, Answer) {
     let (reply, rx) = oneshot::channel();
     let req = ClaimRequest {
-        target: ClaimTarget::Selector(Selector::default()),
+        target,
         owner: Owner {
             consumer: consumer(who),
             label: OwnerLabel::try_from(String::new()).expect("label"),
@@ -60,6 +59,11 @@ fn claim_any(
         request_id: rid(request_id),
     };
     (Command::Claim(req, reply), rx)
+}
+
+/// A claim of any free VF.
+fn claim_any(who: u128, request_id: &str) -> (Command, Answer) {
+    claim(who, request_id, ClaimTarget::Selector(Selector::default()))
 }
 
 fn answer<T>(mut rx: oneshot::Receiver<T>) -> T {
@@ -136,16 +140,12 @@ fn claim_at(
     request_id: &str,
     address: PciAddress,
     expected: Generation,
-) -> (Command, oneshot::Receiver<Result<Applied, WriteError>>) {
-    let (c, rx) = claim_any(who, request_id);
-    let Command::Claim(mut req, reply) = c else {
-        unreachable!("claim_any makes a claim")
-    };
-    req.target = ClaimTarget::Address {
+) -> (Command, Answer) {
+    let target = ClaimTarget::Address {
         address,
         expected_generation: expected,
     };
-    (Command::Claim(req, reply), rx)
+    claim(who, request_id, target)
 }
 
 fn release(
