@@ -380,7 +380,7 @@ impl FakeSys {
             sysfs: tmp.path().join("sys"),
             dev: tmp.path().join("dev"),
             dirs: BTreeMap::new(),
-            _tmp: tmp,
+            tmp,
         };
         self.write(tree)
     }
@@ -617,7 +617,7 @@ pub struct FakeTree {
     sysfs: PathBuf,
     dev: PathBuf,
     dirs: BTreeMap<PciAddress, PathBuf>,
-    _tmp: TempDir,
+    tmp: TempDir,
 }
 
 impl FakeTree {
@@ -700,11 +700,17 @@ impl FakeTree {
 
     /// Removes device `a` the way a hot-unplug would: its directory, its bus link, and
     /// the driver, IOMMU group and PF links that point at it. Leaves VFs of a removed PF
-    /// alone (the kernel removes VFs first; do that explicitly if needed).
+    /// alone (the kernel removes VFs first; do that explicitly if needed). The directory
+    /// is set aside outside the tree, so that [`FakeTree::replug_device`] can bring the
+    /// same function back.
     pub fn remove_device(&self, a: &str) {
         let a = addr(a);
         let bdf = a.to_string();
         let dir = self.device_dir(&bdf);
+        let stash = self.unplugged(&bdf);
+        let _ = fs::remove_dir_all(&stash);
+        let _ = fs::remove_file(self.unplugged_virtfn(&bdf));
+        mkdir(stash.parent().unwrap_or(&self.sysfs));
         if let Ok(t) = fs::read_link(dir.join("driver")) {
             let _ = fs::remove_file(dir.join(t).join(&bdf));
         }
@@ -724,11 +730,59 @@ impl FakeTree {
                             == Some(true)
                     {
                         let _ = fs::remove_file(e.path());
+                        write(&self.unplugged_virtfn(&bdf), &name.to_string_lossy());
                     }
                 }
             }
         }
         let _ = fs::remove_file(self.bus_link(&bdf));
-        fs::remove_dir_all(&dir).unwrap_or_else(|e| panic!("remove {}: {e}", dir.display()));
+        fs::rename(&dir, &stash).unwrap_or_else(|e| panic!("remove {}: {e}", dir.display()));
+    }
+
+    /// Brings back device `a`, removed by [`FakeTree::remove_device`], the way a hot-add
+    /// of the same function would: its directory as it was when removed, its bus link,
+    /// and the driver, IOMMU group and PF links that point at it.
+    pub fn replug_device(&self, a: &str) {
+        let a = addr(a);
+        let bdf = a.to_string();
+        let dir = self.device_dir(&bdf);
+        let stash = self.unplugged(&bdf);
+        fs::rename(&stash, &dir)
+            .unwrap_or_else(|e| panic!("{bdf} was not removed ({}): {e}", stash.display()));
+        link(
+            &self.sysfs,
+            Path::new("bus/pci/devices"),
+            &bdf,
+            &self.dirs[&a],
+        );
+        // A relative target resolves from the device's directory; an absolute one (as
+        // the stand-in kernel writes them) replaces it.
+        let target = |name: &str| fs::read_link(dir.join(name)).ok().map(|t| dir.join(t));
+        if let Some(drv) = target("driver") {
+            let _ = symlink(&dir, drv.join(&bdf));
+        }
+        if let Some(group) = target("iommu_group") {
+            let _ = symlink(&dir, group.join("devices").join(&bdf));
+        }
+        if let (Some(pf), Ok(virtfn)) = (
+            target("physfn"),
+            fs::read_to_string(self.unplugged_virtfn(&bdf)),
+        ) {
+            let _ = symlink(&dir, pf.join(virtfn));
+            let _ = fs::remove_file(self.unplugged_virtfn(&bdf));
+        }
+    }
+
+    /// Where a removed device's directory is set aside.
+    fn unplugged(&self, bdf: &str) -> PathBuf {
+        self.tmp.path().join("unplugged").join(bdf)
+    }
+
+    /// Where a removed VF's link name under its PF (`virtfnN`) is kept.
+    fn unplugged_virtfn(&self, bdf: &str) -> PathBuf {
+        self.tmp
+            .path()
+            .join("unplugged")
+            .join(format!("{bdf}.virtfn"))
     }
 }

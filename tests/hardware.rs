@@ -237,15 +237,7 @@ async fn claim_with_vfio_binds_and_release_restores_the_driver() {
 
     // A process holding the group open (as QEMU would) blocks the release, and the
     // device stays on vfio-pci.
-    let holder = t.sysfs_root().join("fake-proc/4242");
-    std::fs::create_dir_all(holder.join("fd")).expect("holder");
-    std::fs::write(holder.join("comm"), "qemu-system-x86\n").expect("comm");
-    std::fs::write(
-        holder.join("cmdline"),
-        "qemu-system-x86_64\0-name\0guest=vm-7\0",
-    )
-    .expect("cmdline");
-    std::os::unix::fs::symlink(t.dev_root().join("vfio/41"), holder.join("fd/12")).expect("fd");
+    let holder = plant_holder(&t, 4242, "vm-7", &t.dev_root().join("vfio/41"));
     let e = release(&mut c, &a, 7).await.expect_err("held open");
     assert_eq!(e.code(), Code::FailedPrecondition);
     let (why, meta) = reason(&e);
@@ -286,6 +278,103 @@ async fn claim_with_vfio_binds_and_release_restores_the_driver() {
         assert!(Instant::now() < deadline, "the override reads {now:?}");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    s.stop().await;
+}
+
+/// Plants a process holding `node` open (as QEMU holds its VFIO group for `domain`) in
+/// the test's proc tree; returns its directory, whose removal is the process exiting.
+fn plant_holder(
+    t: &FakeTree,
+    pid: u32,
+    domain: &str,
+    node: &std::path::Path,
+) -> std::path::PathBuf {
+    let holder = t.sysfs_root().join("fake-proc").join(pid.to_string());
+    std::fs::create_dir_all(holder.join("fd")).expect("holder");
+    std::fs::write(holder.join("comm"), "qemu-system-x86\n").expect("comm");
+    std::fs::write(
+        holder.join("cmdline"),
+        format!("qemu-system-x86_64\0-name\0guest={domain}\0"),
+    )
+    .expect("cmdline");
+    std::os::unix::fs::symlink(node, holder.join("fd/12")).expect("fd");
+    holder
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_claims_release_is_not_checked_against_the_device_now_at_its_address() {
+    let _alone = alone().await;
+    let t = tree();
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 2).await;
+    claim(&mut c, &a, 10, false).await.expect("claim");
+
+    // The VF goes, and the same function comes back: a new device at the address, while
+    // the first claim stays lost until its owner releases it.
+    t.remove_device(&a);
+    send_uevent("remove", &a);
+    until(&mut c, "claimed VF lost", |l| {
+        l.iter().any(|d| d.address == a && !d.present)
+    })
+    .await;
+    t.replug_device(&a);
+    send_uevent("add", &a);
+    until(&mut c, "VF back", |l| {
+        l.iter().any(|d| d.address == a && d.present)
+    })
+    .await;
+    let lost_generation = |c: &mut HostDevClient<Channel>| {
+        let mut c = c.clone();
+        let a = a.clone();
+        async move {
+            let r = c
+                .get_device(proto::GetDeviceRequest { address: a })
+                .await
+                .expect("get")
+                .into_inner();
+            r.lost.iter().map(|d| d.generation).collect::<Vec<_>>()
+        }
+    };
+    let lost = lost_generation(&mut c).await;
+    assert_eq!(lost.len(), 1, "one lost claim at {a}");
+
+    // Another consumer claims the new device, and a VM holds its VFIO group open: its
+    // own release is refused for that.
+    claim(&mut c, &a, 11, false)
+        .await
+        .expect("claim the new device");
+    let now = device(&mut c, &a).await.expect("device");
+    assert_eq!(now.state, proto::DeviceState::Claimed as i32);
+    let group = now.iommu_group.expect("group");
+    let holder = plant_holder(&t, 4343, "vm-11", &t.vfio_node(group));
+    let e = release(&mut c, &a, 11).await.expect_err("held open");
+    assert_eq!(
+        (e.code(), reason(&e).0.as_str()),
+        (Code::FailedPrecondition, "VFIO_GROUP_IN_USE")
+    );
+
+    // The lost claim's owner frees its lost claim: that device is gone, the held one is
+    // another's and is not what this release frees, so it is not checked against it.
+    let r = release_as(&mut c, &a, 10, "free-the-lost-one", lost[0])
+        .await
+        .expect("the lost claim is released");
+    assert_eq!(r.address, a);
+    assert!(!r.replayed);
+    assert!(
+        lost_generation(&mut c).await.is_empty(),
+        "no lost claim left"
+    );
+    let after = device(&mut c, &a).await.expect("device");
+    assert_eq!(
+        (after.generation, after.state),
+        (now.generation, now.state),
+        "the device at the address now is untouched"
+    );
+    assert_eq!(after.owner, Some(owner(11)));
+    // Its owner's release, once the VM is gone, goes through.
+    std::fs::remove_dir_all(&holder).expect("holder exits");
+    release(&mut c, &a, 11).await.expect("release");
     s.stop().await;
 }
 

@@ -105,6 +105,31 @@ fn device_removed_with_its_links_disappears() {
 }
 
 #[test]
+fn removed_devices_plugged_back_scan_as_before() {
+    let f = base();
+    let t = f.build();
+    let before = scan(&t);
+    let vf = f.vfs(PF)[5].to_string();
+    t.remove_device(&vf);
+    t.remove_device(OTHER);
+    let without = scan(&t);
+    assert!(without.get(addr(&vf)).is_none() && without.get(addr(OTHER)).is_none());
+    assert!(!dev(&without, PF)
+        .sriov
+        .expect("sriov")
+        .vfs
+        .contains(&addr(&vf)));
+    t.replug_device(&vf);
+    t.replug_device(OTHER);
+    let after = scan(&t);
+    assert_eq!(
+        after.devices, before.devices,
+        "driver, group and PF links are back"
+    );
+    assert_eq!(after.errors, before.errors);
+}
+
+#[test]
 fn removed_attribute_is_named() {
     let f = base();
     let t = f.build();
