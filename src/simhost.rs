@@ -710,7 +710,7 @@ impl FakeTree {
         let stash = self.unplugged(&bdf);
         let _ = fs::remove_dir_all(&stash);
         let _ = fs::remove_file(self.unplugged_virtfn(&bdf));
-        mkdir(stash.parent().unwrap_or(&self.sysfs));
+        mkdir(&self.tmp.path().join("unplugged"));
         if let Ok(t) = fs::read_link(dir.join("driver")) {
             let _ = fs::remove_file(dir.join(t).join(&bdf));
         }
