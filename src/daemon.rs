@@ -6,7 +6,7 @@ use std::future::Future;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -18,6 +18,7 @@ use crate::config::{Config, ConfigError, Selection};
 use crate::hardware::Hardware;
 use crate::hotplug::{Notice, UeventSocket};
 use crate::ledger::Ledger;
+use crate::pci::Generation;
 use crate::rescan::{RescanError, Rescanner, SharedInventory};
 use crate::store::{Store, StoreError};
 use crate::sysfs::{PciNames, SysfsError};
@@ -151,6 +152,20 @@ impl Agent {
         store.set_request_log_limit(cfg.api.request_log_entries);
         let mut ledger = Ledger::from_snapshot(snapshot);
         ledger.set_request_log_limit(in_memory);
+        // I5 across restores: a state dir restored from an older copy must not hand out
+        // again the generations handed out after that copy was taken.
+        let stored = ledger.host_generation();
+        let since_epoch = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        if let Some(raised) = ledger.raise_host_generation(Generation::clock_floor(since_epoch)) {
+            store.commit(&[raised])?;
+            tracing::info!(
+                stored = %stored,
+                host_generation = %ledger.host_generation(),
+                "host generation raised to the clock's floor"
+            );
+        }
         tracing::info!(
             host_generation = %ledger.host_generation(),
             records = ledger.records().count(),

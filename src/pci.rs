@@ -212,6 +212,16 @@ impl Generation {
     pub fn next(self) -> Self {
         Generation(self.0.saturating_add(1))
     }
+
+    /// The floor the host generation is raised to at start: the wall clock's time since
+    /// the Unix epoch, in microseconds. A state directory restored from an older copy
+    /// holds an older counter; starting from the clock instead, the agent hands out no
+    /// generation again that it handed out before the restore, as long as the clock has
+    /// not gone back and it handed out fewer than one a microsecond since its last start
+    /// (a change costs tens of microseconds at least). Saturates past year 586,000.
+    pub fn clock_floor(since_epoch: std::time::Duration) -> Self {
+        Generation(u64::try_from(since_epoch.as_micros()).unwrap_or(u64::MAX))
+    }
 }
 
 impl fmt::Display for Generation {
@@ -387,6 +397,20 @@ mod tests {
     #[test]
     fn generation_saturates() {
         assert_eq!(Generation(u64::MAX).next(), Generation(u64::MAX));
+    }
+
+    #[test]
+    fn the_clock_floor_counts_microseconds_and_saturates() {
+        use std::time::Duration;
+        assert_eq!(
+            Generation::clock_floor(Duration::from_secs(1_796_400_000)),
+            Generation(1_796_400_000_000_000)
+        );
+        assert_eq!(
+            Generation::clock_floor(Duration::from_micros(7)),
+            Generation(7)
+        );
+        assert_eq!(Generation::clock_floor(Duration::MAX), Generation(u64::MAX));
     }
 
     proptest! {

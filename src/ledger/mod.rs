@@ -218,6 +218,19 @@ impl Ledger {
         ledger
     }
 
+    /// Raises the host generation to `floor` if it is below it (see
+    /// [`Generation::clock_floor`]): the change to commit, which touches no record, or
+    /// `None` when the counter is at or past the floor already.
+    pub fn raise_host_generation(&mut self, floor: Generation) -> Option<ChangeSet> {
+        if floor <= self.host_generation {
+            return None;
+        }
+        let mut tx = Tx::new(self.host_generation);
+        self.host_generation = floor;
+        tx.cs.host_generation = floor;
+        Some(tx.cs)
+    }
+
     /// Sets how many request-log entries are kept in memory (at least 1).
     pub fn set_request_log_limit(&mut self, limit: usize) {
         self.request_log_limit = limit.max(1);

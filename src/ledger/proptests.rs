@@ -46,6 +46,10 @@ enum Op {
         devs: Vec<u8>,
     },
     NoDomains,
+    /// A restart that raises the host generation to a floor this far ahead (0: none).
+    Raise {
+        ahead: u32,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -59,6 +63,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..7).prop_map(|dev| Op::Return { dev }),
         1 => (0u8..3, proptest::collection::vec(0u8..7, 0..3)).prop_map(|(actor, devs)| Op::Domains { actor, devs }),
         1 => Just(Op::NoDomains),
+        1 => (0u32..3).prop_map(|ahead| Op::Raise { ahead: ahead * 1000 }),
     ]
 }
 
@@ -266,6 +271,14 @@ impl World {
                 Ok((None, self.ledger.apply_domains(vec![d])))
             }
             Op::NoDomains => Ok((None, self.ledger.apply_domains(vec![]))),
+            Op::Raise { ahead } => {
+                let now = self.ledger.host_generation();
+                let floor = Generation(now.0 + u64::from(*ahead));
+                let cs = self.ledger.raise_host_generation(floor);
+                prop_assert_eq!(cs.is_some(), *ahead > 0);
+                prop_assert_eq!(self.ledger.host_generation(), floor);
+                Ok((None, cs.unwrap_or_else(|| Tx::new(now).cs)))
+            }
         };
 
         match result {

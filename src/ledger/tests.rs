@@ -444,6 +444,28 @@ fn undo_restores_exactly() {
 }
 
 #[test]
+fn the_host_generation_is_raised_only_upwards_and_the_next_change_follows_it() {
+    let mut l = ledger();
+    let before = l.clone();
+    let now = l.host_generation();
+    assert_eq!(l.raise_host_generation(now), None, "not past it");
+    assert_eq!(l.raise_host_generation(Generation(0)), None, "never down");
+    assert_eq!(l, before);
+    let floor = Generation(now.0 + 1_000_000);
+    let cs = l.raise_host_generation(floor).expect("raised");
+    assert_eq!((cs.prev_host_generation, cs.host_generation), (now, floor));
+    assert!(!cs.is_empty(), "the store writes it");
+    assert!(cs.upserts.is_empty() && cs.before.is_empty() && cs.requests.is_empty());
+    assert_eq!(l.host_generation(), floor);
+    let claimed = claim(&mut l, "0000:3b:02.1", 1, "r1").expect("claim");
+    assert_eq!(claimed.generation(), floor.next());
+    let mut undone = before.clone();
+    let cs = undone.raise_host_generation(floor).expect("raised");
+    undone.undo(&cs);
+    assert_eq!(undone, before);
+}
+
+#[test]
 fn snapshot_round_trip_rebuilds_the_same_ledger() {
     let mut l = ledger();
     claim(&mut l, "0000:3b:02.1", 1, "r1").expect("claim");
