@@ -610,6 +610,25 @@ async fn reconcile_reports_then_frees_only_unchanged_orphans() {
         act,
         request_id: "audit-1".into(),
     };
+    // A snapshot past the agent's host generation was not read from it (another host's
+    // agent, a state dir restored since): every claim would look unchanged since it.
+    // Refused, acting or not, and nothing is freed.
+    let current = listing(&mut c).await.host_generation;
+    for act in [false, true] {
+        let ahead = c
+            .reconcile(proto::ReconcileRequest {
+                snapshot_generation: current + 1,
+                ..req(act)
+            })
+            .await
+            .expect_err("a snapshot from the future");
+        assert_eq!(ahead.code(), Code::OutOfRange, "{ahead:?}");
+        let (why, meta) = info(&ahead);
+        assert_eq!(why, "SNAPSHOT_AHEAD");
+        assert_eq!(meta["current_generation"], current.to_string());
+        assert_eq!(meta["snapshot_generation"], (current + 1).to_string());
+    }
+    assert_eq!(listing(&mut c).await.host_generation, current);
     let dry = c.reconcile(req(false)).await.expect("dry run").into_inner();
     assert!(!dry.acted);
     let orphans: Vec<&str> = dry

@@ -588,6 +588,17 @@ impl HostDev for HostDevService {
         } else {
             None
         };
+        // A snapshot is a host generation read from this agent, so never past its own:
+        // one that is would make every claim look unchanged since, and every claim of an
+        // unexpected consumer an orphan.
+        let current = self.writer.view().host_generation.0;
+        if r.snapshot_generation > current {
+            return Err(ApiError::SnapshotAhead {
+                snapshot: r.snapshot_generation,
+                current,
+            }
+            .into());
+        }
         // An acting audit lists the domains afresh first and holds the order lock until
         // its frees are decided, so the ledger audits against every domain defined now
         // (the evacuated VM of the seed race included).

@@ -39,6 +39,9 @@ pub enum ApiError {
         oldest: u64,
         current: u64,
     },
+    /// A Reconcile snapshot past the host generation: not read from this agent.
+    #[error("snapshot generation {snapshot} is past this agent's host generation {current}, so it was not read from this agent (another host's agent, or a state dir restored since); list devices again and audit against the listed host generation; nothing was changed")]
+    SnapshotAhead { snapshot: u64, current: u64 },
     #[error("{0}")]
     Unavailable(String),
     /// Every Watch stream slot is taken.
@@ -223,6 +226,14 @@ pub fn to_status(e: &ApiError) -> Status {
         ApiError::TooOld { oldest, .. } => {
             let meta = HashMap::from([("oldest_generation".to_string(), oldest.to_string())]);
             let d = ErrorDetails::with_error_info("WATCH_TOO_OLD", ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::OutOfRange, msg, d)
+        }
+        ApiError::SnapshotAhead { snapshot, current } => {
+            let meta = HashMap::from([
+                ("snapshot_generation".to_string(), snapshot.to_string()),
+                ("current_generation".to_string(), current.to_string()),
+            ]);
+            let d = ErrorDetails::with_error_info("SNAPSHOT_AHEAD", ERROR_DOMAIN, meta);
             Status::with_error_details(Code::OutOfRange, msg, d)
         }
         ApiError::Unavailable(_) => {
