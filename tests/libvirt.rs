@@ -492,6 +492,80 @@ async fn vfio_holder_blocks_the_free_until_it_exits() {
     s.stop().await;
 }
 
+/// A VF count change destroys every VF, so it is checked like a free of the PF and each
+/// VF: a domain using one without a claim (listed afresh: the poller is effectively off
+/// and so are domain events) and a process holding one's VFIO group refuse it, and
+/// nothing is written until neither does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vf_count_change_is_refused_while_a_domain_or_a_vfio_holder_uses_a_vf() {
+    let lv = test_driver();
+    let h = host(0x3f, 150);
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let s = start_with(&h, proc_dir.path(), "test:///default", 3_600_000, |cfg| {
+        cfg.libvirt.events = false;
+    })
+    .await;
+    let mut c = s.client().await;
+    let g = device(&mut c, &h.pf).await.generation;
+    let numvfs = h.tree.bus_link(&h.pf).join("sriov_numvfs");
+    let set = |c: &mut HostDevClient<Channel>, generation: u64| {
+        let mut c = c.clone();
+        let pf = h.pf.clone();
+        async move {
+            c.set_vf_count(proto::SetVfCountRequest {
+                address: pf,
+                vf_count: 2,
+                generation,
+                drivers_autoprobe: None,
+            })
+            .await
+        }
+    };
+
+    // A domain started after the agent's last look uses VF 2 without a claim.
+    let dom = lv
+        .define_domain_xml(&domain_xml("vf-user-3f", 0x3f02, &[&h.vfs[2]], &[]))
+        .expect("define");
+    dom.create().expect("start");
+    let err = set(&mut c, g).await.expect_err("a domain uses VF 2");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    let (reason, meta) = info(&err);
+    assert_eq!(reason, "VF_IN_USE_BY_DOMAIN");
+    assert_eq!(meta["device_in_use"], h.vfs[2]);
+    assert_eq!(meta["domain_name"], "vf-user-3f");
+    assert!(err.message().contains("vf-user-3f"), "{}", err.message());
+    assert_eq!(
+        std::fs::read_to_string(&numvfs).expect("numvfs").trim(),
+        "4"
+    );
+    assert_eq!(device(&mut c, &h.pf).await.generation, g, "nothing changed");
+    dom.destroy().expect("destroy");
+    dom.undefine().expect("undefine");
+
+    // QEMU holds VF 0's group open (a VM the host's libvirt does not list).
+    let node = h.tree.dev_root().join("vfio/150");
+    let qemu = fake_qemu(proc_dir.path(), 4343, 0x3f01, &[&node]);
+    let err = set(&mut c, g).await.expect_err("VF 0's group is held open");
+    let meta = held_by(&err, 4343, "instance-3f01");
+    assert_eq!(meta["address"], h.vfs[0]);
+    assert_eq!(
+        std::fs::read_to_string(&numvfs).expect("numvfs").trim(),
+        "4"
+    );
+    assert_eq!(device(&mut c, &h.pf).await.generation, g, "nothing changed");
+
+    // Neither any more: the count is written.
+    std::fs::remove_dir_all(&qemu).expect("QEMU exits");
+    let done = set(&mut c, g).await.expect("unused now").into_inner();
+    assert_eq!(done.previous_vf_count, 4);
+    assert!(done.generation > g);
+    assert_eq!(
+        std::fs::read_to_string(&numvfs).expect("numvfs").trim(),
+        "2"
+    );
+    s.stop().await;
+}
+
 /// Checks that `err` refuses a free because a VFIO node is held open by `pid`, a fake
 /// QEMU for `domain`; returns the status's metadata.
 fn held_by(err: &tonic::Status, pid: u32, domain: &str) -> HashMap<String, String> {

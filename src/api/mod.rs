@@ -256,30 +256,37 @@ impl HostDevService {
         }
     }
 
-    /// The fresh checks before freeing `address`: libvirt's domains listed and applied
-    /// (the ledger then refuses an attached device itself), and no VFIO holder.
+    /// The fresh checks before freeing `devices` (one for a Release; a PF and its VFs
+    /// before a VF count change, which destroys the VFs): libvirt's domains listed and
+    /// applied (the ledger then refuses a device a domain uses itself), and no VFIO
+    /// holder of any of them. `what` names them in errors.
     ///
     /// The order lock is let go once the fresh list is applied: the writer decides the
     /// free after that list, and any poll applied in between listed later, so it is only
     /// fresher. Holding the lock through the free's commit would serialize every release
     /// behind one fsync each.
-    async fn check_free(&self, address: PciAddress) -> Result<(), ApiError> {
+    async fn check_free(&self, devices: &[PciAddress], what: &str) -> Result<(), ApiError> {
         let order = self.guard.refresh(&self.writer).await.map_err(|source| {
             ApiError::LibvirtUnreachable {
-                what: address.to_string(),
+                what: what.to_string(),
                 source: Box::new(source),
             }
         })?;
         drop(order);
+        let checks = devices.iter().map(|a| self.vfio_check(*a)).collect();
         let held = self
             .guard
-            .held(vec![self.vfio_check(address)])
+            .held(checks)
             .await
             .map_err(|source| ApiError::HoldersUnknown {
-                what: address.to_string(),
+                what: what.to_string(),
                 source: Box::new(source),
             })?;
-        if let Some((node, holder)) = held.into_iter().flatten().next() {
+        let first = devices
+            .iter()
+            .zip(held)
+            .find_map(|(a, h)| h.map(|h| (*a, h)));
+        if let Some((address, (node, holder))) = first {
             return Err(ApiError::VfioHeld {
                 address,
                 node,
@@ -519,7 +526,8 @@ impl HostDev for HostDevService {
                     .is_some_and(|c| c.owner.consumer == rel.consumer)
         });
         if checked {
-            self.check_free(rel.address).await?;
+            self.check_free(&[rel.address], &rel.address.to_string())
+                .await?;
         }
         let bound: BTreeSet<PciAddress> = self
             .writer
@@ -948,6 +956,22 @@ impl HostDev for HostDevService {
             .and_then(|d| d.sriov.as_ref())
             .map(|s| s.vfs.iter().copied().collect())
             .unwrap_or_default();
+        // Writing the count destroys every VF, so the PF and its VFs are checked as for a
+        // free first: a fresh listing of the domains (the ledger refuses a change while a
+        // domain uses one) and no VFIO holder. A change the ledger refuses anyway (a stale
+        // generation, a claimed VF) gets its own answer, without the checks.
+        let refused_anyway = self
+            .writer
+            .view()
+            .ledger
+            .check_vf_change(pf, Generation(r.generation))
+            .is_err_and(|e| !matches!(e, crate::ledger::LedgerError::VfCountInUse { .. }));
+        if !refused_anyway {
+            let devices: Vec<PciAddress> =
+                std::iter::once(pf).chain(old_vfs.iter().copied()).collect();
+            self.check_free(&devices, &format!("{pf} and its VFs"))
+                .await?;
+        }
         let result = self
             .writer
             .set_vf_count(crate::writer::SetVfCount {

@@ -95,6 +95,7 @@ fn ledger_code(e: &LedgerError) -> Code {
         | Lost { .. }
         | NotPhysicalFunction { .. }
         | VfClaimed { .. }
+        | VfCountInUse { .. }
         | NoIommuGroup { .. } => Code::FailedPrecondition,
         NoMatch { .. } => Code::ResourceExhausted,
         RequestIdReused { .. } => Code::InvalidArgument,
@@ -113,11 +114,18 @@ fn ledger_metadata(e: &LedgerError) -> HashMap<String, String> {
         m.insert("owner_consumer_id".into(), o.consumer.to_string());
         m.insert("owner_label".into(), o.label.to_string());
     }
+    let domain_meta = |m: &mut HashMap<String, String>, domain: &crate::ledger::DomainRef| {
+        m.insert("domain_name".into(), domain.name.clone());
+        m.insert("domain_uuid".into(), domain.uuid.to_string());
+        m.insert("domain_running".into(), domain.running.to_string());
+    };
     match e {
         LedgerError::Attached { domain, .. } | LedgerError::InUseByDomain { domain, .. } => {
-            m.insert("domain_name".into(), domain.name.clone());
-            m.insert("domain_uuid".into(), domain.uuid.to_string());
-            m.insert("domain_running".into(), domain.running.to_string());
+            domain_meta(&mut m, domain);
+        }
+        LedgerError::VfCountInUse { device, domain, .. } => {
+            m.insert("device_in_use".into(), device.to_string());
+            domain_meta(&mut m, domain);
         }
         LedgerError::Blocked { by, relation, .. } => {
             m.insert("blocked_by".into(), by.to_string());

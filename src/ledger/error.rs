@@ -105,6 +105,18 @@ pub enum LedgerError {
         generation: Generation,
     },
 
+    #[error(
+        "{pf}'s VF count cannot change: {device} is used by domain {} (uuid {}), which holds no claim on it; current generation {generation}",
+        .domain.name, .domain.uuid
+    )]
+    VfCountInUse {
+        pf: PciAddress,
+        /// The PF itself or one of its VFs.
+        device: PciAddress,
+        domain: DomainRef,
+        generation: Generation,
+    },
+
     #[error("{address} is in no IOMMU group, so it cannot be bound to vfio-pci; current generation {generation}")]
     NoIommuGroup {
         address: PciAddress,
@@ -145,7 +157,7 @@ impl LedgerError {
             | Lost { address, .. }
             | NotPhysicalFunction { address, .. }
             | NoIommuGroup { address, .. } => Some(*address),
-            VfClaimed { pf, .. } => Some(*pf),
+            VfClaimed { pf, .. } | VfCountInUse { pf, .. } => Some(*pf),
             NoMatch { .. } => None,
             RequestIdReused { previous, .. } => Some(previous.address()),
         }
@@ -166,6 +178,7 @@ impl LedgerError {
             | Lost { generation, .. }
             | NotPhysicalFunction { generation, .. }
             | VfClaimed { generation, .. }
+            | VfCountInUse { generation, .. }
             | NoIommuGroup { generation, .. } => Some(*generation),
             UnknownDevice { .. } | NoMatch { .. } | RequestIdReused { .. } => None,
         }
@@ -202,6 +215,7 @@ impl LedgerError {
             RequestIdReused { .. } => "REQUEST_ID_REUSED",
             NotPhysicalFunction { .. } => "NOT_A_PHYSICAL_FUNCTION",
             VfClaimed { .. } => "VF_CLAIMED",
+            VfCountInUse { .. } => "VF_IN_USE_BY_DOMAIN",
             NoIommuGroup { .. } => "NO_IOMMU_GROUP",
         }
     }

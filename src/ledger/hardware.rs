@@ -105,8 +105,9 @@ impl Ledger {
     }
 
     /// Checks that the VF count of `pf` may change: it is a present SR-IOV PF with the
-    /// presented generation, unclaimed, and none of its VFs (present or lost) is claimed.
-    /// Returns its VFs now present.
+    /// presented generation, unclaimed, none of its VFs (present or lost) is claimed, and
+    /// no domain uses the PF or a VF without a claim (writing the count destroys every
+    /// VF, under the VM using it: I3). Returns its VFs now present.
     pub fn check_vf_change(
         &self,
         pf: PciAddress,
@@ -151,6 +152,16 @@ impl Ledger {
             }
         }
         vfs.sort();
+        for device in std::iter::once(pf).chain(vfs.iter().copied()) {
+            if let Some(domain) = self.refs.get(&device).and_then(|d| d.first()) {
+                return Err(LedgerError::VfCountInUse {
+                    pf,
+                    device,
+                    domain: domain.clone(),
+                    generation,
+                });
+            }
+        }
         Ok(vfs)
     }
 
@@ -167,7 +178,7 @@ impl Ledger {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{addr, ledger, owner, rid};
+    use super::super::tests::{addr, domain, ledger, owner, rid};
     use super::*;
     use crate::ledger::{ClaimRequest, ClaimTarget, ReleaseRequest};
 
@@ -270,5 +281,32 @@ mod tests {
         ));
         l.check_vf_change(pf, cs.host_generation)
             .expect("new generation");
+    }
+
+    #[test]
+    fn vf_count_changes_are_refused_while_a_domain_uses_the_pf_or_a_vf_unclaimed() {
+        let mut l = ledger();
+        let pf = addr("0000:3b:00.0");
+        for (used, name) in [("0000:3b:02.2", "vm-vf"), ("0000:3b:00.0", "vm-pf")] {
+            l.apply_domains(vec![domain(9, name, &[used])]);
+            let g = l.record_at(pf).expect("pf").generation;
+            let before = l.clone();
+            match l.check_vf_change(pf, g) {
+                Err(LedgerError::VfCountInUse {
+                    pf: p,
+                    device,
+                    domain,
+                    generation,
+                }) => {
+                    assert_eq!((p, device, generation), (pf, addr(used), g));
+                    assert_eq!(domain.name, name);
+                }
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(l, before);
+        }
+        l.apply_domains(vec![domain(9, "elsewhere", &["0000:5e:00.0"])]);
+        let g = l.record_at(pf).expect("pf").generation;
+        assert_eq!(l.check_vf_change(pf, g).expect("unused").len(), 4);
     }
 }
