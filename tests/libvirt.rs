@@ -499,7 +499,7 @@ async fn vfio_holder_blocks_the_free_until_it_exits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vf_count_change_is_refused_while_a_domain_or_a_vfio_holder_uses_a_vf() {
     let lv = test_driver();
-    let h = host(0x3f, 150);
+    let h = host(0x43, 200);
     let proc_dir = tempfile::tempdir().expect("proc");
     let s = start_with(&h, proc_dir.path(), "test:///default", 3_600_000, |cfg| {
         cfg.libvirt.events = false;
@@ -524,7 +524,7 @@ async fn a_vf_count_change_is_refused_while_a_domain_or_a_vfio_holder_uses_a_vf(
 
     // A domain started after the agent's last look uses VF 2 without a claim.
     let dom = lv
-        .define_domain_xml(&domain_xml("vf-user-3f", 0x3f02, &[&h.vfs[2]], &[]))
+        .define_domain_xml(&domain_xml("vf-user-43", 0x4302, &[&h.vfs[2]], &[]))
         .expect("define");
     dom.create().expect("start");
     let err = set(&mut c, g).await.expect_err("a domain uses VF 2");
@@ -532,8 +532,8 @@ async fn a_vf_count_change_is_refused_while_a_domain_or_a_vfio_holder_uses_a_vf(
     let (reason, meta) = info(&err);
     assert_eq!(reason, "VF_IN_USE_BY_DOMAIN");
     assert_eq!(meta["device_in_use"], h.vfs[2]);
-    assert_eq!(meta["domain_name"], "vf-user-3f");
-    assert!(err.message().contains("vf-user-3f"), "{}", err.message());
+    assert_eq!(meta["domain_name"], "vf-user-43");
+    assert!(err.message().contains("vf-user-43"), "{}", err.message());
     assert_eq!(
         std::fs::read_to_string(&numvfs).expect("numvfs").trim(),
         "4"
@@ -543,10 +543,10 @@ async fn a_vf_count_change_is_refused_while_a_domain_or_a_vfio_holder_uses_a_vf(
     dom.undefine().expect("undefine");
 
     // QEMU holds VF 0's group open (a VM the host's libvirt does not list).
-    let node = h.tree.dev_root().join("vfio/150");
-    let qemu = fake_qemu(proc_dir.path(), 4343, 0x3f01, &[&node]);
+    let node = h.tree.dev_root().join("vfio/200");
+    let qemu = fake_qemu(proc_dir.path(), 4343, 0x4301, &[&node]);
     let err = set(&mut c, g).await.expect_err("VF 0's group is held open");
-    let meta = held_by(&err, 4343, "instance-3f01");
+    let meta = held_by(&err, 4343, "instance-4301");
     assert_eq!(meta["address"], h.vfs[0]);
     assert_eq!(
         std::fs::read_to_string(&numvfs).expect("numvfs").trim(),

@@ -2,7 +2,7 @@
 //! a PF's VF count, the IOMMU group a binding covers, and recording what was done.
 //! The sysfs writes themselves happen outside (the writer calls `crate::hardware`).
 
-use super::{BoundMember, ChangeSet, Ledger, LedgerError, Tx, VfioBinding};
+use super::{BoundMember, ChangeSet, DeviceRecord, Ledger, LedgerError, Link, Tx, VfioBinding};
 use crate::pci::{ConsumerId, Generation, PciAddress};
 
 /// What binding a claimed device to vfio-pci covers.
@@ -48,10 +48,10 @@ impl Ledger {
             generation: rec.generation,
         })?;
         let mut members: Vec<PciAddress> = self
-            .present
-            .iter()
-            .filter(|(_, id)| self.records[*id].facts.iommu_group == Some(group))
-            .map(|(a, _)| *a)
+            .linked(Link::Group(group))
+            .filter_map(|id| self.records.get(&id))
+            .filter(|r| r.present)
+            .map(DeviceRecord::address)
             .collect();
         members.sort();
         Ok(BindPlan {
@@ -138,7 +138,10 @@ impl Ledger {
             });
         }
         let mut vfs = Vec::new();
-        for r in self.records.values().filter(|r| r.facts.physfn == Some(pf)) {
+        for r in self
+            .linked(Link::VfOf(pf))
+            .filter_map(|id| self.records.get(&id))
+        {
             if let Some(c) = &r.claim {
                 return Err(LedgerError::VfClaimed {
                     pf,
