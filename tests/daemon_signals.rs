@@ -3,7 +3,7 @@
 //! cleanly, removing the socket; and the modes of the socket and the state files.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use hostdevd::api::proto;
@@ -58,18 +58,7 @@ async fn wait_for(what: &str, mut f: impl AsyncFnMut() -> bool) {
 
 /// Runs `cmd CONFIG` (the daemon, or a wrapper that execs it) until its socket answers.
 async fn serve(cmd: &mut Command, cfg_path: &Path, socket: &Path) -> Daemon {
-    let daemon = Daemon(
-        cmd.arg(cfg_path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start hostdevd"),
-    );
-    wait_for("the socket", async || {
-        hostdevd::client::connect(socket).await.is_ok()
-    })
-    .await;
-    daemon
+    Daemon::serve(cmd.arg(cfg_path), socket).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -84,7 +73,7 @@ async fn sighup_reloads_the_selection_and_sigterm_stops_cleanly() {
     let cfg_path = dir.path().join("config.toml");
     std::fs::write(&cfg_path, config(&tree, dir.path(), &["ens1f0"])).expect("config");
     let socket = dir.path().join("hostdevd.sock");
-    let mut daemon = serve(
+    let daemon = serve(
         Command::new(env!("CARGO_BIN_EXE_hostdevd")).args(["serve", "--config"]),
         &cfg_path,
         &socket,
@@ -108,16 +97,7 @@ async fn sighup_reloads_the_selection_and_sigterm_stops_cleanly() {
     })
     .await;
 
-    signal(&daemon, Signal::SIGTERM);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = daemon.0.try_wait().expect("wait") {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "daemon did not stop on SIGTERM");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    assert!(status.success(), "exit status {status}");
+    daemon.terminate().await;
     assert!(!socket.exists(), "socket removed on a clean stop");
     // The agent waits for its writer thread to close the store, and closing copies the
     // write-ahead log into the database and removes it.

@@ -4,13 +4,10 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
 use hostdevd::simhost::{FakeSys, FakeTree};
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
 use tonic::transport::Channel;
 
 mod support;
@@ -30,43 +27,18 @@ fn config(tree: &FakeTree, dir: &Path) -> String {
     )
 }
 
-/// Starts the daemon on `dir`'s config and waits until its socket answers.
+/// Starts the daemon on `dir`'s config; returns it and a client once it answers.
 async fn start(dir: &Path) -> (Daemon, HostDevClient<Channel>) {
-    let daemon = Daemon(
+    let socket = dir.join("hostdevd.sock");
+    let daemon = Daemon::serve(
         Command::new(env!("CARGO_BIN_EXE_hostdevd"))
             .args(["serve", "--config"])
-            .arg(dir.join("config.toml"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start hostdevd"),
-    );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(c) = hostdevd::client::connect(&dir.join("hostdevd.sock")).await {
-            return (daemon, c);
-        }
-        assert!(Instant::now() < deadline, "hostdevd did not answer in 30 s");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// SIGTERM, and waits for a clean exit (the store closed).
-async fn stop(mut daemon: Daemon) {
-    let pid = i32::try_from(daemon.0.id()).expect("pid fits");
-    kill(Pid::from_raw(pid), Signal::SIGTERM).expect("signal the daemon");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = daemon.0.try_wait().expect("wait") {
-            break s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "hostdevd did not stop on SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    assert!(status.success(), "exit status {status}");
+            .arg(dir.join("config.toml")),
+        &socket,
+    )
+    .await;
+    let c = hostdevd::client::connect(&socket).await.expect("connect");
+    (daemon, c)
 }
 
 /// Copies the state directory's files, modes included (what a backup and its restore
@@ -155,7 +127,7 @@ async fn a_restored_state_dir_never_hands_out_a_generation_again() {
     // The backup: VF 0 claimed by A.
     let (daemon, mut c) = start(dir.path()).await;
     let a_claim = claim(&mut c, &vfs[0], 1).await;
-    stop(daemon).await;
+    daemon.terminate().await;
     copy_state(&state, &backup);
 
     // After it: A frees VF 0, B takes it and VF 1. The controller's audit reads the host
@@ -167,7 +139,7 @@ async fn a_restored_state_dir_never_hands_out_a_generation_again() {
     let b_claim = claim(&mut c, &vfs[0], 2).await;
     claim(&mut c, &vfs[1], 2).await;
     let snapshot = host_generation(&mut c).await;
-    stop(daemon).await;
+    daemon.terminate().await;
 
     // The state dir comes back from the backup.
     std::fs::remove_dir_all(&state).expect("remove the state dir");
@@ -217,5 +189,5 @@ async fn a_restored_state_dir_never_hands_out_a_generation_again() {
         Some(owner(4)),
         "still claimed"
     );
-    stop(daemon).await;
+    daemon.terminate().await;
 }

@@ -17,6 +17,57 @@ pub use fakesys::{FakeSys, PfLayout};
 /// test ends, pass or fail.
 pub struct Daemon(pub std::process::Child);
 
+impl Daemon {
+    /// Spawns `cmd` (`hostdevd serve`, or a wrapper that execs it) and waits until its
+    /// socket accepts a connection; fails loudly if it exits first or takes over 30 s.
+    pub async fn serve(cmd: &mut std::process::Command, socket: &std::path::Path) -> Daemon {
+        let mut daemon = Daemon(
+            cmd.stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::inherit())
+                .spawn()
+                .expect("start hostdevd"),
+        );
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            if let Some(status) = daemon.0.try_wait().expect("try_wait") {
+                panic!("hostdevd exited during start: {status}");
+            }
+            if hostdevd::client::connect(socket).await.is_ok() {
+                return daemon;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "hostdevd did not answer on {} in 30 s",
+                socket.display()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Sends SIGTERM and waits up to 30 s for the daemon to exit; fails unless it exits
+    /// successfully (a clean stop: calls drained, store closed).
+    pub async fn terminate(mut self) {
+        let pid = i32::try_from(self.0.id()).expect("pid fits");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .expect("signal the daemon");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let status = loop {
+            if let Some(s) = self.0.try_wait().expect("wait") {
+                break s;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "hostdevd did not stop on SIGTERM"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        };
+        assert!(status.success(), "exit status {status}");
+    }
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.0.kill();
