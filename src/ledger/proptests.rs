@@ -1,6 +1,7 @@
 //! Property tests: random sequences of claims, releases, stale retries, inventory and
-//! domain changes from several actors, checked against a simple model and invariants
-//! I1, I2, I5, I6 and I7 after every step.
+//! domain changes and restarts from several actors, checked against a simple model and
+//! invariants I1, I2, I5, I6 and I7 after every step, and the audit's promise against
+//! the history.
 
 use std::collections::BTreeMap;
 
@@ -460,6 +461,59 @@ proptest! {
         // Domains are not stored (libvirt is asked again at start).
         rebuilt.apply_domains(l.domains().to_vec());
         prop_assert_eq!(&rebuilt, l);
+    }
+
+    /// The audit's promise, against the history rather than the generations: whatever
+    /// happens after a controller reads its snapshot (claims, releases, transfers,
+    /// devices vanishing and returning, domains, restarts), an audit with that snapshot
+    /// and any belief names as orphans only claims that stood, unchanged and with the same
+    /// owner, at the snapshot; and every claim of an unexpected consumer is reported
+    /// in exactly one list.
+    #[test]
+    fn an_audit_frees_only_claims_that_stood_unchanged_at_its_snapshot(
+        before in proptest::collection::vec(op(), 0..30),
+        after in proptest::collection::vec(op(), 0..30),
+        believed in proptest::collection::vec(any::<bool>(), 3),
+    ) {
+        let mut w = World::new();
+        for op in &before {
+            w.step(op)?;
+        }
+        let snapshot = w.ledger.host_generation();
+        let stood: BTreeMap<RecordId, DeviceRecord> = w
+            .ledger
+            .records()
+            .filter(|r| r.claim.is_some())
+            .map(|r| (r.id, r.clone()))
+            .collect();
+        for op in &after {
+            w.step(op)?;
+        }
+        let expected: BTreeSet<ConsumerId> = (0u8..3)
+            .filter(|a| believed[usize::from(*a)])
+            .map(consumer)
+            .collect();
+        let report = w.ledger.audit(&expected, snapshot);
+        for r in &report.orphans {
+            prop_assert_eq!(stood.get(&r.id), Some(r), "an orphan stood as it is at the snapshot");
+            prop_assert!(r.present && r.attached.is_none());
+        }
+        let unexpected: BTreeSet<RecordId> = w
+            .ledger
+            .records()
+            .filter(|r| r.claim.as_ref().is_some_and(|c| !expected.contains(&c.owner.consumer) || !r.present))
+            .map(|r| r.id)
+            .collect();
+        let mut listed: Vec<RecordId> = report
+            .orphans
+            .iter()
+            .chain(&report.changed)
+            .chain(&report.protected)
+            .chain(&report.lost)
+            .map(|r| r.id)
+            .collect();
+        listed.sort();
+        prop_assert_eq!(listed, unexpected.into_iter().collect::<Vec<_>>());
     }
 }
 
