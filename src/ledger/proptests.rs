@@ -514,6 +514,21 @@ proptest! {
             .collect();
         listed.sort();
         prop_assert_eq!(listed, unexpected.into_iter().collect::<Vec<_>>());
+        // Acting, each orphan is freed by a release of its own at the generation the
+        // audit saw; none is refused, since none changed.
+        for (i, r) in report.orphans.iter().enumerate() {
+            let owner = r.claim.as_ref().map(|c| c.owner.consumer).expect("claimed");
+            let freed = w.ledger.release(
+                &ReleaseRequest {
+                    address: r.address(),
+                    consumer: owner,
+                    request_id: rid(&format!("audit@{i}")),
+                    generation: r.generation,
+                },
+                w.seq,
+            );
+            prop_assert!(freed.is_ok(), "{:?}", freed);
+        }
     }
 }
 
