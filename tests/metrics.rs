@@ -1,5 +1,5 @@
 //! Prometheus metrics, scraped over HTTP from the real daemon binary after real claims
-//! and a real rejection.
+//! and real rejections, the ledger's and the service's own checks'.
 
 use std::io::{Read, Write};
 use std::process::{Command, Stdio};
@@ -39,10 +39,14 @@ async fn metrics_count_states_requests_rejections_and_commits() {
         .expect("probe port")
         .port();
     let socket = dir.path().join("hostdevd.sock");
+    // A proc tree of the test's own, empty until a holder is planted in it.
+    let proc_root = dir.path().join("proc");
+    std::fs::create_dir(&proc_root).expect("proc");
     let cfg = format!(
-        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n[libvirt]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n",
+        "sysfs_root = {:?}\ndev_root = {:?}\nproc_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n[libvirt]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n",
         tree.sysfs_root(),
         tree.dev_root(),
+        proc_root,
         dir.path().join("state"),
         socket,
     );
@@ -143,6 +147,51 @@ async fn metrics_count_states_requests_rejections_and_commits() {
     let bytes = value(&after, "hostdevd_watch_buffer_bytes").expect("ring bytes");
     assert!(bytes > 0.0 && bytes <= 4194304.0, "{bytes}");
     assert!(after.contains("# TYPE hostdevd_store_commit_seconds histogram"));
+
+    // Refusals the service's own checks decide are counted too: a release while a
+    // process holds the VF's group open, and an audit snapshot from the future.
+    let group = vf.iommu_group.expect("group");
+    let node = tree.vfio_node(group);
+    let holder = proc_root.join("77");
+    std::fs::create_dir_all(holder.join("fd")).expect("holder");
+    std::fs::write(holder.join("comm"), "qemu-system-x86\n").expect("comm");
+    std::os::unix::fs::symlink(&node, holder.join("fd/3")).expect("fd");
+    let now = c
+        .get_device(proto::GetDeviceRequest {
+            address: vf.address.clone(),
+        })
+        .await
+        .expect("device")
+        .into_inner()
+        .device
+        .expect("present");
+    c.release(proto::ReleaseRequest {
+        address: vf.address.clone(),
+        owner: claim(0, "").owner,
+        request_id: "m3".into(),
+        generation: now.generation,
+    })
+    .await
+    .expect_err("held open");
+    let host = c
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner()
+        .host_generation;
+    c.reconcile(proto::ReconcileRequest {
+        expected_consumer_ids: vec![],
+        snapshot_generation: host + 1,
+        act: false,
+        request_id: String::new(),
+    })
+    .await
+    .expect_err("a snapshot from the future");
+    let checked = scrape(port).expect("scrape");
+    for reason in ["VFIO_GROUP_IN_USE", "SNAPSHOT_AHEAD"] {
+        let series = format!("hostdevd_rejections_total{{reason=\"{reason}\"}}");
+        assert_eq!(value(&checked, &series), Some(1.0), "{series}");
+    }
 }
 
 #[test]

@@ -256,6 +256,22 @@ impl HostDevService {
         }
     }
 
+    /// [`HostDevService::unused`], with a refusal counted in the rejections metric.
+    async fn check_free(&self, devices: &[PciAddress], what: &str) -> Result<(), ApiError> {
+        self.unused(devices, what)
+            .await
+            .map_err(|e| self.refused(e))
+    }
+
+    /// Counts a refusal the service's own checks decided (the writer counts the
+    /// ledger's), and passes it on.
+    fn refused(&self, e: ApiError) -> ApiError {
+        if let Some(reason) = e.check_reason() {
+            self.writer.metrics().rejected(reason);
+        }
+        e
+    }
+
     /// The fresh checks before freeing `devices` (one for a Release; a PF and its VFs
     /// before a VF count change, which destroys the VFs): libvirt's domains listed and
     /// applied (the ledger then refuses a device a domain uses itself), and no VFIO
@@ -265,7 +281,7 @@ impl HostDevService {
     /// free after that list, and any poll applied in between listed later, so it is only
     /// fresher. Holding the lock through the free's commit would serialize every release
     /// behind one fsync each.
-    async fn check_free(&self, devices: &[PciAddress], what: &str) -> Result<(), ApiError> {
+    async fn unused(&self, devices: &[PciAddress], what: &str) -> Result<(), ApiError> {
         let order = self.guard.refresh(&self.writer).await.map_err(|source| {
             ApiError::LibvirtUnreachable {
                 what: what.to_string(),
@@ -326,14 +342,12 @@ impl HostDevService {
             .iter()
             .map(|rec| self.vfio_check(rec.address()))
             .collect();
-        let held = self
-            .guard
-            .held(checks)
-            .await
-            .map_err(|source| ApiError::HoldersUnknown {
+        let held = self.guard.held(checks).await.map_err(|source| {
+            self.refused(ApiError::HoldersUnknown {
                 what: "the orphans".into(),
                 source: Box::new(source),
-            })?;
+            })
+        })?;
         let orphans = std::mem::take(&mut report.orphans);
         for (rec, holder) in orphans.into_iter().zip(held) {
             match holder {
@@ -601,21 +615,22 @@ impl HostDev for HostDevService {
         // unexpected consumer an orphan.
         let current = self.writer.view().host_generation.0;
         if r.snapshot_generation > current {
-            return Err(ApiError::SnapshotAhead {
-                snapshot: r.snapshot_generation,
-                current,
-            }
-            .into());
+            return Err(self
+                .refused(ApiError::SnapshotAhead {
+                    snapshot: r.snapshot_generation,
+                    current,
+                })
+                .into());
         }
         // An acting audit lists the domains afresh first and holds the order lock until
         // its frees are decided, so the ledger audits against every domain defined now
         // (the evacuated VM of the seed race included).
         let _order = if r.act {
             Some(self.guard.refresh(&self.writer).await.map_err(|source| {
-                ApiError::LibvirtUnreachable {
+                self.refused(ApiError::LibvirtUnreachable {
                     what: "the orphans".into(),
                     source: Box::new(source),
-                }
+                })
             })?)
         } else {
             None

@@ -74,9 +74,28 @@ pub enum ApiError {
     },
 }
 
+/// The reasons of the refusals the service decides itself, before the writer.
+const LIBVIRT_UNREACHABLE: &str = "LIBVIRT_UNREACHABLE";
+const VFIO_GROUP_IN_USE: &str = "VFIO_GROUP_IN_USE";
+const VFIO_HOLDERS_UNKNOWN: &str = "VFIO_HOLDERS_UNKNOWN";
+const SNAPSHOT_AHEAD: &str = "SNAPSHOT_AHEAD";
+
 impl ApiError {
     pub fn bad_id(field: &'static str) -> impl FnOnce(IdError) -> ApiError {
         move |source| ApiError::BadId { field, source }
+    }
+
+    /// The reason of a refusal the service's own checks decided (the fresh libvirt
+    /// listing, the VFIO holder scan, a snapshot from the future), for the rejections
+    /// metric; the writer counts the ledger's refusals itself.
+    pub fn check_reason(&self) -> Option<&'static str> {
+        match self {
+            ApiError::LibvirtUnreachable { .. } => Some(LIBVIRT_UNREACHABLE),
+            ApiError::VfioHeld { .. } => Some(VFIO_GROUP_IN_USE),
+            ApiError::HoldersUnknown { .. } => Some(VFIO_HOLDERS_UNKNOWN),
+            ApiError::SnapshotAhead { .. } => Some(SNAPSHOT_AHEAD),
+            _ => None,
+        }
     }
 }
 
@@ -241,7 +260,7 @@ pub fn to_status(e: &ApiError) -> Status {
                 ("snapshot_generation".to_string(), snapshot.to_string()),
                 ("current_generation".to_string(), current.to_string()),
             ]);
-            let d = ErrorDetails::with_error_info("SNAPSHOT_AHEAD", ERROR_DOMAIN, meta);
+            let d = ErrorDetails::with_error_info(SNAPSHOT_AHEAD, ERROR_DOMAIN, meta);
             Status::with_error_details(Code::OutOfRange, msg, d)
         }
         ApiError::Unavailable(_) => {
@@ -259,7 +278,7 @@ pub fn to_status(e: &ApiError) -> Status {
         }
         ApiError::LibvirtUnreachable { what, .. } => {
             let meta = HashMap::from([("checking".to_string(), what.clone())]);
-            let d = ErrorDetails::with_error_info("LIBVIRT_UNREACHABLE", ERROR_DOMAIN, meta);
+            let d = ErrorDetails::with_error_info(LIBVIRT_UNREACHABLE, ERROR_DOMAIN, meta);
             Status::with_error_details(Code::Unavailable, msg, d)
         }
         ApiError::VfioHeld {
@@ -280,9 +299,9 @@ pub fn to_status(e: &ApiError) -> Status {
             if let Some(u) = &holder.domain_uuid {
                 meta.insert("domain_uuid".into(), u.to_string());
             }
-            let mut d = ErrorDetails::with_error_info("VFIO_GROUP_IN_USE", ERROR_DOMAIN, meta);
+            let mut d = ErrorDetails::with_error_info(VFIO_GROUP_IN_USE, ERROR_DOMAIN, meta);
             d.add_precondition_failure_violation(
-                "VFIO_GROUP_IN_USE",
+                VFIO_GROUP_IN_USE,
                 address.to_string(),
                 msg.clone(),
             );
@@ -290,7 +309,7 @@ pub fn to_status(e: &ApiError) -> Status {
         }
         ApiError::HoldersUnknown { what, .. } => {
             let meta = HashMap::from([("checking".to_string(), what.clone())]);
-            let d = ErrorDetails::with_error_info("VFIO_HOLDERS_UNKNOWN", ERROR_DOMAIN, meta);
+            let d = ErrorDetails::with_error_info(VFIO_HOLDERS_UNKNOWN, ERROR_DOMAIN, meta);
             Status::with_error_details(Code::Unavailable, msg, d)
         }
     }
