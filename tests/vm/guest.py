@@ -404,6 +404,24 @@ vf = true
         info(f"/dev/vfio/{group} after the release: {'still there' if os.path.exists(f'/dev/vfio/{group}') else 'gone'}")
         compare_daemon("after the release")
 
+        # 4c. An unclaimed VF whose group a process holds open (a VM the agent knows
+        # nothing of) blocks a VF-count change: writing the count would destroy the VF.
+        write(f"{PCI}/devices/{vf}/driver_override", "vfio-pci")
+        write(f"{PCI}/drivers_probe", vf)
+        check("the unclaimed VF is bound to vfio-pci by hand", link_name(vf, "driver") == "vfio-pci", str(link_name(vf, "driver")))
+        h, opened = holder(f"/dev/vfio/{group}")
+        check(f"a holder opened /dev/vfio/{group} of the unclaimed VF", opened)
+        r = set_vfs(pf, 0)
+        check("set-vfs 0 refused while an unclaimed VF's group is held open",
+              r.returncode == 1 and str(h.pid) in r.stderr, r.stderr)
+        check("VFs unchanged after that refusal", sysfs(pf, "sriov_numvfs") == "2" and [v for _, v in virtfns(pf)] == vfs)
+        h.kill()
+        h.wait()
+        write(f"{PCI}/devices/{vf}/driver/unbind", vf)
+        write(f"{PCI}/devices/{vf}/driver_override", "\n")
+        check("the VF is unbound again by hand", link_name(vf, "driver") is None and sysfs(vf, "driver_override") == "(null)",
+              f"{link_name(vf, 'driver')} {sysfs(vf, 'driver_override')}")
+
         # 5. With no claim left, set-vfs 0 works and the VFs leave the ledger.
         r = set_vfs(pf, 0)
         check("set-vfs 0 accepted once nothing is claimed", r.returncode == 0, r.stderr)
