@@ -4,34 +4,21 @@
 use tokio::sync::oneshot;
 
 use super::*;
+use crate::ledger::tests::{addr, facts, rid};
 use crate::ledger::{ClaimTarget, DeviceFacts, Owner, Selector};
-use crate::pci::{DeviceId, OwnerLabel, VendorId};
+use crate::pci::OwnerLabel;
 
-fn addr(s: &str) -> PciAddress {
-    s.parse().expect("address")
-}
-
+/// VF `i` of the PF at 0000:3b:00.0, in an IOMMU group of its own.
 fn vf(i: u8) -> DeviceFacts {
-    DeviceFacts {
-        address: addr(&format!("0000:3b:02.{i}")),
-        vendor_id: VendorId(0x8086),
-        device_id: DeviceId(0x154c),
-        driver: Some("iavf".into()),
-        iommu_group: Some(40 + u32::from(i)),
-        numa_node: Some(0),
-        physfn: Some(addr("0000:3b:00.0")),
-        is_pf: false,
-        physnets: vec![],
-        managed: true,
-    }
+    facts(
+        &format!("0000:3b:02.{i}"),
+        Some(40 + u32::from(i)),
+        Some("0000:3b:00.0"),
+    )
 }
 
 fn consumer(n: u128) -> ConsumerId {
     ConsumerId(uuid::Uuid::from_u128(n))
-}
-
-fn rid(s: &str) -> RequestId {
-    s.parse().expect("request id")
 }
 
 /// A worker over a fresh store with four free VFs, keeping `in_memory` request-log
