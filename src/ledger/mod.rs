@@ -608,15 +608,19 @@ impl Ledger {
                 });
             }
             // A domain that references the device and is the claimant itself is adopting
-            // its own device; any other consumer would take a device a VM uses.
-            Some(Blocker::Domain(d)) if d.uuid != consumer.0 => {
-                return Err(LedgerError::InUseByDomain {
-                    address,
-                    domain: d,
-                    generation,
-                })
+            // its own device; any other domain that references it too is a VM using it,
+            // whichever of them the blocker names first.
+            Some(Blocker::Domain(_)) => {
+                let refs = self.refs.get(&address).map(Vec::as_slice).unwrap_or_default();
+                if let Some(d) = refs.iter().find(|d| d.uuid != consumer.0) {
+                    return Err(LedgerError::InUseByDomain {
+                        address,
+                        domain: d.clone(),
+                        generation,
+                    });
+                }
             }
-            _ => {}
+            None => {}
         }
         if !rec.facts.managed {
             return Err(LedgerError::Unmanaged {

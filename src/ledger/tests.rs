@@ -355,6 +355,31 @@ fn strays_are_reported_and_block_other_claimants() {
 }
 
 #[test]
+fn a_domain_adopts_its_device_only_when_no_other_domain_references_it() {
+    for (first, second) in [(1u128, 2u128), (2, 1)] {
+        let mut l = ledger();
+        l.apply_domains(vec![
+            domain(first, "vm-a", &["0000:3b:02.2"]),
+            domain(second, "vm-b", &["0000:3b:02.2"]),
+        ]);
+        let g = gen_of(&l, "0000:3b:02.2");
+        // Either domain's consumer would take a device the other VM uses.
+        for who in [first, second] {
+            let err = claim(&mut l, "0000:3b:02.2", who, "r1").expect_err("other VM uses it");
+            assert_eq!(err.reason(), "IN_USE_BY_DOMAIN");
+            let LedgerError::InUseByDomain { domain, .. } = err else {
+                unreachable!()
+            };
+            assert_ne!(domain.uuid, owner(who).consumer.0, "names the other domain");
+        }
+        assert_eq!(gen_of(&l, "0000:3b:02.2"), g, "refusals change nothing");
+        // Once the other VM is gone, the remaining one's consumer adopts it.
+        l.apply_domains(vec![domain(second, "vm-b", &["0000:3b:02.2"])]);
+        claim(&mut l, "0000:3b:02.2", second, "r2").expect("adopt");
+    }
+}
+
+#[test]
 fn selector_prefers_numa_node_then_lowest_address() {
     let mut l = Ledger::new();
     let mut inv = host();
