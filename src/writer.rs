@@ -14,7 +14,7 @@
 //! instead of waking the writer thread and then being woken by it. On a quiet host those
 //! two wake-ups were a tenth of a request's round trip (see `Core::try_inline`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -136,11 +136,8 @@ pub struct View {
 
 impl View {
     fn new(ledger: &Ledger) -> View {
-        let mut strays: OrdMap<PciAddress, Vec<Stray>> = OrdMap::new();
-        for s in ledger.strays() {
-            strays.entry(s.address).or_default().push(s);
-        }
-        View::with(ledger, ledger.states().into_iter().collect(), strays)
+        let d = Derived::all(ledger);
+        View::with(ledger, d.states, d.strays)
     }
 
     fn with(
@@ -520,6 +517,36 @@ impl Core {
     }
 }
 
+/// Every record's derived state and the strays by address, as a view holds them.
+struct Derived {
+    states: OrdMap<RecordId, DeviceState>,
+    strays: OrdMap<PciAddress, Vec<Stray>>,
+}
+
+impl Derived {
+    /// Derived afresh from the whole ledger.
+    fn all(ledger: &Ledger) -> Derived {
+        let mut strays: OrdMap<PciAddress, Vec<Stray>> = OrdMap::new();
+        for s in ledger.strays() {
+            strays.entry(s.address).or_default().push(s);
+        }
+        Derived {
+            states: ledger.states().into_iter().collect(),
+            strays,
+        }
+    }
+}
+
+/// A batch worked out before its commit, to publish once it is durable.
+struct Prepared {
+    view: View,
+    /// Sorted by generation, each generation once.
+    events: Vec<Event>,
+    /// The generation each written record had before the batch (for the log).
+    old_generations: BTreeMap<RecordId, Generation>,
+    new_strays: Vec<Stray>,
+}
+
 /// What an incremental view re-derived: the records whose states it derived again, and
 /// the addresses whose strays it listed again.
 struct Rederived {
@@ -740,21 +767,9 @@ impl Worker {
                 || matches!(p, Pending::Entry(_, _, Some(_)));
             pending.push((p, after_undoable));
         }
-        let durable: Vec<&ChangeSet> = changes.iter().filter(|c| !c.is_empty()).collect();
-        let committed = if durable.is_empty() {
-            Ok(())
-        } else {
-            let started = std::time::Instant::now();
-            let r = self.store.commit(&durable);
-            self.metrics.commit(started.elapsed(), r.is_ok());
-            r
-        };
-        self.set_store_error(committed.as_ref().err().map(|e| e.to_string()));
+        let committed = self.commit_changes(&before, &mut changes);
         match committed {
             Ok(()) => {
-                if !changes.is_empty() {
-                    self.publish(&before, &changes);
-                }
                 for (p, _) in pending {
                     match p {
                         Pending::Applied(r, op, res) => {
@@ -782,10 +797,7 @@ impl Worker {
                 self.metrics.stored_requests(self.store.request_log_len());
             }
             Err(e) => {
-                tracing::error!(error = %e, changes = durable.len(), "store commit failed; the batch is undone");
-                for cs in changes.iter().rev() {
-                    self.ledger.undo(cs);
-                }
+                tracing::error!(error = %e, changes = changes.len(), "store commit failed; the batch is undone");
                 let e = Arc::new(e);
                 for (p, after_undoable) in pending {
                     // A request the ledger rejected changed nothing: its own answer stands,
@@ -896,14 +908,57 @@ impl Worker {
         }
     }
 
-    /// The view after `changes`, and what was re-derived (`None`: everything). Claims,
-    /// releases and transfers re-derive around what they touched; a batch that changed
-    /// domains, or many records, derives every state and stray again.
-    fn next_view(&self, before: &View, changes: &[ChangeSet]) -> (View, Option<Rederived>) {
+    /// Makes `changes` durable in one transaction and then publishes them: the new view,
+    /// a log line per state change, and the watch events. On failure every change is
+    /// undone in memory (in reverse) and nothing is published.
+    ///
+    /// The events are worked out before the commit, because a device whose derived state
+    /// changed without its record changing (a PF whose VF was claimed, a free device a
+    /// domain now uses) is given a host generation of its own for its event, and those
+    /// generations are committed with the batch: every event then has a generation no
+    /// other event has, so a watcher that resumes from the last one it received misses
+    /// none, and a state change that touched no record is not below the generation of a
+    /// watcher that started before it.
+    fn commit_changes(
+        &mut self,
+        before: &View,
+        changes: &mut Vec<ChangeSet>,
+    ) -> Result<(), StoreError> {
+        let prepared = (!changes.is_empty()).then(|| self.prepare(before, changes));
+        let durable: Vec<&ChangeSet> = changes.iter().filter(|c| !c.is_empty()).collect();
+        let committed = if durable.is_empty() {
+            Ok(())
+        } else {
+            let started = std::time::Instant::now();
+            let r = self.store.commit(&durable);
+            self.metrics.commit(started.elapsed(), r.is_ok());
+            r
+        };
+        self.set_store_error(committed.as_ref().err().map(|e| e.to_string()));
+        match committed {
+            Ok(()) => {
+                if let Some(p) = prepared {
+                    self.publish(p);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for cs in changes.iter().rev() {
+                    self.ledger.undo(cs);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Every derived state and stray after `changes`, and what was re-derived (`None`:
+    /// everything). Claims, releases and transfers re-derive around what they touched; a
+    /// batch that changed domains, or many records, derives every state and stray again.
+    fn next_states(&self, before: &View, changes: &[ChangeSet]) -> (Derived, Option<Rederived>) {
         let domains_changed = changes.iter().any(|cs| cs.before_domains.is_some());
         let touched: usize = changes.iter().map(|cs| cs.before.len()).sum();
         if domains_changed || touched > INCREMENTAL_LIMIT {
-            return (View::new(&self.ledger), None);
+            return (Derived::all(&self.ledger), None);
         }
         let (removed, around) = self.ledger.rederive(changes);
         let mut ids = BTreeSet::new();
@@ -927,19 +982,18 @@ impl Worker {
                 strays.insert(address, now);
             }
         }
-        let view = View::with(&self.ledger, states, strays);
         debug_assert_eq!(
-            view.states,
+            states,
             self.ledger.states().into_iter().collect::<OrdMap<_, _>>(),
             "re-deriving around the changed records gives every state"
         );
         debug_assert_eq!(
-            view.strays().cloned().collect::<Vec<_>>(),
+            strays.values().flatten().cloned().collect::<Vec<_>>(),
             self.ledger.strays(),
             "the strays at the touched addresses, and the rest as they were, are every stray"
         );
         (
-            view,
+            Derived { states, strays },
             Some(Rederived {
                 ids,
                 stray_addresses,
@@ -947,85 +1001,126 @@ impl Worker {
         )
     }
 
-    /// Publishes the new view, logs each state change and emits watch events: one per
-    /// changed or removed record, and one per device whose derived state changed because
-    /// of a relative (stamped with the batch's host generation).
-    fn publish(&mut self, before: &View, changes: &[ChangeSet]) {
-        let (view, rederived) = self.next_view(before, changes);
+    /// The view and the events after `changes` (decided, not yet committed): one event
+    /// per changed or removed record, with the generation the change gave it, and one per
+    /// device whose derived state changed because of a relative or a domain, with a
+    /// generation of its own taken from the host counter now (the raise is pushed onto
+    /// `changes`, so that it is committed with them).
+    fn prepare(&mut self, before: &View, changes: &mut Vec<ChangeSet>) -> Prepared {
+        let (derived, rederived) = self.next_states(before, changes);
         let mut written: BTreeSet<RecordId> = BTreeSet::new();
         let mut events = Vec::new();
-        for cs in changes {
+        for cs in changes.iter() {
             for r in &cs.upserts {
                 written.insert(r.id);
             }
             for (address, generation) in &cs.removed {
-                tracing::info!(device = %address, new_generation = %generation, "device record removed");
                 events.push(Event::Removed {
                     generation: *generation,
                     address: *address,
                 });
             }
         }
-        let old_gen = |id: &RecordId| {
-            before
-                .ledger
-                .record(*id)
-                .map(|r| r.generation)
-                .unwrap_or_default()
-        };
         // Only a re-derived or written record can have a new state; `None` means every
         // state was derived afresh. Record-id order either way.
         let candidates: Box<dyn Iterator<Item = (&RecordId, &DeviceState)>> = match &rederived {
-            None => Box::new(view.states.iter()),
+            None => Box::new(derived.states.iter()),
             Some(r) => Box::new(
                 r.ids
                     .union(&written)
-                    .filter_map(|id| view.states.get(id).map(|st| (id, st))),
+                    .filter_map(|id| derived.states.get(id).map(|st| (id, st))),
             ),
         };
+        let mut changed = BTreeMap::new();
+        let mut relatives = Vec::new();
         for (id, state) in candidates {
-            let changed = written.contains(id);
-            if !changed && before.states.get(id).is_none_or(|old| old == state) {
+            let written = written.contains(id);
+            if !written && before.states.get(id).is_none_or(|old| old == state) {
                 continue;
             }
-            let Some(record) = view.ledger.record(*id) else {
+            let Some(record) = self.ledger.record(*id) else {
                 continue;
             };
-            let v = DeviceView {
+            let v = Arc::new(DeviceView {
                 record: record.clone(),
                 state: state.clone(),
-            };
-            if changed {
-                tracing::info!(
-                    device = %v.record.address(),
-                    state = v.state.name(),
-                    owner = %v.record.claim.as_ref().map(|c| c.owner.to_string()).unwrap_or_default(),
-                    old_generation = %old_gen(id),
-                    new_generation = %v.record.generation,
-                    "device changed"
-                );
+            });
+            if written {
+                let old = before
+                    .ledger
+                    .record(*id)
+                    .map(|r| r.generation)
+                    .unwrap_or_default();
+                changed.insert(*id, old);
                 events.push(Event::Changed {
                     generation: v.record.generation,
-                    view: Arc::new(v),
+                    view: v,
                 });
             } else if before.states.contains_key(id) {
-                events.push(Event::Changed {
-                    generation: view.host_generation,
-                    view: Arc::new(v),
-                });
+                relatives.push(v);
             }
+        }
+        let mut next = self.ledger.host_generation();
+        for view in relatives {
+            next = next.next();
+            events.push(Event::Changed {
+                generation: next,
+                view,
+            });
+        }
+        if let Some(raise) = self.ledger.raise_host_generation(next) {
+            changes.push(raise);
         }
         // Only the strays at re-derived addresses can be new.
         let addresses: Box<dyn Iterator<Item = &PciAddress>> = match &rederived {
-            None => Box::new(view.strays.keys()),
+            None => Box::new(derived.strays.keys()),
             Some(r) => Box::new(r.stray_addresses.iter()),
         };
-        let new_strays = addresses.flat_map(|address| {
-            let was = before.strays.get(address);
-            let now = view.strays.get(address).into_iter().flatten();
-            now.filter(move |s| was.is_none_or(|was| !was.contains(s)))
-        });
-        for s in new_strays {
+        let new_strays = addresses
+            .flat_map(|address| {
+                let was = before.strays.get(address);
+                let now = derived.strays.get(address).into_iter().flatten();
+                now.filter(move |s| was.is_none_or(|was| !was.contains(s)))
+            })
+            .cloned()
+            .collect();
+        events.sort_by_key(|e| e.generation());
+        Prepared {
+            view: View::with(&self.ledger, derived.states, derived.strays),
+            events,
+            old_generations: changed,
+            new_strays,
+        }
+    }
+
+    /// Publishes a committed batch: logs each state change and each new stray, then the
+    /// view, then the events.
+    fn publish(&mut self, p: Prepared) {
+        for e in &p.events {
+            match e {
+                Event::Removed {
+                    generation,
+                    address,
+                } => {
+                    tracing::info!(device = %address, new_generation = %generation, "device record removed");
+                }
+                Event::Changed { view, .. } => {
+                    let Some(old) = p.old_generations.get(&view.record.id) else {
+                        // A relative's derived state: its record did not change.
+                        continue;
+                    };
+                    tracing::info!(
+                        device = %view.record.address(),
+                        state = view.state.name(),
+                        owner = %view.record.claim.as_ref().map(|c| c.owner.to_string()).unwrap_or_default(),
+                        old_generation = %old,
+                        new_generation = %view.record.generation,
+                        "device changed"
+                    );
+                }
+            }
+        }
+        for s in &p.new_strays {
             tracing::warn!(
                 device = %s.address,
                 domain = %s.domain.name,
@@ -1035,8 +1130,7 @@ impl Worker {
                 "stray: a domain uses a device without holding its claim"
             );
         }
-        events.sort_by_key(|e| e.generation());
-        let view = Arc::new(view);
+        let view = Arc::new(p.view);
         // Publish the view before the events, so a watcher that re-lists after an event
         // sees at least that event's state.
         match self.view.write() {
@@ -1047,7 +1141,7 @@ impl Worker {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
-        for e in events {
+        for e in p.events {
             log.push(e);
         }
     }

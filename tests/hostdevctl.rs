@@ -606,31 +606,37 @@ fn watch_replays_and_reconcile_reports() {
     let g0 = a.generation(&v0);
 
     // Text: one line per event, generation first; the PF is re-reported as unavailable
-    // when its first VF is claimed.
+    // when its first VF is claimed, with a generation of its own for the event (its
+    // record's is unchanged).
+    let pf_event = g0 + 1;
+    assert_eq!(
+        g3,
+        pf_event + 1,
+        "the PF's event took one generation between the claims"
+    );
     let w = a.ok(&["watch", "--from", &start.to_string(), "--count", "3"]);
     let lines: Vec<&str> = w.lines().collect();
-    assert_eq!(lines.len(), 3, "{w}");
-    assert!(
-        lines.contains(
-            &format!("{g0} changed {v0} claimed owner={INSTANCE}(instance-0000002a)").as_str()
-        ),
-        "{w}"
-    );
-    assert!(
-        lines.contains(
-            &format!("{g0} changed {PF} unavailable owner=- blocked by {v0} (virtual_function)")
-                .as_str()
-        ),
-        "{w}"
-    );
     assert_eq!(
-        lines[2],
-        format!("{g3} changed {v3} claimed owner={OTHER}(instance-0000002b)"),
+        lines,
+        [
+            format!("{g0} changed {v0} claimed owner={INSTANCE}(instance-0000002a)"),
+            format!(
+                "{pf_event} changed {PF} unavailable owner=- blocked by {v0} (virtual_function)"
+            ),
+            format!("{g3} changed {v3} claimed owner={OTHER}(instance-0000002b)"),
+        ],
         "{w}"
     );
 
-    // JSON lines, resuming after the first claim.
-    let w = a.ok(&["--json", "watch", "--from", &g0.to_string(), "--count", "1"]);
+    // JSON lines, resuming after the PF's event.
+    let w = a.ok(&[
+        "--json",
+        "watch",
+        "--from",
+        &pf_event.to_string(),
+        "--count",
+        "1",
+    ]);
     let ev: Value = serde_json::from_str(w.trim_end()).unwrap();
     assert_eq!(ev["kind"], "changed");
     assert_eq!(ev["generation"].as_u64(), Some(g3));
@@ -644,6 +650,13 @@ fn watch_replays_and_reconcile_reports() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert!(evs[..6].iter().all(|e| e["kind"] == "snapshot"), "{w}");
+    // Each at the generation the snapshot was read at; the device's own is in the device.
+    assert!(
+        evs[..6]
+            .iter()
+            .all(|e| e["generation"].as_u64() == Some(g3)),
+        "{w}"
+    );
     assert_eq!(evs[6]["kind"], "snapshot-end");
     assert_eq!(evs[6]["generation"].as_u64(), Some(g3));
 

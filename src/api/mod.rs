@@ -762,7 +762,9 @@ impl HostDev for HostDevService {
                         .iter()
                         .map(|v| proto::WatchEvent {
                             kind: proto::WatchEventKind::Snapshot as i32,
-                            generation: v.record.generation.0,
+                            // The generation the snapshot was read at (the device's own
+                            // is in `device`): resuming from it gives what came after.
+                            generation: view.host_generation.0,
                             address: v.record.address().to_string(),
                             device: Some(device_to_proto(v, inv.get(&v.record.address()))),
                         })

@@ -611,7 +611,11 @@ impl Ledger {
             // its own device; any other domain that references it too is a VM using it,
             // whichever of them the blocker names first.
             Some(Blocker::Domain(_)) => {
-                let refs = self.refs.get(&address).map(Vec::as_slice).unwrap_or_default();
+                let refs = self
+                    .refs
+                    .get(&address)
+                    .map(Vec::as_slice)
+                    .unwrap_or_default();
                 if let Some(d) = refs.iter().find(|d| d.uuid != consumer.0) {
                     return Err(LedgerError::InUseByDomain {
                         address,

@@ -96,7 +96,7 @@ fn release(
     .map(|(o, _)| o)
 }
 
-pub(super) fn domain(n: u128, name: &str, addrs: &[&str]) -> DomainDevices {
+pub(crate) fn domain(n: u128, name: &str, addrs: &[&str]) -> DomainDevices {
     DomainDevices {
         domain: DomainRef {
             uuid: uuid::Uuid::from_u128(n),

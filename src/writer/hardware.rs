@@ -8,7 +8,6 @@
 //! failed restore leaves the claim in place and names the step.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use super::{now_unix, Applied, Command, Worker, WriteError};
 use crate::hardware::HardwareError;
@@ -111,21 +110,10 @@ impl Worker {
             return Ok(());
         }
         let before = self.view_now();
-        let started = Instant::now();
-        let r = self.store.commit(std::slice::from_ref(&cs));
-        self.metrics.commit(started.elapsed(), r.is_ok());
-        self.set_store_error(r.as_ref().err().map(|e| e.to_string()));
-        match r {
-            Ok(()) => {
-                self.publish(&before, std::slice::from_ref(&cs));
-                Ok(())
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "store commit failed; the change is undone");
-                self.ledger.undo(&cs);
-                Err(WriteError::Store(Arc::new(e)))
-            }
-        }
+        self.commit_changes(&before, &mut vec![cs]).map_err(|e| {
+            tracing::error!(error = %e, "store commit failed; the change is undone");
+            WriteError::Store(Arc::new(e))
+        })
     }
 
     fn bind_vfio(&mut self, req: &BindVfio) -> Result<Bound, WriteError> {

@@ -265,3 +265,84 @@ fn a_failed_commit_takes_back_the_close_it_answered_with_an_error() {
     assert_eq!(answer(settle_rx).expect("answered"), None);
     assert!(w.closed.is_closed(consumer(9), &rid("lost")));
 }
+
+/// Every event has a generation of its own, above the host generation a watcher started
+/// from, even where a state changed without its record changing: a PF whose VF was
+/// claimed, a free VF that a domain now uses. So a watcher that resumes from any event it
+/// received gets exactly the events after it, and the host generation committed with the
+/// batch is the last event's.
+#[test]
+fn every_event_has_its_own_generation_and_resuming_from_any_misses_none() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 16);
+    let (reply, _rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Devices(
+        vec![(
+            addr("0000:3b:00.0"),
+            Some(facts("0000:3b:00.0", Some(39), None)),
+        )],
+        reply,
+    )]);
+    let start = w.view_now().host_generation;
+    let claim_at = |w: &Worker, who: u128, request_id: &str, a: &str| {
+        let address = addr(a);
+        let generation = w
+            .view_now()
+            .device(address)
+            .next()
+            .expect("present")
+            .record
+            .generation;
+        claim(
+            who,
+            request_id,
+            ClaimTarget::Address {
+                address,
+                expected_generation: generation,
+            },
+        )
+    };
+    // The PF becomes unavailable with its VF's claim; its record does not change.
+    let (c, rx) = claim_at(&w, 1, "vf0", "0000:3b:02.0");
+    w.apply_batch(vec![c]);
+    answer(rx).expect("claimed");
+    // A domain takes a free VF: only derived states change.
+    let (reply, rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Domains(
+        vec![crate::ledger::tests::domain(9, "vm9", &["0000:3b:02.3"])],
+        reply,
+    )]);
+    answer(rx).expect("domains applied");
+
+    let log = w.events.lock().expect("log");
+    let (events, _) = log.resume(start).expect("resumable");
+    let at = |a: &str| {
+        events
+            .iter()
+            .filter(
+                |e| matches!(e, Event::Changed { view, .. } if view.record.address() == addr(a)),
+            )
+            .count()
+    };
+    assert_eq!(at("0000:3b:00.0"), 1, "the PF's derived change: {events:?}");
+    assert_eq!(at("0000:3b:02.0"), 1, "the claim");
+    assert_eq!(at("0000:3b:02.3"), 1, "the domain's VF: {events:?}");
+    let gens: Vec<Generation> = events.iter().map(Event::generation).collect();
+    assert!(gens[0] > start, "{gens:?} after {start}");
+    assert!(
+        gens.windows(2).all(|p| p[0] < p[1]),
+        "strictly increasing: {gens:?}"
+    );
+    let last = *gens.last().expect("events");
+    assert_eq!(w.view_now().host_generation, last);
+    assert_eq!(
+        w.store.host_generation().expect("stored"),
+        last,
+        "committed with the batch"
+    );
+    for (k, g) in gens.iter().enumerate() {
+        let (rest, _) = log.resume(*g).expect("resumable");
+        let rest: Vec<Generation> = rest.iter().map(Event::generation).collect();
+        assert_eq!(rest, gens[k + 1..], "resumed from {g}");
+    }
+}

@@ -414,35 +414,40 @@ def test_watch_sees_claim_and_release_and_resumes(stub, pb):
     c = claim(stub, msgs, vf, devs[vf].generation)
     r = release(stub, msgs, vf, c.generation)
     # Each change also re-reports the PF, whose derived state follows its VFs' claims
-    # (unavailable while a VF is claimed); every event carries the change's generation.
+    # (unavailable while a VF is claimed); every event has a generation of its own, the
+    # PF's right after the change that caused it (its record's generation is unchanged).
     evs = _collect(stream, 4)
-    by_gen = {}
-    for e in evs:
-        assert e.kind == msgs.WATCH_EVENT_KIND_CHANGED
-        by_gen.setdefault(e.generation, {})[e.address] = e.device
-    assert sorted(by_gen) == [c.generation, r.generation]
-    assert set(by_gen[c.generation]) == {vf, PF} and set(by_gen[r.generation]) == {vf, PF}
-    claimed = by_gen[c.generation][vf]
+    assert all(e.kind == msgs.WATCH_EVENT_KIND_CHANGED for e in evs)
+    assert [(e.address, e.generation) for e in evs] == [
+        (vf, c.generation),
+        (PF, c.generation + 1),
+        (vf, r.generation),
+        (PF, r.generation + 1),
+    ]
+    claimed, blocked_pf, freed, unblocked_pf = (e.device for e in evs)
     assert claimed.state == msgs.DEVICE_STATE_CLAIMED and claimed.generation == c.generation
     assert claimed.owner.consumer_id == INSTANCE
-    blocked_pf = by_gen[c.generation][PF]
     assert blocked_pf.state == msgs.DEVICE_STATE_UNAVAILABLE
     assert (blocked_pf.blocker.address, blocked_pf.blocker.relation) == (vf, "virtual_function")
-    freed = by_gen[r.generation][vf]
+    assert blocked_pf.generation == unblocked_pf.generation == devs[PF].generation
     assert freed.state == msgs.DEVICE_STATE_FREE and freed.generation == r.generation
     assert not freed.HasField("owner")
-    assert by_gen[r.generation][PF].state == msgs.DEVICE_STATE_UNMANAGED
+    assert unblocked_pf.state == msgs.DEVICE_STATE_UNMANAGED
 
-    # Resuming after the claim replays only the release.
-    resumed = _collect(stub.Watch(msgs.WatchRequest(from_generation=c.generation), timeout=30), 2)
-    assert {(e.address, e.generation) for e in resumed} == {(vf, r.generation), (PF, r.generation)}
+    # Resuming from any event replays exactly the ones after it.
+    for k, e in enumerate(evs[:-1]):
+        rest = _collect(stub.Watch(msgs.WatchRequest(from_generation=e.generation), timeout=30), 3 - k)
+        assert [(x.address, x.generation) for x in rest] == [
+            (x.address, x.generation) for x in evs[k + 1 :]
+        ]
 
-    # A snapshot: one event per device, then the end marker at the host generation.
+    # A snapshot: one event per device at the snapshot's generation (each device's own
+    # in the device), then the end marker at the host generation.
     snap = _collect(stub.Watch(msgs.WatchRequest(snapshot=True), timeout=30), len(devs) + 1)
     assert all(e.kind == msgs.WATCH_EVENT_KIND_SNAPSHOT for e in snap[:-1])
     assert {e.address for e in snap[:-1]} == set(devs)
+    assert all(e.generation == r.generation + 1 for e in snap)
     assert snap[-1].kind == msgs.WATCH_EVENT_KIND_SNAPSHOT_END
-    assert snap[-1].generation == r.generation
 
     # A generation from the future cannot be resumed: re-list.
     with pytest.raises(grpc.RpcError) as e:
