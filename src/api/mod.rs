@@ -974,20 +974,29 @@ impl HostDev for HostDevService {
             .map(|s| s.vfs.iter().copied().collect())
             .unwrap_or_default();
         // Writing the count destroys every VF, so the PF and its VFs are checked as for a
-        // free first: a fresh listing of the domains (the ledger refuses a change while a
-        // domain uses one) and no VFIO holder. A change the ledger refuses anyway (a stale
-        // generation, a claimed VF) gets its own answer, without the checks.
-        let refused_anyway = self
-            .writer
-            .view()
-            .ledger
-            .check_vf_change(pf, Generation(r.generation))
-            .is_err_and(|e| !matches!(e, crate::ledger::LedgerError::VfCountInUse { .. }));
-        if !refused_anyway {
-            let devices: Vec<PciAddress> =
-                std::iter::once(pf).chain(old_vfs.iter().copied()).collect();
-            self.check_free(&devices, &format!("{pf} and its VFs"))
-                .await?;
+        // free first, every time: a fresh listing of the domains (the ledger refuses a
+        // change while a domain uses one) and no VFIO holder. Never skipped on what the
+        // published view says: a release queued before this call may free the claimed VF
+        // that the view still shows, and the writer would then write the count unchecked.
+        // Where the checks fail and the ledger refuses the change anyway (a stale
+        // generation, a claimed VF), that refusal is the answer.
+        let devices: Vec<PciAddress> = std::iter::once(pf).chain(old_vfs.iter().copied()).collect();
+        if let Err(e) = self.unused(&devices, &format!("{pf} and its VFs")).await {
+            let refused = self
+                .writer
+                .view()
+                .ledger
+                .check_vf_change(pf, Generation(r.generation))
+                .err()
+                .filter(|e| !matches!(e, crate::ledger::LedgerError::VfCountInUse { .. }));
+            return Err(match refused {
+                Some(le) => {
+                    self.writer.metrics().rejected(le.reason());
+                    ApiError::from(crate::writer::WriteError::from(le))
+                }
+                None => self.refused(e),
+            }
+            .into());
         }
         let result = self
             .writer

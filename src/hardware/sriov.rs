@@ -36,15 +36,9 @@ impl Hardware {
         self.sriov_attr(pf, "sriov_totalvfs", "read sriov_totalvfs")
     }
 
-    /// Sets the VF count of `pf` to `count`; `autoprobe`, when given, is written to
-    /// `sriov_drivers_autoprobe` first (false: new VFs stay unbound until bound on
-    /// purpose). Returns the count before.
-    pub fn set_num_vfs(
-        &self,
-        pf: PciAddress,
-        count: u32,
-        autoprobe: Option<bool>,
-    ) -> Result<u32, HardwareError> {
+    /// Checks that `pf` can take `count` VFs (reads only, so an error here changed
+    /// nothing): the VF count it has now.
+    pub fn vf_count_now(&self, pf: PciAddress, count: u32) -> Result<u32, HardwareError> {
         let total = self.total_vfs(pf)?;
         if count > total {
             return Err(HardwareError::TooManyVfs {
@@ -53,33 +47,61 @@ impl Hardware {
                 total,
             });
         }
+        self.sriov_attr(pf, "sriov_numvfs", "read sriov_numvfs")
+    }
+
+    /// Sets the VF count of `pf` from `before` (as [`Self::vf_count_now`] read it) to
+    /// `count`; `autoprobe`, when given, is written to `sriov_drivers_autoprobe` first
+    /// (false: new VFs stay unbound until bound on purpose). Any error may come after a
+    /// write, so the PF may have changed. Also says whether the VFs the PF had may be
+    /// gone: not when the count stays, nor when the kernel refused the first
+    /// `sriov_numvfs` write outright; once one went through (or timed out, and may still
+    /// finish), they may be.
+    pub fn write_num_vfs(
+        &self,
+        pf: PciAddress,
+        before: u32,
+        count: u32,
+        autoprobe: Option<bool>,
+    ) -> (Result<(), HardwareError>, bool) {
         let dir = self.device_dir(pf);
         if let Some(on) = autoprobe {
-            self.write(
-                pf,
-                "set sriov_drivers_autoprobe",
-                &dir.join("sriov_drivers_autoprobe"),
-                if on { "1" } else { "0" },
-            )?;
+            let path = dir.join("sriov_drivers_autoprobe");
+            let value = if on { "1" } else { "0" };
+            if let Err(e) = self.write(pf, "set sriov_drivers_autoprobe", &path, value) {
+                return (Err(e), false);
+            }
         }
-        let before = self.sriov_attr(pf, "sriov_numvfs", "read sriov_numvfs")?;
         if before == count {
-            return Ok(before);
+            return (Ok(()), false);
         }
         let numvfs = dir.join("sriov_numvfs");
-        if before != 0 && count != 0 {
-            self.write(pf, "disable VFs (write 0)", &numvfs, "0")?;
+        let zero_first = before != 0 && count != 0;
+        let first = if zero_first {
+            self.write(pf, "disable VFs (write 0)", &numvfs, "0")
+        } else {
+            self.write(pf, "write sriov_numvfs", &numvfs, &count.to_string())
+        };
+        match first {
+            Ok(()) => {}
+            Err(e @ HardwareError::Write { .. }) => return (Err(e), false),
+            Err(e) => return (Err(e), true),
         }
-        self.write(pf, "write sriov_numvfs", &numvfs, &count.to_string())?;
-        let after = self.sriov_attr(pf, "sriov_numvfs", "verify sriov_numvfs")?;
-        if after != count {
-            return Err(HardwareError::VfCount {
-                address: pf,
-                step: "verify sriov_numvfs",
-                expected: count,
-                found: after,
-            });
-        }
-        Ok(before)
+        let rest = (|| {
+            if zero_first {
+                self.write(pf, "write sriov_numvfs", &numvfs, &count.to_string())?;
+            }
+            let after = self.sriov_attr(pf, "sriov_numvfs", "verify sriov_numvfs")?;
+            if after != count {
+                return Err(HardwareError::VfCount {
+                    address: pf,
+                    step: "verify sriov_numvfs",
+                    expected: count,
+                    found: after,
+                });
+            }
+            Ok(())
+        })();
+        (rest, true)
     }
 }

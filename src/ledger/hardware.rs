@@ -168,11 +168,28 @@ impl Ledger {
         Ok(vfs)
     }
 
-    /// Gives a present device the next generation without other change: a PF whose VF
-    /// count was written, so a second writer holding the old generation is refused.
-    pub fn touch(&mut self, address: PciAddress) -> ChangeSet {
+    /// After a PF's VF count was written (or a write was tried and failed part way): the
+    /// PF takes the next generation, so a second writer holding the old one is refused,
+    /// and each of `vfs` (its VFs that were present, as [`Self::check_vf_change`] listed
+    /// them) is gone when `destroyed`. The kernel removes every VF before it creates the
+    /// new count, so a VF at one of these addresses afterwards is a new device instance
+    /// (I6), found by the rescan that follows; until then a claim presenting the old VF's
+    /// generation finds no device. Only VFs that are not claimed may be listed (a claimed
+    /// one would be kept, lost).
+    pub fn vf_count_written(
+        &mut self,
+        pf: PciAddress,
+        vfs: &[PciAddress],
+        destroyed: bool,
+    ) -> ChangeSet {
         let mut tx = Tx::new(self.host_generation);
-        if let Some(id) = self.present.get(&address).copied() {
+        if destroyed {
+            for vf in vfs {
+                self.vanish(&mut tx, *vf);
+            }
+        }
+        // Last, so that the PF's new generation is the change's.
+        if let Some(id) = self.present.get(&pf).copied() {
             self.modify(&mut tx, id, |_| {});
         }
         tx.cs
@@ -277,13 +294,53 @@ mod tests {
         )
         .expect("release");
         l.check_vf_change(pf, g).expect("free again");
-        let cs = l.touch(pf);
+        let cs = l.vf_count_written(pf, &[], false);
         assert!(matches!(
             l.check_vf_change(pf, g),
             Err(LedgerError::StaleGeneration { .. })
         ));
         l.check_vf_change(pf, cs.host_generation)
             .expect("new generation");
+    }
+
+    #[test]
+    fn a_written_vf_count_takes_the_old_vfs_away_in_the_same_change() {
+        let mut l = ledger();
+        let pf = addr("0000:3b:00.0");
+        let g = l.record_at(pf).expect("pf").generation;
+        let vfs = l.check_vf_change(pf, g).expect("free");
+        let vf = addr("0000:3b:02.1");
+        let old = l.record_at(vf).expect("vf").clone();
+        let cs = l.vf_count_written(pf, &vfs, true);
+        assert_eq!(cs.removals.len(), vfs.len(), "every VF gone: {cs:?}");
+        assert!(vfs.iter().all(|a| l.record_at(*a).is_none()));
+        assert_eq!(l.record_at(pf).expect("pf").generation, cs.host_generation);
+        assert!(cs.host_generation > g);
+        // A claim with the generation listed before the change finds no device.
+        let err = l
+            .claim(
+                &ClaimRequest {
+                    target: ClaimTarget::Address {
+                        address: vf,
+                        expected_generation: old.generation,
+                    },
+                    owner: owner(1),
+                    request_id: rid("late"),
+                },
+                3,
+            )
+            .expect_err("the VF was destroyed");
+        assert!(matches!(err, LedgerError::UnknownDevice { .. }), "{err:?}");
+        // The VF the kernel creates at the same address is a new instance.
+        l.apply_devices(vec![(vf, Some(old.facts.clone()))]);
+        let new = l.record_at(vf).expect("new VF");
+        assert!(new.id != old.id && new.generation > old.generation);
+        // Undone, the change gives back the PF's generation and every VF as it was.
+        let mut again = ledger();
+        let before = again.clone();
+        let cs = again.vf_count_written(pf, &vfs, true);
+        again.undo(&cs);
+        assert_eq!(again, before);
     }
 
     #[test]

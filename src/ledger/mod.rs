@@ -858,19 +858,24 @@ impl Ledger {
                     self.present.insert(address, id);
                     self.put(&mut tx, rec);
                 }
-                (Some(id), None) => {
-                    self.present.remove(&address);
-                    if self.records[&id].claim.is_some() {
-                        // I6: a claimed device that vanishes is kept, marked lost.
-                        self.modify(&mut tx, id, |r| r.present = false);
-                    } else {
-                        self.remove(&mut tx, id);
-                    }
-                }
+                (Some(_), None) => self.vanish(&mut tx, address),
                 (None, None) => {}
             }
         }
         tx.cs
+    }
+
+    /// The device present at `address` is gone: a claimed one is kept, marked lost (I6);
+    /// an unclaimed one's record is removed.
+    fn vanish(&mut self, tx: &mut Tx, address: PciAddress) {
+        let Some(id) = self.present.remove(&address) else {
+            return;
+        };
+        if self.records[&id].claim.is_some() {
+            self.modify(tx, id, |r| r.present = false);
+        } else {
+            self.remove(tx, id);
+        }
     }
 
     /// Replaces the set of domains on the host and recomputes attachments. A device whose

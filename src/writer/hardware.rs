@@ -193,27 +193,19 @@ impl Worker {
 
     fn set_vf_count(&mut self, req: &SetVfCount) -> Result<VfCountSet, WriteError> {
         let hw = self.hardware.clone().ok_or(HardwareError::Disabled)?;
-        self.ledger.check_vf_change(req.pf, req.generation)?;
-        let result = hw.set_num_vfs(req.pf, req.count, req.autoprobe);
-        let wrote = match &result {
-            Ok(_) => true,
-            Err(
-                HardwareError::NotPhysicalFunction { .. }
-                | HardwareError::TooManyVfs { .. }
-                | HardwareError::Read { .. },
-            ) => false,
-            Err(_) => true,
-        };
-        let mut generation = req.generation;
-        if wrote {
-            // Written or half-written, the PF gets a new generation: whoever holds the
-            // old one must look again.
-            let cs = self.ledger.touch(req.pf);
-            generation = cs.host_generation;
-            self.commit_one(cs)?;
-            tracing::info!(pf = %req.pf, count = req.count, ok = result.is_ok(), "VF count written");
-        }
-        let before = result?;
+        let vfs = self.ledger.check_vf_change(req.pf, req.generation)?;
+        // Reads only: refused here, nothing changed.
+        let before = hw.vf_count_now(req.pf, req.count)?;
+        let (result, destroyed) = hw.write_num_vfs(req.pf, before, req.count, req.autoprobe);
+        // Written or half-written, the PF gets a new generation (whoever holds the old
+        // one must look again), and where the VFs it had may be gone, they are gone in
+        // the same commit: the kernel destroys them all first, so a claim must not take
+        // one before the rescan finds what is there now.
+        let cs = self.ledger.vf_count_written(req.pf, &vfs, destroyed);
+        let generation = cs.host_generation;
+        self.commit_one(cs)?;
+        tracing::info!(pf = %req.pf, count = req.count, before, ok = result.is_ok(), "VF count written");
+        result?;
         Ok(VfCountSet { generation, before })
     }
 }

@@ -346,3 +346,116 @@ fn every_event_has_its_own_generation_and_resuming_from_any_misses_none() {
         assert_eq!(rest, gens[k + 1..], "resumed from {g}");
     }
 }
+
+/// A VF count written takes the PF's old VFs away in the same commit as the PF's new
+/// generation: a claim that presents an old VF's generation, decided after the write and
+/// before any rescan, finds no device (the kernel destroyed it), and never lands on the
+/// VF the kernel created again at that address.
+#[test]
+fn a_claim_after_a_vf_count_write_and_before_the_rescan_finds_no_old_vf() {
+    let pf = "0000:3b:00.0";
+    let mut sys = crate::simhost::FakeSys::new();
+    sys.pf(pf, 0x8086, 0x1572, 8, 4);
+    let tree = sys.build();
+    let mut inventory = vec![facts(pf, Some(10), None)];
+    inventory[0].is_pf = true;
+    let vfs = sys.vfs(pf);
+    for (i, a) in vfs.iter().enumerate() {
+        inventory.push(facts(&a.to_string(), Some(20 + i as u32), Some(pf)));
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("store");
+    let hardware = Hardware {
+        sysfs_root: tree.sysfs_root().to_path_buf(),
+        step_timeout: std::time::Duration::from_secs(10),
+    };
+    let mut w = Worker::new(
+        Ledger::new(),
+        store,
+        EventBuffer::events(64),
+        Some(hardware),
+    );
+    let (reply, rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Inventory(inventory, reply)]);
+    answer(rx).expect("inventory");
+    let view = w.view_now();
+    let generation = |a: PciAddress| view.device(a).next().expect("present").record.generation;
+    let old_vf = generation(vfs[0]);
+
+    let (reply, rx) = oneshot::channel();
+    w.run_alone(Command::SetVfCount(
+        SetVfCount {
+            pf: addr(pf),
+            generation: generation(addr(pf)),
+            count: 2,
+            autoprobe: None,
+        },
+        reply,
+    ));
+    let set = answer(rx).expect("written");
+    assert_eq!(set.before, 4);
+    let numvfs = std::fs::read_to_string(tree.device_dir(pf).join("sriov_numvfs")).expect("numvfs");
+    assert_eq!(numvfs.trim(), "2");
+    let now = w.view_now();
+    assert!(
+        vfs.iter().all(|a| now.device(*a).next().is_none()),
+        "old VFs gone"
+    );
+    assert_eq!(
+        now.device(addr(pf)).next().expect("PF").record.generation,
+        set.generation
+    );
+    assert_eq!(
+        w.store.load().expect("load").records.len(),
+        1,
+        "durable with it"
+    );
+
+    // A count the PF cannot show is refused before anything is written: the autoprobe
+    // setting stays, and so does the PF's generation.
+    let pf_generation = set.generation;
+    tree.write_attr(pf, "sriov_numvfs", b"x\n");
+    let autoprobe =
+        || std::fs::read_to_string(tree.device_dir(pf).join("sriov_drivers_autoprobe")).ok();
+    let autoprobe_before = autoprobe();
+    let (reply, rx) = oneshot::channel();
+    w.run_alone(Command::SetVfCount(
+        SetVfCount {
+            pf: addr(pf),
+            generation: pf_generation,
+            count: 1,
+            autoprobe: Some(false),
+        },
+        reply,
+    ));
+    let err = answer(rx).expect_err("unreadable count");
+    assert!(
+        matches!(err, WriteError::Hardware(HardwareError::Read { .. })),
+        "{err:?}"
+    );
+    assert_eq!(autoprobe(), autoprobe_before, "nothing written");
+    assert_eq!(
+        w.view_now()
+            .device(addr(pf))
+            .next()
+            .expect("PF")
+            .record
+            .generation,
+        pf_generation
+    );
+
+    let (c, rx) = claim(
+        1,
+        "late",
+        ClaimTarget::Address {
+            address: vfs[0],
+            expected_generation: old_vf,
+        },
+    );
+    w.apply_batch(vec![c]);
+    let err = answer(rx).expect_err("no such device until the rescan");
+    assert!(
+        matches!(err, WriteError::Ledger(LedgerError::UnknownDevice { .. })),
+        "{err:?}"
+    );
+}
