@@ -1351,3 +1351,74 @@ async fn vanishing_claims() -> (usize, usize, usize) {
     a.assert_unharmed("vanishing clients", &after).await;
     (applied, not_applied, late)
 }
+
+/// A watcher that asks for a snapshot and stops reading in the middle of it is cut off
+/// once more changes than its event limit wait behind the snapshot, as it would be once
+/// live. Before, the agent waited on it for room forever, holding the whole snapshot it
+/// had built, the view it came from and the stream slot, while the connection stayed
+/// open; a client that read again then got every snapshot event and went on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_silent_in_its_snapshot_is_cut_off() {
+    // 64 VFs: a snapshot of some 10 KB, more than the 4 KiB stream window and a queue of
+    // 256 bytes (one event) let through while the client does not read.
+    let mut a = start(64, "watch_client_events = 16\nwatch_client_bytes = 256").await;
+    let mut c = a.client().await;
+    let devices = listing(&mut c).await.devices.len();
+    let mut silent = HostDevClient::new(small_window_channel(&a.socket).await)
+        .watch(proto::WatchRequest {
+            from_generation: 0,
+            snapshot: true,
+        })
+        .await
+        .expect("watch")
+        .into_inner();
+    let mut fast = a
+        .client()
+        .await
+        .watch(proto::WatchRequest {
+            from_generation: listing(&mut c).await.host_generation,
+            snapshot: false,
+        })
+        .await
+        .expect("fast")
+        .into_inner();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let churner = tokio::spawn(churn(a.socket.clone(), 400, stop_rx));
+    // Well past the silent watcher's 16-event limit.
+    for _ in 0..200 {
+        tokio::time::timeout(Duration::from_secs(30), fast.next())
+            .await
+            .expect("fast watcher starved")
+            .expect("fast stream ended")
+            .expect("fast watcher cut off");
+    }
+    stop_tx.send_replace(true);
+    churner.await.expect("churn");
+    let mut snapshot_events = 0;
+    let status = loop {
+        match tokio::time::timeout(Duration::from_secs(10), silent.next()).await {
+            Ok(Some(Ok(e))) => {
+                assert_eq!(
+                    e.kind,
+                    proto::WatchEventKind::Snapshot as i32,
+                    "after {snapshot_events} snapshot events: {e:?}"
+                );
+                snapshot_events += 1;
+            }
+            Ok(Some(Err(e))) => break e,
+            other => panic!("after {snapshot_events} snapshot events: {other:?}"),
+        }
+    };
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        snapshot_events < devices,
+        "cut off within its snapshot: {snapshot_events} of {devices} sent"
+    );
+    assert!(
+        status.message().contains("snapshot"),
+        "{}",
+        status.message()
+    );
+    a.assert_unharmed("a watcher silent in its snapshot", &listing(&mut c).await)
+        .await;
+}

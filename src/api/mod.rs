@@ -755,39 +755,77 @@ impl HostDev for HostDevService {
         let stop_tx = tx.clone();
         let limits = self.watch.queue;
         let feed = async move {
-            if let Some(view) = snapshot {
-                let mut evs: Vec<proto::WatchEvent> = {
-                    let inv = this.inv();
-                    view.devices()
-                        .iter()
-                        .map(|v| proto::WatchEvent {
+            let behind = |what: String| {
+                Status::resource_exhausted(format!(
+                    "watcher fell behind by {what} and was cut off; resume with Watch from the last generation received"
+                ))
+            };
+            // The snapshot and the backlog the client asked for go at its pace, built one
+            // event at a time (a client that does not read holds at most its queue's
+            // bytes of them). The changes that arrive meanwhile are kept, after them, and
+            // a client with more than the event limit of them waiting is cut off, as it
+            // would be once live: a client that stops reading in its snapshot is not kept
+            // forever.
+            let snapshot_events = snapshot.into_iter().flat_map(|view| {
+                let count = view.devices().len();
+                let end = proto::WatchEvent {
+                    kind: proto::WatchEventKind::SnapshotEnd as i32,
+                    generation: view.host_generation.0,
+                    address: String::new(),
+                    device: None,
+                };
+                let this = this.clone();
+                (0..count)
+                    .map(move |k| {
+                        let v = &view.devices()[k];
+                        let device = device_to_proto(v, this.inv().get(&v.record.address()));
+                        Pending::Ready(Box::new(proto::WatchEvent {
                             kind: proto::WatchEventKind::Snapshot as i32,
                             // The generation the snapshot was read at (the device's own
                             // is in `device`): resuming from it gives what came after.
                             generation: view.host_generation.0,
                             address: v.record.address().to_string(),
-                            device: Some(device_to_proto(v, inv.get(&v.record.address()))),
-                        })
-                        .collect()
-                };
-                evs.push(proto::WatchEvent {
-                    kind: proto::WatchEventKind::SnapshotEnd as i32,
-                    generation: view.host_generation.0,
-                    address: String::new(),
-                    device: None,
-                });
-                for e in evs {
-                    if tx.send(Pending::Ready(Box::new(e))).await.is_err() {
-                        return;
-                    }
-                }
-            }
+                            device: Some(device),
+                        }))
+                    })
+                    .chain(std::iter::once(Pending::Ready(Box::new(end))))
+            });
             // The backlog and the live channel were taken under one lock, so no event is
             // in both and none falls between; events at or below `from` are already
             // reflected in what the client holds.
-            for e in backlog {
-                if tx.send(Pending::Shared(e)).await.is_err() {
-                    return;
+            let mut asked = snapshot_events.chain(backlog.into_iter().map(Pending::Shared));
+            let mut early = std::collections::VecDeque::new();
+            while let Some(item) = asked
+                .next()
+                .or_else(|| early.pop_front().map(Pending::Shared))
+            {
+                let mut slot = Some(item);
+                while slot.is_some() {
+                    tokio::select! {
+                        sent = tx.send_from(&mut slot) => {
+                            if sent.is_err() {
+                                return;
+                            }
+                        }
+                        next = rx.recv() => match next {
+                            Ok(e) if e.generation() <= from => {}
+                            Ok(e) => {
+                                early.push_back(e);
+                                if early.len() > limits.events {
+                                    tx.cut_off(behind(format!(
+                                        "more than {} events while its snapshot or backlog waited",
+                                        limits.events
+                                    )));
+                                    return;
+                                }
+                            }
+                            Err(broadcast::error::RecvError::Lagged(n)) => {
+                                tx.cut_off(behind(format!("{n} events")));
+                                return;
+                            }
+                            Err(broadcast::error::RecvError::Closed) => return,
+                        },
+                    }
                 }
             }
             loop {
@@ -806,8 +844,8 @@ impl HostDev for HostDevService {
                             Ok(()) => {}
                             Err(watch_queue::Refused::Gone) => return,
                             Err(watch_queue::Refused::Full) => {
-                                tx.cut_off(Status::resource_exhausted(format!(
-                                    "watcher fell behind by more than {} events or {} bytes and was cut off; resume with Watch from the last generation received",
+                                tx.cut_off(behind(format!(
+                                    "more than {} events or {} bytes",
                                     limits.events, limits.bytes
                                 )));
                                 return;
@@ -815,9 +853,7 @@ impl HostDev for HostDevService {
                         }
                     }
                     Err(broadcast::error::RecvError::Lagged(n)) => {
-                        tx.cut_off(Status::resource_exhausted(format!(
-                            "watcher fell behind by {n} events and was cut off; resume with Watch from the last generation received"
-                        )));
+                        tx.cut_off(behind(format!("{n} events")));
                         return;
                     }
                     Err(broadcast::error::RecvError::Closed) => return,

@@ -185,6 +185,24 @@ impl WatchSender {
         }
     }
 
+    /// [`Self::send`] that leaves the event in `slot` while it waits, so that the wait
+    /// can be given up (in a `select!`) without losing it; `slot` is empty once queued.
+    pub async fn send_from(&self, slot: &mut Option<Pending>) -> Result<(), Refused> {
+        loop {
+            let Some(event) = slot.take() else {
+                return Ok(());
+            };
+            match self.push(Ok(event)) {
+                Ok(()) => return Ok(()),
+                Err((Refused::Gone, _)) => return Err(Refused::Gone),
+                Err((Refused::Full, back)) => {
+                    *slot = back.ok();
+                    self.0.writable.notified().await;
+                }
+            }
+        }
+    }
+
     /// Ends the stream with `status` as its last item, dropping every event still
     /// queued: the client resumes from the last generation it received.
     pub fn cut_off(&self, status: Status) {
