@@ -170,7 +170,7 @@ pub struct ApiConfig {
     #[serde(default = "d_request_log")]
     pub request_log_entries: usize,
     /// The newest of them also kept in memory; a retry of an older one is looked up on
-    /// disk. Default 1024.
+    /// disk. At most `request_log_entries`. Default 1024.
     #[serde(default = "d_request_log_memory")]
     pub request_log_in_memory: usize,
     /// Watch streams open at once; one more gets RESOURCE_EXHAUSTED. Default 1024.
@@ -321,7 +321,7 @@ impl Default for HotplugConfig {
 #[serde(deny_unknown_fields)]
 pub struct HardwareConfig {
     /// How long one sysfs write (one step) may take before the action fails, naming
-    /// the step, in milliseconds. Default 10000.
+    /// the step, in milliseconds. At least 1. Default 10000.
     #[serde(default = "d_step_timeout")]
     pub step_timeout_ms: u64,
 }
@@ -431,9 +431,23 @@ impl Config {
                 )));
             }
         }
+        // A retry is answered from memory first: an entry kept there but already pruned
+        // from disk would be answered before a restart and claimed afresh after it.
+        if api.request_log_in_memory > api.request_log_entries {
+            return Err(ConfigError::Invalid(format!(
+                "api.request_log_in_memory = {} is more than api.request_log_entries = {}: the entries kept in memory must also be kept on disk",
+                api.request_log_in_memory, api.request_log_entries
+            )));
+        }
         if cfg.libvirt.poll_interval_ms == 0 || cfg.libvirt.timeout_ms == 0 {
             return Err(ConfigError::Invalid(
                 "libvirt.poll_interval_ms and libvirt.timeout_ms must be at least 1".into(),
+            ));
+        }
+        // A step timeout of 0 fails every step while its write still goes on.
+        if cfg.hardware.step_timeout_ms == 0 {
+            return Err(ConfigError::Invalid(
+                "hardware.step_timeout_ms must be at least 1".into(),
             ));
         }
         Ok(cfg)
@@ -694,6 +708,14 @@ mod tests {
             ("[api]\nsocket_mode = \"999\"", "socket_mode"),
             ("[api.tcp]\nlisten = \"127.0.0.1:7443\"", "missing field"),
             ("[metrics]\nlisten = \"0.0.0.0:9464\"", "allow_remote"),
+            (
+                "[api]\nrequest_log_entries = 100\nrequest_log_in_memory = 101",
+                "api.request_log_in_memory = 101 is more than api.request_log_entries = 100",
+            ),
+            (
+                "[hardware]\nstep_timeout_ms = 0",
+                "hardware.step_timeout_ms",
+            ),
             (
                 "[api.tcp]\nlisten = \"nowhere\"\ncert = \"c\"\nkey = \"k\"\nclient_ca = \"ca\"",
                 "listen",
