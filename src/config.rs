@@ -99,6 +99,9 @@ fn d_libvirt_timeout() -> u64 {
 fn d_step_timeout() -> u64 {
     10_000
 }
+fn d_vf_count_timeout() -> u64 {
+    180_000
+}
 fn d_rcvbuf() -> usize {
     4 << 20
 }
@@ -324,12 +327,18 @@ pub struct HardwareConfig {
     /// the step, in milliseconds. At least 1. Default 10000.
     #[serde(default = "d_step_timeout")]
     pub step_timeout_ms: u64,
+    /// How long one `sriov_numvfs` write may take, in milliseconds: the kernel creates
+    /// or destroys every VF within it, which takes minutes on some NICs (about 22 s for
+    /// 64 VFs on i40e, 65 s for 125 on mlx5). At least 1. Default 180000.
+    #[serde(default = "d_vf_count_timeout")]
+    pub vf_count_timeout_ms: u64,
 }
 
 impl Default for HardwareConfig {
     fn default() -> Self {
         HardwareConfig {
             step_timeout_ms: d_step_timeout(),
+            vf_count_timeout_ms: d_vf_count_timeout(),
         }
     }
 }
@@ -444,11 +453,16 @@ impl Config {
                 "libvirt.poll_interval_ms and libvirt.timeout_ms must be at least 1".into(),
             ));
         }
-        // A step timeout of 0 fails every step while its write still goes on.
-        if cfg.hardware.step_timeout_ms == 0 {
-            return Err(ConfigError::Invalid(
-                "hardware.step_timeout_ms must be at least 1".into(),
-            ));
+        // A timeout of 0 fails every step while its write still goes on.
+        for (key, value) in [
+            ("step_timeout_ms", cfg.hardware.step_timeout_ms),
+            ("vf_count_timeout_ms", cfg.hardware.vf_count_timeout_ms),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Invalid(format!(
+                    "hardware.{key} must be at least 1"
+                )));
+            }
         }
         Ok(cfg)
     }
@@ -717,6 +731,10 @@ mod tests {
                 "hardware.step_timeout_ms",
             ),
             (
+                "[hardware]\nvf_count_timeout_ms = 0",
+                "hardware.vf_count_timeout_ms",
+            ),
+            (
                 "[api.tcp]\nlisten = \"nowhere\"\ncert = \"c\"\nkey = \"k\"\nclient_ca = \"ca\"",
                 "listen",
             ),
@@ -724,6 +742,17 @@ mod tests {
             let err = Config::parse(text).expect_err(text);
             assert!(err.to_string().contains(needle), "{text}: {err}");
         }
+    }
+
+    #[test]
+    fn hardware_timeouts() {
+        let c = Config::parse("").expect("defaults");
+        assert_eq!(
+            (c.hardware.step_timeout_ms, c.hardware.vf_count_timeout_ms),
+            (10_000, 180_000)
+        );
+        let c = Config::parse("[hardware]\nvf_count_timeout_ms = 600000").expect("set");
+        assert_eq!(c.hardware.vf_count_timeout_ms, 600_000);
     }
 
     #[test]

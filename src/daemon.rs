@@ -175,6 +175,7 @@ impl Agent {
         let hardware = Hardware {
             sysfs_root: cfg.sysfs_root.clone(),
             step_timeout: Duration::from_millis(cfg.hardware.step_timeout_ms),
+            vf_count_timeout: Duration::from_millis(cfg.hardware.vf_count_timeout_ms),
         };
         let (writer, writer_thread) = Writer::start_with(
             ledger,

@@ -158,6 +158,7 @@ mod tests {
         let hw = Hardware {
             sysfs_root: tree.sysfs_root().to_path_buf(),
             step_timeout: Duration::from_millis(50),
+            vf_count_timeout: Duration::from_millis(50),
         };
         let err = hw
             .restore_driver(addr(VF), Some("ixgbevf"), None)
