@@ -487,30 +487,6 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
             }
         });
     }
-    tracing::info!(socket = %cfg.api.socket.display(), "serving");
-    // READY only now: store loaded, first scan applied, socket bound.
-    if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
-        tracing::debug!(error = %e, "systemd notify failed (not under systemd?)");
-    }
-    let reload_agent = agent.clone();
-    let initial_selection = cfg.selection()?;
-    tokio::spawn(async move {
-        while hup.recv().await.is_some() {
-            let selection = match &config_path {
-                Some(p) => Config::load(p).and_then(|c| c.selection()),
-                None => Ok(initial_selection.clone()),
-            };
-            match selection {
-                Ok(sel) => match reload_agent.rescan(&sel).await {
-                    Ok(()) => tracing::info!(selection = %sel, "reloaded device selection"),
-                    Err(e) => tracing::error!(error = %e, "rescan after reload failed"),
-                },
-                Err(e) => {
-                    tracing::error!(error = %e, "reload refused; the previous selection stays")
-                }
-            }
-        }
-    });
     let socket = cfg.api.socket.clone();
     let tcp_task = match &cfg.api.tcp {
         Some(tcp) => {
@@ -529,6 +505,32 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
         None => None,
     };
     drop(stop_rx);
+    let initial_selection = cfg.selection()?;
+    tracing::info!(socket = %cfg.api.socket.display(), "serving");
+    // READY only now: store loaded, first scan applied, and every listener (the socket,
+    // metrics, TCP with its TLS files read) bound. A failure before here exits without
+    // it, so systemd sees a failed start rather than a ready service that then stops.
+    if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
+        tracing::debug!(error = %e, "systemd notify failed (not under systemd?)");
+    }
+    let reload_agent = agent.clone();
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            let selection = match &config_path {
+                Some(p) => Config::load(p).and_then(|c| c.selection()),
+                None => Ok(initial_selection.clone()),
+            };
+            match selection {
+                Ok(sel) => match reload_agent.rescan(&sel).await {
+                    Ok(()) => tracing::info!(selection = %sel, "reloaded device selection"),
+                    Err(e) => tracing::error!(error = %e, "rescan after reload failed"),
+                },
+                Err(e) => {
+                    tracing::error!(error = %e, "reload refused; the previous selection stays")
+                }
+            }
+        }
+    });
     let stop = async move {
         shutdown_signal().await;
         let _ = stop_tx.send(true);
