@@ -99,6 +99,9 @@ fn d_libvirt_timeout() -> u64 {
 fn d_step_timeout() -> u64 {
     10_000
 }
+fn d_vf_count_timeout() -> u64 {
+    180_000
+}
 fn d_rcvbuf() -> usize {
     4 << 20
 }
@@ -170,7 +173,7 @@ pub struct ApiConfig {
     #[serde(default = "d_request_log")]
     pub request_log_entries: usize,
     /// The newest of them also kept in memory; a retry of an older one is looked up on
-    /// disk. Default 1024.
+    /// disk. At most `request_log_entries`. Default 1024.
     #[serde(default = "d_request_log_memory")]
     pub request_log_in_memory: usize,
     /// Watch streams open at once; one more gets RESOURCE_EXHAUSTED. Default 1024.
@@ -321,15 +324,21 @@ impl Default for HotplugConfig {
 #[serde(deny_unknown_fields)]
 pub struct HardwareConfig {
     /// How long one sysfs write (one step) may take before the action fails, naming
-    /// the step, in milliseconds. Default 10000.
+    /// the step, in milliseconds. At least 1. Default 10000.
     #[serde(default = "d_step_timeout")]
     pub step_timeout_ms: u64,
+    /// How long one `sriov_numvfs` write may take, in milliseconds: the kernel creates
+    /// or destroys every VF within it, which takes minutes on some NICs (about 22 s for
+    /// 64 VFs on i40e, 65 s for 125 on mlx5). At least 1. Default 180000.
+    #[serde(default = "d_vf_count_timeout")]
+    pub vf_count_timeout_ms: u64,
 }
 
 impl Default for HardwareConfig {
     fn default() -> Self {
         HardwareConfig {
             step_timeout_ms: d_step_timeout(),
+            vf_count_timeout_ms: d_vf_count_timeout(),
         }
     }
 }
@@ -431,10 +440,29 @@ impl Config {
                 )));
             }
         }
+        // A retry is answered from memory first: an entry kept there but already pruned
+        // from disk would be answered before a restart and claimed afresh after it.
+        if api.request_log_in_memory > api.request_log_entries {
+            return Err(ConfigError::Invalid(format!(
+                "api.request_log_in_memory = {} is more than api.request_log_entries = {}: the entries kept in memory must also be kept on disk",
+                api.request_log_in_memory, api.request_log_entries
+            )));
+        }
         if cfg.libvirt.poll_interval_ms == 0 || cfg.libvirt.timeout_ms == 0 {
             return Err(ConfigError::Invalid(
                 "libvirt.poll_interval_ms and libvirt.timeout_ms must be at least 1".into(),
             ));
+        }
+        // A timeout of 0 fails every step while its write still goes on.
+        for (key, value) in [
+            ("step_timeout_ms", cfg.hardware.step_timeout_ms),
+            ("vf_count_timeout_ms", cfg.hardware.vf_count_timeout_ms),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Invalid(format!(
+                    "hardware.{key} must be at least 1"
+                )));
+            }
         }
         Ok(cfg)
     }
@@ -695,6 +723,18 @@ mod tests {
             ("[api.tcp]\nlisten = \"127.0.0.1:7443\"", "missing field"),
             ("[metrics]\nlisten = \"0.0.0.0:9464\"", "allow_remote"),
             (
+                "[api]\nrequest_log_entries = 100\nrequest_log_in_memory = 101",
+                "api.request_log_in_memory = 101 is more than api.request_log_entries = 100",
+            ),
+            (
+                "[hardware]\nstep_timeout_ms = 0",
+                "hardware.step_timeout_ms",
+            ),
+            (
+                "[hardware]\nvf_count_timeout_ms = 0",
+                "hardware.vf_count_timeout_ms",
+            ),
+            (
                 "[api.tcp]\nlisten = \"nowhere\"\ncert = \"c\"\nkey = \"k\"\nclient_ca = \"ca\"",
                 "listen",
             ),
@@ -702,6 +742,17 @@ mod tests {
             let err = Config::parse(text).expect_err(text);
             assert!(err.to_string().contains(needle), "{text}: {err}");
         }
+    }
+
+    #[test]
+    fn hardware_timeouts() {
+        let c = Config::parse("").expect("defaults");
+        assert_eq!(
+            (c.hardware.step_timeout_ms, c.hardware.vf_count_timeout_ms),
+            (10_000, 180_000)
+        );
+        let c = Config::parse("[hardware]\nvf_count_timeout_ms = 600000").expect("set");
+        assert_eq!(c.hardware.vf_count_timeout_ms, 600_000);
     }
 
     #[test]

@@ -142,13 +142,22 @@ impl Agent {
         .map_err(|e| DaemonError::Thread(std::io::Error::other(e.to_string())))??;
         let boot = boot_id(&cfg.proc_root);
         let mut store = store;
-        match store.meta_get("boot_id")? {
-            Some(prev) if prev != boot => {
+        // Written only when it changed: a restart on a full disk writes nothing here.
+        let prev = store.meta_get("boot_id")?;
+        if prev.as_deref() != Some(boot.as_str()) {
+            if let Some(prev) = &prev {
                 tracing::warn!(previous = %prev, current = %boot, "new boot: claims are kept and checked against the new inventory");
             }
-            _ => {}
+            match store.meta_set("boot_id", &boot) {
+                Ok(()) => {}
+                // It only tells the next start whether the host rebooted: not kept, the
+                // next start reports a new boot once more.
+                Err(e) if e.is_disk_full() => {
+                    tracing::warn!(error = %e, "the boot id is not stored: the disk is full");
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
-        store.meta_set("boot_id", &boot)?;
         store.set_request_log_limit(cfg.api.request_log_entries);
         let mut ledger = Ledger::from_snapshot(snapshot);
         ledger.set_request_log_limit(in_memory);
@@ -159,12 +168,28 @@ impl Agent {
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
         if let Some(raised) = ledger.raise_host_generation(Generation::clock_floor(since_epoch)) {
-            store.commit(&[raised])?;
-            tracing::info!(
-                stored = %stored,
-                host_generation = %ledger.host_generation(),
-                "host generation raised to the clock's floor"
-            );
+            match store.commit(&[raised]) {
+                Ok(()) => tracing::info!(
+                    stored = %stored,
+                    host_generation = %ledger.host_generation(),
+                    "host generation raised to the clock's floor"
+                ),
+                // A full disk must not stop a restart: the agent would loop, and even
+                // listing would be lost. The raised value stays in the ledger's memory
+                // and the agent serves reads; every write fails as UNAVAILABLE until
+                // space is freed. I5 still holds: each commit stores the host generation
+                // of its last change set (in the meta row or a record it carries), and
+                // those all follow from the raised value, so the first commit that goes
+                // through stores at least the raised value. A restart before that raises
+                // again, from a later clock.
+                Err(e) if e.is_disk_full() => tracing::warn!(
+                    error = %e,
+                    stored = %stored,
+                    host_generation = %ledger.host_generation(),
+                    "the disk is full: the host generation is raised to the clock's floor in memory only, until the next commit; changes fail until space is freed"
+                ),
+                Err(e) => return Err(e.into()),
+            }
         }
         tracing::info!(
             host_generation = %ledger.host_generation(),
@@ -175,6 +200,7 @@ impl Agent {
         let hardware = Hardware {
             sysfs_root: cfg.sysfs_root.clone(),
             step_timeout: Duration::from_millis(cfg.hardware.step_timeout_ms),
+            vf_count_timeout: Duration::from_millis(cfg.hardware.vf_count_timeout_ms),
         };
         let (writer, writer_thread) = Writer::start_with(
             ledger,
@@ -486,30 +512,6 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
             }
         });
     }
-    tracing::info!(socket = %cfg.api.socket.display(), "serving");
-    // READY only now: store loaded, first scan applied, socket bound.
-    if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
-        tracing::debug!(error = %e, "systemd notify failed (not under systemd?)");
-    }
-    let reload_agent = agent.clone();
-    let initial_selection = cfg.selection()?;
-    tokio::spawn(async move {
-        while hup.recv().await.is_some() {
-            let selection = match &config_path {
-                Some(p) => Config::load(p).and_then(|c| c.selection()),
-                None => Ok(initial_selection.clone()),
-            };
-            match selection {
-                Ok(sel) => match reload_agent.rescan(&sel).await {
-                    Ok(()) => tracing::info!(selection = %sel, "reloaded device selection"),
-                    Err(e) => tracing::error!(error = %e, "rescan after reload failed"),
-                },
-                Err(e) => {
-                    tracing::error!(error = %e, "reload refused; the previous selection stays")
-                }
-            }
-        }
-    });
     let socket = cfg.api.socket.clone();
     let tcp_task = match &cfg.api.tcp {
         Some(tcp) => {
@@ -528,6 +530,32 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
         None => None,
     };
     drop(stop_rx);
+    let initial_selection = cfg.selection()?;
+    tracing::info!(socket = %cfg.api.socket.display(), "serving");
+    // READY only now: store loaded, first scan applied, and every listener (the socket,
+    // metrics, TCP with its TLS files read) bound. A failure before here exits without
+    // it, so systemd sees a failed start rather than a ready service that then stops.
+    if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
+        tracing::debug!(error = %e, "systemd notify failed (not under systemd?)");
+    }
+    let reload_agent = agent.clone();
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            let selection = match &config_path {
+                Some(p) => Config::load(p).and_then(|c| c.selection()),
+                None => Ok(initial_selection.clone()),
+            };
+            match selection {
+                Ok(sel) => match reload_agent.rescan(&sel).await {
+                    Ok(()) => tracing::info!(selection = %sel, "reloaded device selection"),
+                    Err(e) => tracing::error!(error = %e, "rescan after reload failed"),
+                },
+                Err(e) => {
+                    tracing::error!(error = %e, "reload refused; the previous selection stays")
+                }
+            }
+        }
+    });
     let stop = async move {
         shutdown_signal().await;
         let _ = stop_tx.send(true);

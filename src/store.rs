@@ -13,7 +13,7 @@
 //!
 //! What the store refuses to do matters as much: a database that fails its integrity
 //! check, was written by a newer build, or is missing while its write-ahead log is
-//! present is reported and left byte for byte as found. It is never replaced, since a
+//! present is reported and left byte for byte as found, its write-ahead log included. It is never replaced, since a
 //! fresh database would silently free every device a VM is using.
 //!
 //! A new database is built under a temporary name and renamed into place once its schema
@@ -37,6 +37,7 @@ use std::time::Duration;
 
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
+use rusqlite::config::DbConfig;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 
 use crate::ledger::model::{ChangeSet, DeviceRecord, Outcome, RequestEntry, Snapshot};
@@ -166,12 +167,19 @@ impl Store {
         let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         let conn = Connection::open_with_flags(&path, flags)
             .map_err(|e| StoreError::sqlite(&path, "opening the database", e))?;
+        // Until the database is accepted, closing the connection must not checkpoint:
+        // SQLite's last connection copies the write-ahead log into the database and
+        // deletes the log as it closes, which would change a refused database and lose
+        // the log it was found with.
+        checkpoint_on_close(&conn, &path, false)?;
         prepare_connection(&conn, &path)?;
         let requests = index_requests(&conn, &path)?;
         // A database without a host generation cannot honour I5; say so at start rather
         // than at the first claim.
         let host_generation =
             read_host_generation(&conn, &path)?.max(newest_record_generation(&conn, &path)?);
+        // Accepted: a clean stop leaves a closed database, its log copied in.
+        checkpoint_on_close(&conn, &path, true)?;
         Ok(Store {
             conn,
             path,
@@ -640,6 +648,13 @@ fn create_database(dir: &Path, path: &Path) -> Result<(), StoreError> {
         .and_then(|d| d.sync_all())
         .map_err(|e| StoreError::io(dir, "syncing the state directory", e))?;
     Ok(())
+}
+
+/// Whether closing `conn` checkpoints the write-ahead log (SQLite's default).
+fn checkpoint_on_close(conn: &Connection, path: &Path, on: bool) -> Result<(), StoreError> {
+    conn.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, !on)
+        .map(|_| ())
+        .map_err(|e| StoreError::sqlite(path, "configuring the database", e))
 }
 
 /// Checks an opened database and brings it to the current schema. Nothing is written

@@ -1,17 +1,21 @@
 //! Store behaviour on real filesystem faults: a read-only state directory and a full disk,
-//! staged with tmpfs and bind mounts. These tests need root (CI runs as root) and fail
-//! loudly without it rather than skip.
+//! staged with tmpfs and bind mounts, and the real daemon restarted on a full disk. These
+//! tests need root (CI runs as root) and fail loudly without it rather than skip.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
 use hostdevd::ledger::model::{
     ChangeSet, Claim, DeviceFacts, DeviceRecord, Outcome, Owner, RecordId, RequestEntry, Snapshot,
 };
 use hostdevd::pci::{ConsumerId, DeviceId, Generation, PciAddress, PhysNet, VendorId};
 use hostdevd::store::{Store, StoreError, DB_FILE};
 use tempfile::TempDir;
+use tonic::Code;
+
+mod support;
 
 fn require_root(test: &str) {
     assert!(
@@ -408,4 +412,164 @@ fn a_full_disk_rejects_claims_through_the_writer_and_memory_stays_acknowledged()
     }))
     .expect("claim after space is back");
     drop(writer);
+}
+
+/// Writes zeros to `path` until the file system is full (ENOSPC).
+fn fill_up(path: &Path) {
+    use std::io::Write;
+    let mut f = fs::File::create(path).expect("filler");
+    let block = vec![0u8; 4096];
+    loop {
+        match f.write(&block) {
+            Ok(n) if n > 0 => {}
+            Ok(_) => panic!("a zero-byte write on {}", path.display()),
+            Err(e) => {
+                assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+                return;
+            }
+        }
+    }
+}
+
+type Client = HostDevClient<tonic::transport::Channel>;
+
+/// Starts the real daemon on `cfg_path`; returns it and a client once its socket answers.
+async fn start(cfg_path: &Path, socket: &Path) -> (support::Daemon, Client) {
+    let daemon = support::Daemon::serve(
+        Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+            .args(["serve", "--config"])
+            .arg(cfg_path),
+        socket,
+    )
+    .await;
+    let c = hostdevd::client::connect(socket).await.expect("connect");
+    (daemon, c)
+}
+
+async fn list(c: &mut Client) -> Vec<proto::Device> {
+    c.list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .devices
+}
+
+async fn host_generation(c: &mut Client) -> u64 {
+    c.get_status(proto::GetStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner()
+        .host_generation
+}
+
+fn claim(vf: &proto::Device, id: &str) -> proto::ClaimRequest {
+    proto::ClaimRequest {
+        owner: Some(proto::Owner {
+            consumer_id: uuid::Uuid::from_u128(1).to_string(),
+            label: "vm-1".into(),
+        }),
+        request_id: id.into(),
+        target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+            address: vf.address.clone(),
+            expected_generation: vf.generation,
+        })),
+        vfio: false,
+    }
+}
+
+/// The real daemon restarted on a state dir whose disk is 100% full, after a clean stop
+/// (no write-ahead log left), and again after a reboot: it starts and serves reads,
+/// although neither the host generation it raises at start nor a new boot id can be
+/// stored; changes are refused as UNAVAILABLE until space is freed, and then go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_on_a_full_disk_serves_reads() {
+    require_root("a_restart_on_a_full_disk_serves_reads");
+    let mut f = hostdevd::simhost::FakeSys::new();
+    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
+        .vf_iommu_groups("0000:3b:00.0", 40);
+    let tree = f.build();
+    let tmp = TempDir::new().expect("tempdir");
+    let mnt = tmp.path().join("full");
+    let _mount = Mount::tmpfs(&mnt, "1m");
+    let socket = tmp.path().join("hostdevd.sock");
+    // A proc tree of the test's own, for the boot id.
+    let proc_root = tmp.path().join("proc");
+    let boot_id = proc_root.join("sys/kernel/random/boot_id");
+    fs::create_dir_all(boot_id.parent().expect("dir")).expect("proc");
+    fs::write(&boot_id, "first-boot\n").expect("boot id");
+    let cfg_path = tmp.path().join("config.toml");
+    fs::write(
+        &cfg_path,
+        format!(
+            "sysfs_root = {:?}\ndev_root = {:?}\nproc_root = {:?}\nstate_dir = {:?}\n\
+             [api]\nsocket = {:?}\n[libvirt]\nenabled = false\n[hotplug]\nenabled = false\n",
+            tree.sysfs_root(),
+            tree.dev_root(),
+            proc_root,
+            mnt.join("state"),
+            socket,
+        ),
+    )
+    .expect("config");
+    // A first run claims VF 0 and stops cleanly.
+    let (daemon, mut c) = start(&cfg_path, &socket).await;
+    let devices = list(&mut c).await;
+    let vfs: Vec<proto::Device> = devices.into_iter().filter(|d| d.managed).collect();
+    assert_eq!(vfs.len(), 2, "{vfs:?}");
+    let first = c
+        .claim(claim(&vfs[0], "first"))
+        .await
+        .expect("claim")
+        .into_inner()
+        .generation;
+    daemon.terminate().await;
+    let state = mnt.join("state");
+    assert!(!state.join("hostdevd.db-wal").exists(), "a clean stop");
+
+    // The disk fills up; the daemon starts again, the same boot, and serves reads.
+    fill_up(&mnt.join("filler"));
+    let (daemon, mut c) = start(&cfg_path, &socket).await;
+    let raised = host_generation(&mut c).await;
+    assert!(raised > first, "{raised} > {first}");
+    daemon.terminate().await;
+
+    // And after a reboot, whose new boot id cannot be stored either.
+    fs::write(&boot_id, "second-boot\n").expect("boot id");
+    let (daemon, mut c) = start(&cfg_path, &socket).await;
+    let devices = list(&mut c).await;
+    let raised = host_generation(&mut c).await;
+    assert!(raised > first, "{raised} > {first}");
+    let vf0 = devices
+        .iter()
+        .find(|d| d.address == vfs[0].address)
+        .expect("VF 0 listed");
+    assert_eq!(vf0.generation, first, "the claim as stored");
+    assert!(vf0.owner.is_some(), "still claimed");
+    let vf1 = devices
+        .iter()
+        .find(|d| d.address == vfs[1].address)
+        .expect("VF 1 listed")
+        .clone();
+    let refused = c
+        .claim(claim(&vf1, "while-full"))
+        .await
+        .expect_err("nothing can be written");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+
+    // Space is freed: the next change goes through, past the generation raised in memory,
+    // and is stored with it.
+    fs::remove_file(mnt.join("filler")).expect("free space");
+    let after = c
+        .claim(claim(&vf1, "after"))
+        .await
+        .expect("claim once space is back")
+        .into_inner()
+        .generation;
+    assert!(after > raised, "{after} > {raised}");
+    daemon.terminate().await;
+    let store = Store::open(&state).expect("open");
+    assert!(
+        store.host_generation().expect("host generation") >= Generation(after),
+        "the raised generation was stored with the next commit"
+    );
 }

@@ -1,6 +1,7 @@
 //! The optional TCP listener: the real daemon with mutual TLS, certificates made in the
 //! test. A client with a certificate from the configured CA may list and claim; a client
-//! without a certificate, or with one from another CA, never reaches an RPC.
+//! without a certificate, or with one from another CA, never reaches an RPC. READY=1
+//! reaches systemd only once the listener is set up.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -181,4 +182,82 @@ fn tcp_without_tls_files_is_refused_at_config_time() {
     let err = hostdevd::config::Config::parse("[api.tcp]\nlisten = \"127.0.0.1:7443\"\n")
         .expect_err("TCP without TLS");
     assert!(err.to_string().contains("missing field"), "{err}");
+}
+
+/// What the daemon told systemd (`NOTIFY_SOCKET`), read without waiting longer than
+/// `wait`: each datagram as text.
+fn notifications(sock: &std::os::unix::net::UnixDatagram, wait: Duration) -> Vec<String> {
+    sock.set_read_timeout(Some(wait)).expect("read timeout");
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = sock.recv(&mut buf) {
+        got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        sock.set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("read timeout");
+    }
+    got
+}
+
+/// READY=1 goes to systemd only once every listener is bound: a TCP listener whose
+/// certificate cannot be read ends the start with an error and no READY, so systemd
+/// reports a failed start instead of a ready service that stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_is_sent_only_after_the_tcp_listener_is_set_up() {
+    let mut f = FakeSys::new();
+    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
+        .vf_iommu_groups("0000:3b:00.0", 50);
+    let tree = f.build();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let notify_path = dir.path().join("notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).expect("notify socket");
+    let socket = dir.path().join("hostdevd.sock");
+    let base = format!(
+        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[libvirt]\nenabled = false\n[api]\nsocket = {:?}\n",
+        tree.sysfs_root(),
+        tree.dev_root(),
+        dir.path().join("state"),
+        socket,
+    );
+    let daemon = |cfg_path: &Path| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_hostdevd"));
+        cmd.args(["serve", "--config"])
+            .arg(cfg_path)
+            .env("NOTIFY_SOCKET", &notify_path);
+        cmd
+    };
+
+    // Without TCP the daemon says READY once it serves (the test sees what systemd would).
+    let plain = write(dir.path(), "plain.toml", &base);
+    let d = Daemon::serve(&mut daemon(&plain), &socket).await;
+    let got = notifications(&notify, Duration::from_secs(10));
+    assert!(got.iter().any(|m| m.contains("READY=1")), "{got:?}");
+    d.terminate().await;
+
+    // A TCP listener whose certificate is missing: the start fails, and no READY.
+    let (ca_pem, _) = ca("hostdevd test CA");
+    let missing = dir.path().join("no-such-cert.pem");
+    let cfg = format!(
+        "{base}[api.tcp]\nlisten = \"127.0.0.1:{}\"\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n",
+        free_port(),
+        missing,
+        dir.path().join("no-such-key.pem"),
+        write(dir.path(), "ca.pem", &ca_pem.cert),
+    );
+    let broken = write(dir.path(), "broken.toml", &cfg);
+    let out = daemon(&broken)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run hostdevd");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the start must fail: {stderr}");
+    assert!(
+        stderr.contains(&missing.display().to_string()),
+        "fails on the certificate: {stderr}"
+    );
+    let got = notifications(&notify, Duration::from_millis(500));
+    assert!(
+        got.iter().all(|m| !m.contains("READY=1")),
+        "READY was sent by a daemon that then failed to start: {got:?}"
+    );
 }

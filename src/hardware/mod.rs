@@ -24,7 +24,12 @@ pub use crate::sysfs::VFIO_PCI_DRIVER;
 #[derive(Debug, Clone)]
 pub struct Hardware {
     pub sysfs_root: PathBuf,
+    /// How long one step may take: every write but `sriov_numvfs`, and each wait for a
+    /// driver.
     pub step_timeout: Duration,
+    /// How long one `sriov_numvfs` write may take (see [`Hardware::write_within`]): the
+    /// kernel creates or destroys every VF within it, which takes minutes on some NICs.
+    pub vf_count_timeout: Duration,
 }
 
 /// Why a hardware step failed. Every variant names the device and the step.
@@ -136,6 +141,19 @@ impl Hardware {
         path: &Path,
         value: &str,
     ) -> Result<(), HardwareError> {
+        self.write_within(address, step, path, value, self.step_timeout)
+    }
+
+    /// [`Self::write`], waiting at most `timeout` (for `sriov_numvfs`, the VF count
+    /// timeout).
+    pub fn write_within(
+        &self,
+        address: PciAddress,
+        step: &'static str,
+        path: &Path,
+        value: &str,
+        timeout: Duration,
+    ) -> Result<(), HardwareError> {
         let (tx, rx) = mpsc::channel();
         let (p, v) = (path.to_path_buf(), value.to_string());
         let spawned = std::thread::Builder::new()
@@ -160,7 +178,7 @@ impl Hardware {
         if let Err(e) = spawned {
             return Err(fail(e));
         }
-        match rx.recv_timeout(self.step_timeout) {
+        match rx.recv_timeout(timeout) {
             Ok(Ok(())) => {
                 tracing::debug!(device = %address, step, path = %path.display(), value, "sysfs write");
                 Ok(())
@@ -170,7 +188,7 @@ impl Hardware {
                 address,
                 step,
                 path: path.to_path_buf(),
-                after: self.step_timeout,
+                after: timeout,
             }),
         }
     }

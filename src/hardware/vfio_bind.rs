@@ -74,7 +74,8 @@ impl Hardware {
     /// a VF only with autoprobe on or an override set); then puts the override back as
     /// it was (`original_override`, or cleared). An original of vfio-pci itself means
     /// the device was on vfio-pci before hostdevd touched it: only the override is put
-    /// back.
+    /// back. An original driver that is not loaded is reported before anything is
+    /// written, so the device stays on vfio-pci.
     pub fn restore_driver(
         &self,
         address: PciAddress,
@@ -90,6 +91,19 @@ impl Hardware {
             return self.write(address, "restore driver_override", &override_path, put_back);
         }
         let now = self.driver(address, "read current driver")?;
+        // The original driver must be there before anything is written: found missing
+        // after the unbind, it would leave the device on no driver with the override
+        // still naming vfio-pci.
+        if let Some(orig) = original.filter(|o| now.as_deref() != Some(*o)) {
+            let drv = self.bus_path(&format!("drivers/{orig}"));
+            if !drv.is_dir() {
+                return Err(HardwareError::DriverMissing {
+                    address,
+                    driver: orig.to_string(),
+                    path: drv,
+                });
+            }
+        }
         if now.is_some() && now.as_deref() != original {
             self.write(
                 address,
@@ -101,14 +115,6 @@ impl Hardware {
         }
         match original {
             Some(orig) if now.as_deref() != Some(orig) => {
-                let drv = self.bus_path(&format!("drivers/{orig}"));
-                if !drv.is_dir() {
-                    return Err(HardwareError::DriverMissing {
-                        address,
-                        driver: orig.to_string(),
-                        path: drv,
-                    });
-                }
                 self.write(
                     address,
                     "name the original driver in driver_override",
@@ -130,5 +136,55 @@ impl Hardware {
             self.wait_driver(address, "leave unbound", None)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::simhost::{addr, FakeSys};
+
+    const VF: &str = "0000:3b:02.0";
+
+    #[test]
+    fn a_missing_original_driver_is_refused_before_any_write() {
+        let mut f = FakeSys::new();
+        f.device(VF, 0x8086, 0x10ed)
+            .driver(VF, VFIO_PCI_DRIVER)
+            .driver_override(VF, VFIO_PCI_DRIVER);
+        let tree = f.build();
+        let hw = Hardware {
+            sysfs_root: tree.sysfs_root().to_path_buf(),
+            step_timeout: Duration::from_millis(50),
+            vf_count_timeout: Duration::from_millis(50),
+        };
+        let err = hw
+            .restore_driver(addr(VF), Some("ixgbevf"), None)
+            .expect_err("ixgbevf is not loaded");
+        assert!(
+            matches!(&err, HardwareError::DriverMissing { driver, .. } if driver == "ixgbevf"),
+            "{err}"
+        );
+        let unbind = tree
+            .sysfs_root()
+            .join("bus/pci/drivers")
+            .join(VFIO_PCI_DRIVER)
+            .join("unbind");
+        assert_eq!(
+            std::fs::read_to_string(unbind).expect("unbind"),
+            "",
+            "vfio-pci was not unbound"
+        );
+        assert_eq!(
+            hw.driver_override(addr(VF)).expect("override").as_deref(),
+            Some(VFIO_PCI_DRIVER),
+            "the override is unchanged"
+        );
+        assert_eq!(
+            hw.driver(addr(VF), "check").expect("driver").as_deref(),
+            Some(VFIO_PCI_DRIVER)
+        );
     }
 }

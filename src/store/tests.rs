@@ -778,6 +778,48 @@ fn newer_schema_is_refused_untouched() {
     );
 }
 
+/// A database refused with a live write-ahead log (a copy taken while its daemon ran)
+/// keeps the log: closing the connection that checked it copies nothing in.
+#[test]
+fn a_refused_database_keeps_its_write_ahead_log() {
+    let tmp = TempDir::new().expect("tempdir");
+    let live = tmp.path().join("live");
+    let copy = tmp.path().join("copy");
+    let mut store = Store::open(&live).expect("open");
+    let mut cs = change(0, 40);
+    cs.upserts = (0..8u8)
+        .map(|i| record(u64::from(i) + 1, i, 40, Some(i)))
+        .collect();
+    store.commit(&[cs]).expect("commit");
+    fs::create_dir(&copy).expect("mkdir");
+    for name in [DB_FILE, "hostdevd.db-wal"] {
+        fs::copy(live.join(name), copy.join(name)).expect("copy while open");
+    }
+    drop(store);
+    // A newer build's schema version, written into the log only.
+    let conn = Connection::open(copy.join(DB_FILE)).expect("sqlite");
+    conn.set_db_config(
+        rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE,
+        true,
+    )
+    .expect("no checkpoint on close");
+    conn.pragma_update(None, "user_version", 999)
+        .expect("set user_version");
+    drop(conn);
+    let wal = copy.join("hostdevd.db-wal");
+    let log = fs::read(&wal).expect("the log is there");
+    assert!(!log.is_empty(), "the log holds the commits");
+    let err = assert_refused_untouched(&copy, |e| {
+        matches!(e, StoreError::NewerSchema { found: 999, .. })
+    });
+    assert!(err.to_string().contains("newer hostdevd"), "{err}");
+    assert_eq!(
+        fs::read(&wal).expect("the log is still there"),
+        log,
+        "log unchanged"
+    );
+}
+
 #[test]
 fn foreign_database_is_refused() {
     let tmp = TempDir::new().expect("tempdir");
