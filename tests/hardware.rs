@@ -642,6 +642,40 @@ async fn sriov_numvfs_write_errors_are_reported_and_the_vfs_are_kept() {
     }
 }
 
+/// A `sriov_numvfs` write waits for the VF count timeout, not the step timeout: the
+/// kernel makes or removes every VF inside that one write, which takes tens of seconds
+/// on some NICs. With a 300 ms step timeout, writes that take 800 ms each succeed under
+/// a 10 s VF count timeout, and time out under a 300 ms one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sriov_numvfs_writes_wait_for_the_vf_count_timeout() {
+    let _alone = alone().await;
+    for (vf_count_timeout_ms, succeeds) in [(10_000, true), (300, false)] {
+        let t = tree();
+        let fs = support::faultfs::FaultFs::mount(&[("sriov_numvfs", "4\n")]);
+        fs.plant(&t.bus_link(PF).join("sriov_numvfs"), "sriov_numvfs");
+        fs.during_write("sriov_numvfs", || {
+            std::thread::sleep(Duration::from_millis(800))
+        });
+        let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+        let s = start_tuned(&t, 300, 1 << 20, |cfg| {
+            cfg.hardware.vf_count_timeout_ms = vf_count_timeout_ms;
+        })
+        .await;
+        let mut c = s.client().await;
+        let pf = device(&mut c, PF).await.expect("PF");
+        let r = set_vfs(&mut c, 2, pf.generation).await;
+        if succeeds {
+            let r = r.expect("slow writes within the VF count timeout");
+            assert_eq!(r.previous_vf_count, 4);
+            assert_eq!(fs.attempts("sriov_numvfs"), ["0", "2"]);
+        } else {
+            let e = r.expect_err("past the VF count timeout");
+            assert_eq!(reason(&e).0, "HARDWARE_STEP_TIMEOUT", "{e:?}");
+        }
+        s.stop().await;
+    }
+}
+
 /// A VF's address from the tree itself (before any agent runs): its PF's `virtfn{i}`.
 fn virtfn(t: &FakeTree, i: u32) -> String {
     std::fs::canonicalize(t.bus_link(PF).join(format!("virtfn{i}")))

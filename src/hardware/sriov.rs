@@ -1,5 +1,7 @@
 //! Setting a PF's VF count through `sriov_numvfs` (0 first when changing between two
 //! non-zero counts, as the kernel requires), optionally with `sriov_drivers_autoprobe`.
+//! Each `sriov_numvfs` write waits at most the VF count timeout: the kernel makes or
+//! removes every VF within that one write (tens of seconds on some NICs).
 
 use crate::pci::PciAddress;
 
@@ -78,9 +80,21 @@ impl Hardware {
         let numvfs = dir.join("sriov_numvfs");
         let zero_first = before != 0 && count != 0;
         let first = if zero_first {
-            self.write(pf, "disable VFs (write 0)", &numvfs, "0")
+            self.write_within(
+                pf,
+                "disable VFs (write 0)",
+                &numvfs,
+                "0",
+                self.vf_count_timeout,
+            )
         } else {
-            self.write(pf, "write sriov_numvfs", &numvfs, &count.to_string())
+            self.write_within(
+                pf,
+                "write sriov_numvfs",
+                &numvfs,
+                &count.to_string(),
+                self.vf_count_timeout,
+            )
         };
         match first {
             Ok(()) => {}
@@ -89,7 +103,13 @@ impl Hardware {
         }
         let rest = (|| {
             if zero_first {
-                self.write(pf, "write sriov_numvfs", &numvfs, &count.to_string())?;
+                self.write_within(
+                    pf,
+                    "write sriov_numvfs",
+                    &numvfs,
+                    &count.to_string(),
+                    self.vf_count_timeout,
+                )?;
             }
             let after = self.sriov_attr(pf, "sriov_numvfs", "verify sriov_numvfs")?;
             if after != count {

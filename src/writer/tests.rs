@@ -368,6 +368,7 @@ fn a_claim_after_a_vf_count_write_and_before_the_rescan_finds_no_old_vf() {
     let hardware = Hardware {
         sysfs_root: tree.sysfs_root().to_path_buf(),
         step_timeout: std::time::Duration::from_secs(10),
+        vf_count_timeout: std::time::Duration::from_secs(10),
     };
     let mut w = Worker::new(
         Ledger::new(),
