@@ -13,8 +13,9 @@
 //!
 //! What the store refuses to do matters as much: a database that fails its integrity
 //! check, was written by a newer build, or is missing while its write-ahead log is
-//! present is reported and left byte for byte as found, its write-ahead log included. It is never replaced, since a
-//! fresh database would silently free every device a VM is using.
+//! present is reported and left byte for byte as found, its write-ahead log included.
+//! It is never replaced, since a fresh database would silently free every device a VM
+//! is using.
 //!
 //! A new database is built under a temporary name and renamed into place once its schema
 //! is committed, so a `hostdevd.db` that exists is always a complete database: an empty
