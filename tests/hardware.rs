@@ -959,3 +959,84 @@ async fn a_retried_release_of_a_device_bound_since_is_answered_from_disk() {
     assert_eq!(d.driver, "vfio-pci");
     s.stop().await;
 }
+
+/// A Claim with `vfio` whose claim is committed but whose binding fails says that the
+/// claim stands, with its generation now, whatever stopped the binding: a device with no
+/// IOMMU group (FAILED_PRECONDITION), or a sysfs write the kernel refused after the
+/// binding was recorded (INTERNAL, the generation moved on). The owner can release it
+/// with that generation, or send the same request again to bind once the cause is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_binding_fails_says_the_claim_stands() {
+    use nix::errno::Errno;
+    let _alone = alone().await;
+    let mut f = FakeSys::new();
+    f.pf(PF, 0x8086, 0x1572, 8, 2).driver(PF, "i40e");
+    f.vf_driver(PF, "iavf");
+    // The second VF has a group; the first has none.
+    let t0 = f.build();
+    let (ungrouped, grouped) = (virtfn(&t0, 0), virtfn(&t0, 1));
+    drop(t0);
+    f.iommu_group(&grouped, 41);
+    f.device("0000:5e:00.0", 0x10de, 0x1db6)
+        .driver("0000:5e:00.0", "vfio-pci")
+        .iommu_group("0000:5e:00.0", 90);
+    let t = f.build();
+    let fs = support::faultfs::FaultFs::mount(&[("driver_override", "(null)\n")]);
+    fs.plant(&t.bus_link(&grouped).join("driver_override"), "driver_override");
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+
+    let stands = |e: &tonic::Status, a: &str| -> u64 {
+        let (_, meta) = reason(e);
+        assert_eq!(meta.get("claim_stands").map(String::as_str), Some("true"), "{e:?}");
+        assert_eq!(meta.get("claimed_address").map(String::as_str), Some(a));
+        assert!(e.message().contains("the claim stands"), "{}", e.message());
+        meta["claim_generation"].parse().expect("claim_generation")
+    };
+
+    // No IOMMU group: refused as a precondition, the claim kept.
+    let g = device(&mut c, &ungrouped).await.expect("VF").generation;
+    let e = claim_as(&mut c, &ungrouped, 7, true, "no-group", g)
+        .await
+        .expect_err("no IOMMU group to bind");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert_eq!(reason(&e).0, "NO_IOMMU_GROUP");
+    let claimed = stands(&e, &ungrouped);
+    let d = device(&mut c, &ungrouped).await.expect("VF");
+    assert_eq!(
+        (d.state, d.generation, d.owner),
+        (proto::DeviceState::Claimed as i32, claimed, Some(owner(7)))
+    );
+    // The same request again answers the same way, and claims nothing more.
+    let again = claim_as(&mut c, &ungrouped, 7, true, "no-group", g)
+        .await
+        .expect_err("still no group");
+    assert_eq!(stands(&again, &ungrouped), claimed);
+    release_as(&mut c, &ungrouped, 7, "no-group-release", claimed)
+        .await
+        .expect("released with the generation the error gave");
+
+    // A sysfs write refused after the binding was recorded: the generation moved on.
+    fs.fail_writes("driver_override", Some(Errno::EIO));
+    let g = device(&mut c, &grouped).await.expect("VF").generation;
+    let e = claim_as(&mut c, &grouped, 8, true, "eio", g)
+        .await
+        .expect_err("the kernel refused the override");
+    assert_eq!(e.code(), Code::Internal, "{e:?}");
+    assert_eq!(reason(&e).0, "HARDWARE_STEP_FAILED");
+    let now = stands(&e, &grouped);
+    assert!(now > g, "claimed and the binding recorded: {now} > {g}");
+    assert_eq!(device(&mut c, &grouped).await.expect("VF").generation, now);
+    // With the cause gone, the same request binds.
+    fs.fail_writes("driver_override", None);
+    let r = claim_as(&mut c, &grouped, 8, true, "eio", g)
+        .await
+        .expect("bound on the retry");
+    assert!(r.replayed);
+    until(&mut c, "the VF on vfio-pci", |l| {
+        l.iter().any(|d| d.address == grouped && d.driver == "vfio-pci")
+    })
+    .await;
+    s.stop().await;
+}

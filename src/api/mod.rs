@@ -487,21 +487,41 @@ impl HostDev for HostDevService {
         let mut generation = applied.outcome.generation();
         if r.vfio {
             let address = applied.outcome.address();
-            if applied.replayed {
-                // The first call's binding moved the claim's generation on, and may have
-                // stopped part way (the binding is recorded before the sysfs writes): a
-                // retry answers the claim's generation now, and binds again unless every
-                // member is on vfio-pci already. A claim released since is replayed as it
-                // was: there is nothing of it to bind.
-                if let Some((now, on_vfio)) = self.claim_now(address, consumer, &request_id) {
-                    generation = now;
-                    if !on_vfio {
-                        generation = self.bind_vfio(address, consumer, generation).await?.0;
+            let bound = async {
+                let mut generation = generation;
+                if applied.replayed {
+                    // The first call's binding moved the claim's generation on, and may have
+                    // stopped part way (the binding is recorded before the sysfs writes): a
+                    // retry answers the claim's generation now, and binds again unless every
+                    // member is on vfio-pci already. A claim released since is replayed as it
+                    // was: there is nothing of it to bind.
+                    if let Some((now, on_vfio)) = self.claim_now(address, consumer, &request_id) {
+                        generation = now;
+                        if !on_vfio {
+                            generation = self.bind_vfio(address, consumer, generation).await?.0;
+                        }
                     }
+                } else {
+                    generation = self.bind_vfio(address, consumer, generation).await?.0;
                 }
-            } else {
-                generation = self.bind_vfio(address, consumer, generation).await?.0;
-            }
+                Ok::<_, ApiError>(generation)
+            };
+            generation = match bound.await {
+                Ok(g) => g,
+                // The claim is committed: say so, with its generation now (a binding
+                // recorded before a failed sysfs write moved it on).
+                Err(source) => match self.claim_now(address, consumer, &request_id) {
+                    Some((now, _)) => {
+                        return Err(ApiError::ClaimedNotBound {
+                            address,
+                            generation: now.0,
+                            source: Box::new(source),
+                        }
+                        .into())
+                    }
+                    None => return Err(source.into()),
+                },
+            };
         }
         Ok(Response::new(proto::ClaimResponse {
             device: self.present_device(applied.outcome.address()),

@@ -72,6 +72,16 @@ pub enum ApiError {
         #[source]
         source: Box<VfioError>,
     },
+    /// A Claim with `vfio` whose claim was committed but whose binding failed: the claim
+    /// stands, so the answer must not read as one that changed nothing.
+    #[error("claimed {address} (generation {generation}), but binding it to vfio-pci failed: {source}; the claim stands: release it with generation {generation}, or send the same request again to retry the binding")]
+    ClaimedNotBound {
+        address: PciAddress,
+        /// The claim's generation now.
+        generation: u64,
+        #[source]
+        source: Box<ApiError>,
+    },
 }
 
 /// The reasons of the refusals the service decides itself, before the writer.
@@ -311,6 +321,38 @@ pub fn to_status(e: &ApiError) -> Status {
             let meta = HashMap::from([("checking".to_string(), what.clone())]);
             let d = ErrorDetails::with_error_info(VFIO_HOLDERS_UNKNOWN, ERROR_DOMAIN, meta);
             Status::with_error_details(Code::Unavailable, msg, d)
+        }
+        ApiError::ClaimedNotBound {
+            address,
+            generation,
+            source,
+        } => {
+            // The binding's own reason and facts, and that the claim stands. ABORTED
+            // promises that nothing changed, which is not so here.
+            let inner = to_status(source);
+            let details = inner.get_error_details();
+            let (reason, mut meta) = details
+                .error_info()
+                .map(|i| (i.reason.clone(), i.metadata.clone()))
+                .unwrap_or_default();
+            meta.insert("claim_stands".into(), "true".into());
+            meta.insert("claimed_address".into(), address.to_string());
+            meta.insert("claim_generation".into(), generation.to_string());
+            let code = match inner.code() {
+                Code::Aborted => Code::FailedPrecondition,
+                c => c,
+            };
+            let mut d = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, meta);
+            if let Some(pf) = details.precondition_failure() {
+                for v in &pf.violations {
+                    d.add_precondition_failure_violation(
+                        v.r#type.clone(),
+                        v.subject.clone(),
+                        v.description.clone(),
+                    );
+                }
+            }
+            Status::with_error_details(code, msg, d)
         }
     }
 }
