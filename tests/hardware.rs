@@ -982,14 +982,21 @@ async fn a_claim_whose_binding_fails_says_the_claim_stands() {
         .iommu_group("0000:5e:00.0", 90);
     let t = f.build();
     let fs = support::faultfs::FaultFs::mount(&[("driver_override", "(null)\n")]);
-    fs.plant(&t.bus_link(&grouped).join("driver_override"), "driver_override");
+    fs.plant(
+        &t.bus_link(&grouped).join("driver_override"),
+        "driver_override",
+    );
     let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
     let s = start(&t, 3000, 1 << 20).await;
     let mut c = s.client().await;
 
     let stands = |e: &tonic::Status, a: &str| -> u64 {
         let (_, meta) = reason(e);
-        assert_eq!(meta.get("claim_stands").map(String::as_str), Some("true"), "{e:?}");
+        assert_eq!(
+            meta.get("claim_stands").map(String::as_str),
+            Some("true"),
+            "{e:?}"
+        );
         assert_eq!(meta.get("claimed_address").map(String::as_str), Some(a));
         assert!(e.message().contains("the claim stands"), "{}", e.message());
         meta["claim_generation"].parse().expect("claim_generation")
@@ -1035,7 +1042,8 @@ async fn a_claim_whose_binding_fails_says_the_claim_stands() {
         .expect("bound on the retry");
     assert!(r.replayed);
     until(&mut c, "the VF on vfio-pci", |l| {
-        l.iter().any(|d| d.address == grouped && d.driver == "vfio-pci")
+        l.iter()
+            .any(|d| d.address == grouped && d.driver == "vfio-pci")
     })
     .await;
     s.stop().await;

@@ -896,3 +896,36 @@ fn a_vanished_claimed_vf_is_shown_lost_until_released() {
     let gone = a.ctl(&["show", &vf]);
     assert!(refusal(&gone, 1).contains("unknown device"), "{gone:?}");
 }
+
+/// A claim whose outcome the error leaves open (here: claimed, but the binding it asked
+/// for failed) names the generated request id and how to ask about it, so that the
+/// operator can look it up or send it again rather than claim a second device.
+#[test]
+fn a_claim_whose_outcome_is_open_names_its_request_id() {
+    let a = Agent::start();
+    let v = a.vf(1).to_string();
+    a.tree.remove_attr(&v, "iommu_group");
+    a.rescan_until("the VF without its IOMMU group", |a| {
+        a.json(&["show", &v])["device"]["iommu_group"].is_null()
+    });
+    let r = a.ctl(&["claim", &v, "--owner", INSTANCE, "--vfio"]);
+    let line = refusal(&r, 1);
+    assert!(line.contains("the claim stands"), "{line}");
+    let id = line
+        .split("request id ")
+        .nth(1)
+        .and_then(|rest| rest.split(':').next())
+        .unwrap_or_else(|| panic!("no request id in: {line}"))
+        .to_string();
+    assert!(
+        line.contains(&format!(
+            "hostdevctl outcome --owner {INSTANCE} --request-id {id}"
+        )),
+        "{line}"
+    );
+    let o = a.json(&["outcome", "--owner", INSTANCE, "--request-id", &id]);
+    assert_eq!(o["address"], v.as_str(), "{o}");
+    // A plain refusal that changed nothing does not send the operator looking.
+    let r = a.ctl(&["claim", &v, "--owner", OTHER]);
+    assert!(!refusal(&r, 1).contains("request id"), "{r:?}");
+}

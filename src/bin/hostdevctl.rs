@@ -264,13 +264,15 @@ fn mutating(op: &str) -> bool {
     matches!(op, "claim" | "release" | "transfer" | "reconcile --act")
 }
 
-/// A short name for a status code, used where the server's message does not already say it.
-fn code_label(code: Code) -> Option<&'static str> {
+/// A short name for a status code (and, where one code has several causes, its
+/// ErrorInfo reason), used where the server's message does not already say it.
+fn code_label(code: Code, reason: Option<&str>) -> Option<&'static str> {
     match code {
         Code::Aborted => Some("stale generation"),
         Code::InvalidArgument => Some("invalid argument"),
         Code::PermissionDenied => Some("permission denied"),
-        Code::ResourceExhausted => Some("no free device"),
+        // Also a Watch cut off, or the stream limit: their messages say so.
+        Code::ResourceExhausted => (reason == Some("NO_MATCH")).then_some("no free device"),
         Code::OutOfRange => Some("cannot resume"),
         Code::Unavailable => Some("agent unavailable"),
         Code::DeadlineExceeded => Some("timed out"),
@@ -308,7 +310,8 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
         msg = format!("{:?}", status.code());
     }
     let mut line = format!("{op} {verb}: ");
-    if let Some(label) = code_label(status.code()) {
+    let reason = info.as_ref().filter(|_| ours).map(|i| i.reason.as_str());
+    if let Some(label) = code_label(status.code(), reason) {
         if !msg.to_lowercase().starts_with(label) {
             line.push_str(label);
             line.push_str(": ");
@@ -331,6 +334,39 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
         }
     }
     Failure::Refused(line)
+}
+
+/// A failed claim, release or transfer whose outcome the answer leaves open (the
+/// connection broke, the agent could not commit or answer, or a claim stands though its
+/// binding failed), with the request id to ask about, or to send again with.
+fn open_outcome(
+    op: &str,
+    socket: &std::path::Path,
+    status: &Status,
+    owner: &ConsumerId,
+    request_id: &RequestId,
+) -> Failure {
+    let stands = status
+        .get_details_error_info()
+        .is_some_and(|i| i.metadata.get("claim_stands").is_some_and(|v| v == "true"));
+    let open = stands
+        || matches!(
+            status.code(),
+            Code::Unavailable
+                | Code::Unknown
+                | Code::Internal
+                | Code::DeadlineExceeded
+                | Code::Cancelled
+        );
+    let hint = format!(
+        " (request id {id}: `hostdevctl outcome --owner {owner} --request-id {id}` tells whether it applied; the same request id sends it again safely)",
+        id = request_id.as_str()
+    );
+    match describe(op, socket, status) {
+        Failure::Refused(m) if open => Failure::Refused(m + &hint),
+        Failure::Connect(m) if open => Failure::Connect(m + &hint),
+        f => f,
+    }
 }
 
 fn out(line: impl AsRef<str>) -> Outcome {
@@ -789,7 +825,7 @@ async fn cmd_claim(ctx: &mut Ctx, a: ClaimArgs) -> Outcome {
             vfio: a.vfio,
         })
         .await
-        .map_err(|s| describe("claim", &ctx.socket, &s))?
+        .map_err(|s| open_outcome("claim", &ctx.socket, &s, &a.owner, &request_id))?
         .into_inner();
     if ctx.json {
         return out_json(&json!({
@@ -938,7 +974,7 @@ async fn cmd_release(ctx: &mut Ctx, a: ReleaseArgs) -> Outcome {
             generation: a.generation,
         })
         .await
-        .map_err(|s| describe("release", &ctx.socket, &s))?
+        .map_err(|s| open_outcome("release", &ctx.socket, &s, &a.owner, &request_id))?
         .into_inner();
     if ctx.json {
         return out_json(&json!({
@@ -976,7 +1012,7 @@ async fn cmd_transfer(ctx: &mut Ctx, a: TransferArgs) -> Outcome {
             generation: a.generation,
         })
         .await
-        .map_err(|s| describe("transfer", &ctx.socket, &s))?
+        .map_err(|s| open_outcome("transfer", &ctx.socket, &s, &a.from, &request_id))?
         .into_inner();
     if ctx.json {
         return out_json(&json!({
