@@ -1363,3 +1363,23 @@ fn main() -> ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resource_exhausted_reads_no_free_device_only_for_no_match() {
+        assert_eq!(
+            code_label(Code::ResourceExhausted, Some("NO_MATCH")),
+            Some("no free device")
+        );
+        // The stream limit and a Watch cut-off (which carries no ErrorInfo) say what
+        // they are in their messages.
+        assert_eq!(
+            code_label(Code::ResourceExhausted, Some("TOO_MANY_WATCHERS")),
+            None
+        );
+        assert_eq!(code_label(Code::ResourceExhausted, None), None);
+    }
+}
