@@ -28,6 +28,16 @@ pub enum VfioError {
         #[source]
         source: std::io::Error,
     },
+    /// A live process's open files could not be read (another user's process, read
+    /// without CAP_SYS_PTRACE, or a proc mounted with `hidepid`): it may hold the node,
+    /// so this is an error too, never a skipped process.
+    #[error("cannot read the open files of pid {pid} ({path}): {source}; the agent needs CAP_SYS_PTRACE (and a proc without hidepid) to see every process's VFIO nodes")]
+    Process {
+        pid: u32,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     /// A device's `vfio-dev` directory exists but could not be listed, so its device
     /// node is unknown: an error too, never an empty answer.
     #[error("cannot list the VFIO device nodes of {address}: {}", source.full_message())]
@@ -155,15 +165,27 @@ pub fn holders_of(
             continue;
         };
         let dir = entry.path();
-        // A process may exit at any moment, and another user's fds are unreadable: both
-        // are skipped, never fatal.
-        let Ok(fds) = std::fs::read_dir(dir.join("fd")) else {
-            continue;
+        // A process may exit at any moment, and a file descriptor be closed: what is gone
+        // holds nothing. Anything else unreadable may hide a holder.
+        let unreadable =
+            |path: PathBuf, source: std::io::Error| VfioError::Process { pid, path, source };
+        let fd_dir = dir.join("fd");
+        let fds = match std::fs::read_dir(&fd_dir) {
+            Ok(fds) => fds,
+            Err(e) if gone(&e) => continue,
+            Err(e) => return Err(unreadable(fd_dir, e)),
         };
         let mut held: Vec<&Path> = Vec::new();
-        for fd in fds.flatten() {
-            let Ok(target) = std::fs::read_link(fd.path()) else {
-                continue;
+        for fd in fds {
+            let fd = match fd {
+                Ok(fd) => fd,
+                Err(e) if gone(&e) => break,
+                Err(e) => return Err(unreadable(fd_dir, e)),
+            };
+            let target = match std::fs::read_link(fd.path()) {
+                Ok(t) => t,
+                Err(e) if gone(&e) => continue,
+                Err(e) => return Err(unreadable(fd.path(), e)),
             };
             for (node, resolved) in &wanted {
                 if (target == *node || resolved.as_deref() == Some(target.as_path()))
@@ -187,6 +209,12 @@ pub fn holders_of(
         list.sort_by_key(|h| h.pid);
     }
     Ok(out)
+}
+
+/// Whether a proc read failed because what it read is gone (the process exited, the
+/// descriptor was closed).
+fn gone(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(nix::libc::ESRCH)
 }
 
 fn describe_process(pid: u32, dir: &Path) -> Holder {
@@ -337,6 +365,26 @@ mod tests {
         assert_eq!(many.len(), 2);
         let err = holders(&t.path().join("no-proc"), &node).expect_err("missing root");
         assert!(err.to_string().contains("no-proc"), "{err}");
+    }
+
+    /// A live process whose open files cannot be read may hold the node: the scan says
+    /// it cannot tell, naming the process, rather than skip it. (As root, a mode cannot
+    /// deny the read; an `fd` that is not a directory fails it the same way.)
+    #[test]
+    fn a_process_whose_open_files_cannot_be_read_is_an_error() {
+        let t = tempfile::tempdir().expect("tmp");
+        let proc_root = t.path().join("proc");
+        let node = t.path().join("dev/vfio/7");
+        std::fs::create_dir_all(node.parent().expect("parent")).expect("mkdir");
+        std::fs::write(&node, "").expect("node");
+        std::fs::create_dir_all(proc_root.join("300")).expect("mkdir");
+        std::fs::write(proc_root.join("300/fd"), "").expect("not a directory");
+        let err = holders(&proc_root, &node).expect_err("unreadable");
+        assert!(
+            matches!(&err, VfioError::Process { pid: 300, .. }),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("CAP_SYS_PTRACE"), "{err}");
     }
 
     #[test]
