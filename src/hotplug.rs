@@ -1,5 +1,5 @@
-//! Kernel uevents for the PCI subsystem: the netlink socket, message parsing, and the
-//! listener thread that turns events into "rescan these devices" or, after an overflow
+//! Kernel uevents for the PCI subsystem (and for the network interfaces of PCI
+//! functions): the netlink socket, message parsing, and the listener thread that turns events into "rescan these devices" or, after an overflow
 //! or a lost socket, "rescan everything".
 //!
 //! The socket is opened before the first scan, so no change between that scan and the
@@ -66,11 +66,20 @@ pub fn parse(msg: &[u8]) -> Option<Uevent> {
             }
         }
     }
-    if subsystem != Some("pci") {
-        return None;
-    }
     let devpath = devpath.unwrap_or(header_path);
-    let name = slot.unwrap_or_else(|| devpath.rsplit('/').next().unwrap_or(""));
+    let name = match subsystem {
+        Some("pci") => slot.unwrap_or_else(|| devpath.rsplit('/').next().unwrap_or("")),
+        // A PCI function's network interface added, removed or renamed ("move": udev
+        // renaming eth0 to ens1f0 after the function's own events were read): its
+        // netdev names, and its VFs' PF names that device specs match on, changed.
+        // The function is the path component before `/net/`; a virtual interface has
+        // none.
+        Some("net") => devpath
+            .rsplit_once("/net/")
+            .and_then(|(parent, _)| parent.rsplit('/').next())
+            .unwrap_or(""),
+        _ => return None,
+    };
     let address = name.parse::<PciAddress>().ok()?;
     Some(Uevent {
         action: action?.to_string(),
@@ -209,6 +218,34 @@ mod tests {
         );
     }
 
+    /// A PCI function's interface renamed (udev, after the function's own events) or
+    /// added: the function is rescanned, so its netdev names are not left stale.
+    #[test]
+    fn a_pci_functions_interface_names_its_function() {
+        let m = msg(&[
+            "move@/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0/net/ens1f0",
+            "ACTION=move",
+            "DEVPATH=/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0/net/ens1f0",
+            "DEVPATH_OLD=/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0/net/eth0",
+            "SUBSYSTEM=net",
+            "INTERFACE=ens1f0",
+        ]);
+        let ev = parse(&m).expect("parsed");
+        assert_eq!(
+            (ev.action.as_str(), ev.address.to_string()),
+            ("move", "0000:3b:00.0".to_string())
+        );
+        let m = msg(&[
+            "add@/devices/pci0000:3a/0000:3a:00.0/0000:3b:02.1/net/eth7",
+            "ACTION=add",
+            "SUBSYSTEM=net",
+        ]);
+        assert_eq!(
+            parse(&m).expect("parsed").address.to_string(),
+            "0000:3b:02.1"
+        );
+    }
+
     #[test]
     fn ignores_other_messages() {
         assert_eq!(parse(b""), None);
@@ -231,6 +268,23 @@ mod tests {
             None
         );
         assert_eq!(parse(&msg(&["bogus", "SUBSYSTEM=pci"])), None);
+        // An interface not under a PCI function, another subsystem.
+        assert_eq!(
+            parse(&msg(&[
+                "move@/devices/platform/foo/net/wlan0",
+                "ACTION=move",
+                "SUBSYSTEM=net"
+            ])),
+            None
+        );
+        assert_eq!(
+            parse(&msg(&[
+                "add@/devices/pci0000:00/0000:00:14.0/usb1",
+                "ACTION=add",
+                "SUBSYSTEM=usb"
+            ])),
+            None
+        );
         assert_eq!(parse(&[0xff, b'@', 0]), None);
     }
 

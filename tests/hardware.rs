@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
 use hostdevd::config::Config;
 use hostdevd::simhost::{FakeSys, FakeTree};
-use support::fakekernel::{send_uevent, FakeKernel};
+use support::fakekernel::{send_rename_uevent, send_uevent, FakeKernel};
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_types::StatusExt;
@@ -1044,6 +1044,31 @@ async fn a_claim_whose_binding_fails_says_the_claim_stands() {
     until(&mut c, "the VF on vfio-pci", |l| {
         l.iter()
             .any(|d| d.address == grouped && d.driver == "vfio-pci")
+    })
+    .await;
+    s.stop().await;
+}
+
+/// A PCI function's network interface renamed after its own events were read (udev
+/// renaming eth0 to ens1f0) reaches the inventory through the interface's `move` uevent:
+/// the function is rescanned, so its netdev names (which device specs match on) are not
+/// left stale until some later PCI event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interface_renamed_by_udev_is_seen_without_a_pci_event() {
+    let _alone = alone().await;
+    let mut f = FakeSys::new();
+    f.pf(PF, 0x8086, 0x1572, 8, 2)
+        .driver(PF, "i40e")
+        .netdev(PF, "eth0");
+    let t = f.build();
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    assert_eq!(device(&mut c, PF).await.expect("PF").netdevs, ["eth0"]);
+    let net = t.device_dir(PF).join("net");
+    std::fs::rename(net.join("eth0"), net.join("ens1f0")).expect("rename");
+    send_rename_uevent(PF, "eth0", "ens1f0");
+    until(&mut c, "the new interface name", |l| {
+        l.iter().any(|d| d.address == PF && d.netdevs == ["ens1f0"])
     })
     .await;
     s.stop().await;
