@@ -65,6 +65,8 @@ pub enum DaemonError {
     Reflection(String),
     #[error("the gRPC server failed: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error("stopped because the store failed mid-commit ({0}); the next start reads back what the disk holds")]
+    StoreFailed(String),
 }
 
 /// The agent's async runtime: one worker per CPU, plus one. A claim, release or transfer
@@ -556,11 +558,24 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
             }
         }
     });
+    // A commit whose outcome is unknown (the disk failed mid-commit) stops the agent as
+    // a signal would, and the exit is a failure: systemd starts it again, and that start
+    // reads back what the disk holds.
+    let writer = agent.writer.clone();
     let stop = async move {
-        shutdown_signal().await;
+        tokio::select! {
+            _ = shutdown_signal() => {}
+            _ = writer.failed() => {
+                tracing::error!("the store failed mid-commit: stopping, so that the next start reads back what the disk holds");
+            }
+        }
         let _ = stop_tx.send(true);
     };
     serve(listener, service, stop).await?;
+    if let Some(why) = agent.writer.failure() {
+        let _ = std::fs::remove_file(&socket);
+        return Err(DaemonError::StoreFailed(why));
+    }
     if let Some(t) = tcp_task {
         match t.await {
             Ok(r) => r?,

@@ -104,6 +104,9 @@ pub struct Store {
     /// A commit whose last generation one of its own records carries leaves the meta row
     /// alone (see [`Store::commit`]); `open` takes the larger of the two.
     host_generation: Generation,
+    /// A failure the next commit reports (tests only).
+    #[cfg(test)]
+    fail_commit: std::cell::Cell<Option<i32>>,
     _lock: Flock<File>,
 }
 
@@ -188,6 +191,8 @@ impl Store {
             request_limit: DEFAULT_REQUEST_LOG_ENTRIES as u64,
             requests,
             prune_at: DEFAULT_REQUEST_LOG_ENTRIES as u64,
+            #[cfg(test)]
+            fail_commit: std::cell::Cell::new(None),
             host_generation,
             _lock: lock,
         })
@@ -511,8 +516,17 @@ impl Store {
         // If COMMIT fails (SQLITE_FULL while appending to the WAL), dropping the
         // transaction rolls it back, which also clears SQLite's error state so the next
         // commit starts clean. Auto-checkpoint failures after a successful COMMIT are
-        // ignored by SQLite's default WAL hook, so an error here means "not committed".
-        tx.commit().map_err(sql)?;
+        // ignored by SQLite's default WAL hook. But an I/O error (a failed fsync above
+        // all) may come after the commit mark is in the log: a later open reads the
+        // commit back if the disk kept it, so its outcome is unknown, not "not
+        // committed".
+        #[cfg(test)]
+        if let Some(code) = self.fail_commit.take() {
+            drop(tx);
+            let e = rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(code), None);
+            return Err(commit_error(path, e));
+        }
+        tx.commit().map_err(|e| commit_error(path, e))?;
         for (fingerprint, seq) in logged {
             self.requests.add(fingerprint, seq);
         }
@@ -649,6 +663,18 @@ fn create_database(dir: &Path, path: &Path) -> Result<(), StoreError> {
         .and_then(|d| d.sync_all())
         .map_err(|e| StoreError::io(dir, "syncing the state directory", e))?;
     Ok(())
+}
+
+/// A failed COMMIT: an I/O error leaves its outcome unknown; anything else (a full disk,
+/// a read-only file) means it was not committed.
+fn commit_error(path: &Path, e: rusqlite::Error) -> StoreError {
+    if e.sqlite_error_code() == Some(rusqlite::ErrorCode::SystemIoFailure) {
+        return StoreError::CommitUnknown {
+            path: path.to_path_buf(),
+            source: e,
+        };
+    }
+    StoreError::sqlite(path, "committing a batch", e)
 }
 
 /// Whether closing `conn` checkpoints the write-ahead log (SQLite's default).
@@ -948,6 +974,12 @@ fn sibling(path: &Path, suffix: &str) -> PathBuf {
 
 #[cfg(test)]
 impl Store {
+    /// Makes the next commit fail at its COMMIT with the SQLite (extended) error `code`,
+    /// rolled back: e.g. `SQLITE_IOERR_FSYNC`, an outcome the caller cannot know.
+    pub(crate) fn fail_next_commit(&self, code: i32) {
+        self.fail_commit.set(Some(code));
+    }
+
     /// Makes every write fail as on a read-only file (SQLite's `query_only`), for tests of
     /// what a failed commit leaves behind elsewhere.
     pub(crate) fn refuse_writes(&self, refuse: bool) {

@@ -56,6 +56,15 @@ pub enum WriteError {
     Store(#[source] Arc<StoreError>),
     #[error("the agent is shutting down; nothing was changed")]
     ShuttingDown,
+    /// The disk failed while the commit holding this change was made durable: the
+    /// change may stand or not. The agent stops; its next start reads back what the
+    /// disk holds, and GetRequestOutcome then answers.
+    #[error("{0}: this change may or may not have been made; the agent stops so that its next start reads back what the disk holds, and GetRequestOutcome then answers for this request id")]
+    OutcomeUnknown(#[source] Arc<StoreError>),
+    /// An earlier commit's outcome is unknown (see `OutcomeUnknown`): nothing more is
+    /// decided until the agent has started again.
+    #[error("the agent's store failed mid-commit ({0}); nothing was changed; the agent is stopping so that its next start reads back what the disk holds")]
+    StoreFailed(String),
     #[error(transparent)]
     Hardware(#[from] HardwareError),
     /// GetRequestOutcome already answered that this request id was not applied.
@@ -202,6 +211,8 @@ pub struct Writer {
     /// The last commit's error, cleared by the next successful commit.
     store_error: Arc<Mutex<Option<String>>>,
     metrics: Arc<Metrics>,
+    /// Turns true once a commit's outcome is unknown (the writer then decides nothing).
+    failed: tokio::sync::watch::Receiver<bool>,
 }
 
 fn now_unix() -> u64 {
@@ -232,11 +243,12 @@ impl Writer {
     ) -> std::io::Result<(Writer, std::thread::JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel(4096);
         let worker = Worker::new(ledger, store, events, hardware);
-        let (view, events, store_error, metrics) = (
+        let (view, events, store_error, metrics, failed) = (
             worker.view.clone(),
             worker.events.clone(),
             worker.store_error.clone(),
             worker.metrics.clone(),
+            worker.failed_tx.subscribe(),
         );
         let core = Arc::new(Core {
             worker: Mutex::new(worker),
@@ -254,9 +266,25 @@ impl Writer {
                 events,
                 store_error,
                 metrics,
+                failed,
             },
             handle,
         ))
+    }
+
+    /// Resolves once a commit's outcome is unknown (the disk failed mid-commit): the
+    /// agent must stop, so that its next start reads back what the disk holds.
+    pub async fn failed(&self) {
+        let mut rx = self.failed.clone();
+        if rx.wait_for(|f| *f).await.is_err() {
+            // The writer is gone without failing: never.
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Why the writer stopped deciding, once a commit's outcome is unknown.
+    pub fn failure(&self) -> Option<String> {
+        (*self.failed.borrow()).then(|| self.store_health().unwrap_or_default())
     }
 
     /// The latest committed view.
@@ -585,6 +613,9 @@ struct Worker {
     trimmer: crate::memory::Trimmer,
     /// Request ids GetRequestOutcome answered as not applied.
     closed: closed::ClosedRequests,
+    /// Set once a commit's outcome is unknown: from then on nothing is decided.
+    failed: Option<String>,
+    failed_tx: tokio::sync::watch::Sender<bool>,
 }
 
 /// Keeps a decided change for the batch's commit (a replay changes nothing) and says
@@ -628,7 +659,44 @@ impl Worker {
             hardware,
             trimmer: crate::memory::Trimmer::new(TRIM_INTERVAL),
             closed: closed::ClosedRequests::default(),
+            failed: None,
+            failed_tx: tokio::sync::watch::channel(false).0,
         }
+    }
+
+    /// Answers every command with the failure that stopped the writer, if one did;
+    /// returns the commands otherwise.
+    fn refuse_if_failed(&self, batch: Vec<Command>) -> Option<Vec<Command>> {
+        let Some(why) = &self.failed else {
+            return Some(batch);
+        };
+        let e = || WriteError::StoreFailed(why.clone());
+        for cmd in batch {
+            match cmd {
+                Command::Claim(_, r) | Command::Release(_, r) | Command::Transfer(_, r) => {
+                    let _ = r.send(Err(e()));
+                }
+                Command::Inventory(_, r)
+                | Command::Devices(_, r)
+                | Command::Domains(_, r)
+                | Command::Sync(r) => {
+                    let _ = r.send(Err(e()));
+                }
+                Command::Settle { reply, .. } => {
+                    let _ = reply.send(Err(e()));
+                }
+                Command::FreeOrphans(_, r) => {
+                    let _ = r.send(Err(e()));
+                }
+                Command::BindVfio(_, r) => {
+                    let _ = r.send(Err(e()));
+                }
+                Command::SetVfCount(_, r) => {
+                    let _ = r.send(Err(e()));
+                }
+            }
+        }
+        None
     }
 
     fn set_store_error(&self, e: Option<String>) {
@@ -740,6 +808,9 @@ impl Worker {
     }
 
     fn run_batch(&mut self, batch: Vec<Command>) {
+        let Some(batch) = self.refuse_if_failed(batch) else {
+            return;
+        };
         self.trimmer.worked();
         // A full inventory (start-up, a reload, a resync) frees a whole scan's worth of
         // memory once applied: give it back right after.
@@ -799,6 +870,13 @@ impl Worker {
             Err(e) => {
                 tracing::error!(error = %e, changes = changes.len(), "store commit failed; the batch is undone");
                 let e = Arc::new(e);
+                let lost = || {
+                    if e.is_outcome_unknown() {
+                        WriteError::OutcomeUnknown(e.clone())
+                    } else {
+                        WriteError::Store(e.clone())
+                    }
+                };
                 for (p, after_undoable) in pending {
                     // A request the ledger rejected changed nothing: its own answer stands,
                     // unless it was decided after something now undone (it may name an
@@ -813,20 +891,20 @@ impl Worker {
                             let _ = r.send(Err(refused));
                         }
                         Pending::Applied(r, _, _) | Pending::Refused(r, _) => {
-                            let _ = r.send(Err(WriteError::Store(e.clone())));
+                            let _ = r.send(Err(lost()));
                         }
                         Pending::Entry(r, _, closed) => {
                             // Answered with the error, so nothing was closed either.
                             if let Some((consumer, request_id)) = closed {
                                 self.closed.reopen(consumer, &request_id);
                             }
-                            let _ = r.send(Err(WriteError::Store(e.clone())));
+                            let _ = r.send(Err(lost()));
                         }
                         Pending::Unit(r) => {
-                            let _ = r.send(Err(WriteError::Store(e.clone())));
+                            let _ = r.send(Err(lost()));
                         }
                         Pending::Orphans(r, _) => {
-                            let _ = r.send(Err(WriteError::Store(e.clone())));
+                            let _ = r.send(Err(lost()));
                         }
                     }
                 }
@@ -945,6 +1023,14 @@ impl Worker {
             Err(e) => {
                 for cs in changes.iter().rev() {
                     self.ledger.undo(cs);
+                }
+                if e.is_outcome_unknown() {
+                    // Memory is put back as it was, but the disk may hold the commit: no
+                    // decision made from here on could be trusted. The agent stops, and
+                    // its next start reads back what the disk holds.
+                    tracing::error!(error = %e, "the outcome of a commit is unknown; the writer decides nothing more and the agent stops");
+                    self.failed = Some(e.to_string());
+                    self.failed_tx.send_replace(true);
                 }
                 Err(e)
             }

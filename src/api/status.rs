@@ -246,6 +246,18 @@ pub fn to_status(e: &ApiError) -> Status {
             let d = ErrorDetails::with_error_info("REQUEST_CLOSED", ERROR_DOMAIN, meta);
             Status::with_error_details(Code::Aborted, msg, d)
         }
+        ApiError::Write(WriteError::OutcomeUnknown(_)) => {
+            let d = ErrorDetails::with_error_info(
+                "STORE_OUTCOME_UNKNOWN",
+                ERROR_DOMAIN,
+                HashMap::new(),
+            );
+            Status::with_error_details(Code::Unavailable, msg, d)
+        }
+        ApiError::Write(WriteError::StoreFailed(_)) => {
+            let d = ErrorDetails::with_error_info("STORE_FAILED", ERROR_DOMAIN, HashMap::new());
+            Status::with_error_details(Code::Unavailable, msg, d)
+        }
         ApiError::Write(WriteError::ShuttingDown) => {
             let d = ErrorDetails::with_error_info("SHUTTING_DOWN", ERROR_DOMAIN, HashMap::new());
             Status::with_error_details(Code::Unavailable, msg, d)

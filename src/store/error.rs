@@ -123,6 +123,19 @@ pub enum StoreError {
         source: io::Error,
     },
 
+    /// The disk failed (an I/O error) while a commit was being made durable: its pages
+    /// and commit mark may be in the write-ahead log, or may not, so whether the commit
+    /// stands is unknown until the database is opened again and its log read back.
+    #[error(
+        "the disk failed while committing to {}: whether the commit was made durable is          unknown until the database is opened again",
+        path.display()
+    )]
+    CommitUnknown {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+
     /// Any other SQLite failure.
     #[error("SQLite failed on {} while {op}", path.display())]
     Sqlite {
@@ -146,8 +159,15 @@ impl StoreError {
             | StoreError::Encode { path, .. }
             | StoreError::ReservedKey { path, .. }
             | StoreError::Io { path, .. }
+            | StoreError::CommitUnknown { path, .. }
             | StoreError::Sqlite { path, .. } => path,
         }
+    }
+
+    /// True when a commit failed in a way that leaves its outcome unknown (see
+    /// [`StoreError::CommitUnknown`]).
+    pub fn is_outcome_unknown(&self) -> bool {
+        matches!(self, StoreError::CommitUnknown { .. })
     }
 
     /// True when the filesystem is full: retrying after space is freed can succeed.

@@ -64,6 +64,9 @@ impl Worker {
     }
 
     pub(super) fn run_alone(&mut self, cmd: Command) {
+        let Some(cmd) = self.refuse_if_failed(vec![cmd]).and_then(|mut c| c.pop()) else {
+            return;
+        };
         match cmd {
             Command::BindVfio(req, reply) => {
                 let r = self.bind_vfio(&req);
@@ -112,7 +115,11 @@ impl Worker {
         let before = self.view_now();
         self.commit_changes(&before, &mut vec![cs]).map_err(|e| {
             tracing::error!(error = %e, "store commit failed; the change is undone");
-            WriteError::Store(Arc::new(e))
+            if e.is_outcome_unknown() {
+                WriteError::OutcomeUnknown(Arc::new(e))
+            } else {
+                WriteError::Store(Arc::new(e))
+            }
         })
     }
 

@@ -460,3 +460,71 @@ fn a_claim_after_a_vf_count_write_and_before_the_rescan_finds_no_old_vf() {
         "{err:?}"
     );
 }
+
+/// A commit whose COMMIT fails with an I/O error (a failed fsync) may be in the log on
+/// disk or not: its callers hear that the outcome is unknown, never "not made", and the
+/// writer decides nothing more (the agent stops; its next start reads back what the disk
+/// holds). A full disk, where nothing reached the log, is only a refused batch.
+#[test]
+fn a_commit_whose_outcome_is_unknown_stops_the_writer() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 16);
+    let failed = w.failed_tx.subscribe();
+
+    w.store.fail_next_commit(rusqlite::ffi::SQLITE_FULL);
+    let (c, rx) = claim_any(1, "full");
+    w.apply_batch(vec![c]);
+    let err = answer(rx).expect_err("disk full");
+    assert!(matches!(err, WriteError::Store(_)), "{err:?}");
+    assert!(
+        w.failed.is_none() && !*failed.borrow(),
+        "a full disk is not fatal"
+    );
+
+    w.store.fail_next_commit(rusqlite::ffi::SQLITE_IOERR_FSYNC);
+    let (c, rx) = claim_any(2, "fsync");
+    let (refused, refused_rx) = claim(
+        3,
+        "stale",
+        ClaimTarget::Address {
+            address: vf(3).address,
+            expected_generation: Generation(1),
+        },
+    );
+    w.apply_batch(vec![refused, c]);
+    let err = answer(rx).expect_err("fsync failed");
+    assert!(matches!(err, WriteError::OutcomeUnknown(_)), "{err:?}");
+    assert!(err.to_string().contains("may or may not"), "{err}");
+    // Decided before anything that was undone: its refusal stands.
+    assert!(matches!(
+        answer(refused_rx),
+        Err(WriteError::Ledger(LedgerError::StaleGeneration { .. }))
+    ));
+    assert!(*failed.borrow(), "the agent is told to stop");
+    assert_eq!(claimed(&w), 0, "memory as before the batch");
+
+    // From now on nothing is decided, by a batch or alone.
+    let (c, rx) = claim_any(4, "after");
+    w.run_batch(vec![c]);
+    assert!(matches!(answer(rx), Err(WriteError::StoreFailed(_))));
+    let (reply, rx) = oneshot::channel();
+    w.run_alone(Command::SetVfCount(
+        SetVfCount {
+            pf: addr("0000:3b:00.0"),
+            generation: Generation(1),
+            count: 0,
+            autoprobe: None,
+        },
+        reply,
+    ));
+    assert!(matches!(answer(rx), Err(WriteError::StoreFailed(_))));
+    assert!(
+        w.store
+            .load()
+            .expect("load")
+            .records
+            .values()
+            .all(|r| r.claim.is_none()),
+        "nothing committed after the failure"
+    );
+}
