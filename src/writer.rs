@@ -916,6 +916,10 @@ impl Worker {
     /// logged and tried again later). The writer thread runs it once a batch is
     /// answered.
     fn prune(&mut self) {
+        // A store that failed mid-commit is not written again before the restart.
+        if self.failed.is_some() {
+            return;
+        }
         if let Err(e) = self.store.prune_request_log() {
             tracing::warn!(error = %e, "pruning the request log failed; it is tried again later");
         }

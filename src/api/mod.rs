@@ -786,6 +786,9 @@ impl HostDev for HostDevService {
             // a client with more than the event limit of them waiting is cut off, as it
             // would be once live: a client that stops reading in its snapshot is not kept
             // forever.
+            // Until its end is queued, a client cut off holds part of a snapshot only: it
+            // must start again with one, not resume.
+            let mut in_snapshot = snapshot.is_some();
             let snapshot_events = snapshot.into_iter().flat_map(|view| {
                 let count = view.devices().len();
                 let end = proto::WatchEvent {
@@ -819,6 +822,8 @@ impl HostDev for HostDevService {
                 .next()
                 .or_else(|| early.pop_front().map(Pending::Shared))
             {
+                let snapshot_end = matches!(&item, Pending::Ready(e)
+                    if e.kind == proto::WatchEventKind::SnapshotEnd as i32);
                 let mut slot = Some(item);
                 while slot.is_some() {
                     tokio::select! {
@@ -831,22 +836,36 @@ impl HostDev for HostDevService {
                             Ok(e) if e.generation() <= from => {}
                             Ok(e) => {
                                 early.push_back(e);
+                                if early.len() > limits.events && in_snapshot {
+                                    tx.cut_off(Status::resource_exhausted(format!(
+                                        "watcher fell behind by more than {} events while its snapshot waited and was cut off before the snapshot's end; start again with a snapshot",
+                                        limits.events
+                                    )));
+                                    return;
+                                }
                                 if early.len() > limits.events {
                                     tx.cut_off(behind(format!(
-                                        "more than {} events while its snapshot or backlog waited",
+                                        "more than {} events while its backlog waited",
                                         limits.events
                                     )));
                                     return;
                                 }
                             }
                             Err(broadcast::error::RecvError::Lagged(n)) => {
-                                tx.cut_off(behind(format!("{n} events")));
+                                tx.cut_off(if in_snapshot {
+                                    Status::resource_exhausted(format!(
+                                        "watcher fell behind by {n} events and was cut off before its snapshot's end; start again with a snapshot"
+                                    ))
+                                } else {
+                                    behind(format!("{n} events"))
+                                });
                                 return;
                             }
                             Err(broadcast::error::RecvError::Closed) => return,
                         },
                     }
                 }
+                in_snapshot &= !snapshot_end;
             }
             loop {
                 let next = tokio::select! {
