@@ -471,7 +471,12 @@ async fn claim_release(
         .await
         .expect("release")
         .into_inner();
-    (claim, t.elapsed().as_secs_f64(), r.generation, rel.generation)
+    (
+        claim,
+        t.elapsed().as_secs_f64(),
+        r.generation,
+        rel.generation,
+    )
 }
 
 struct Table {

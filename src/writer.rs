@@ -838,7 +838,7 @@ impl Worker {
                 || matches!(p, Pending::Entry(_, _, Some(_)));
             pending.push((p, after_undoable));
         }
-        let committed = self.commit_changes(&before, &mut changes);
+        let committed = self.commit_changes(&before, &changes);
         match committed {
             Ok(()) => {
                 for (p, _) in pending {
@@ -996,16 +996,12 @@ impl Worker {
     ///
     /// The events are worked out before the commit, because a device whose derived state
     /// changed without its record changing (a PF whose VF was claimed, a free device a
-    /// domain now uses) is given a host generation of its own for its event, and those
-    /// generations are committed with the batch: every event then has a generation no
-    /// other event has, so a watcher that resumes from the last one it received misses
-    /// none, and a state change that touched no record is not below the generation of a
-    /// watcher that started before it.
-    fn commit_changes(
-        &mut self,
-        before: &View,
-        changes: &mut Vec<ChangeSet>,
-    ) -> Result<(), StoreError> {
+    /// domain now uses) is given a host generation of its own for its event, taken from
+    /// the counter with the batch: every event then has a generation no other event
+    /// has, so a watcher that resumes from the last one it received misses none, and a
+    /// state change that touched no record is not below the generation of a watcher that
+    /// started before it.
+    fn commit_changes(&mut self, before: &View, changes: &[ChangeSet]) -> Result<(), StoreError> {
         let prepared = (!changes.is_empty()).then(|| self.prepare(before, changes));
         let durable: Vec<&ChangeSet> = changes.iter().filter(|c| !c.is_empty()).collect();
         let committed = if durable.is_empty() {
@@ -1094,9 +1090,8 @@ impl Worker {
     /// The view and the events after `changes` (decided, not yet committed): one event
     /// per changed or removed record, with the generation the change gave it, and one per
     /// device whose derived state changed because of a relative or a domain, with a
-    /// generation of its own taken from the host counter now (the raise is pushed onto
-    /// `changes`, so that it is committed with them).
-    fn prepare(&mut self, before: &View, changes: &mut Vec<ChangeSet>) -> Prepared {
+    /// generation of its own taken from the host counter now.
+    fn prepare(&mut self, before: &View, changes: &[ChangeSet]) -> Prepared {
         let (derived, rederived) = self.next_states(before, changes);
         let mut written: BTreeSet<RecordId> = BTreeSet::new();
         let mut events = Vec::new();
@@ -1158,9 +1153,13 @@ impl Worker {
                 view,
             });
         }
-        if let Some(raise) = self.ledger.raise_host_generation(next) {
-            changes.push(raise);
-        }
+        // Raised in memory only: the batch's own records carry the generations a restart
+        // must not hand out again, and every later change's generation is above `next`,
+        // so the next commit stores a host generation past it. Storing it now would
+        // write the meta row's page in most commits (a claim changes its PF's state)
+        // for nothing: a restart raises the counter to the clock's floor anyway (I5). A
+        // failed commit undoes the raise with the batch.
+        let _ = self.ledger.raise_host_generation(next);
         // Only the strays at re-derived addresses can be new.
         let addresses: Box<dyn Iterator<Item = &PciAddress>> = match &rederived {
             None => Box::new(derived.strays.keys()),

@@ -113,14 +113,15 @@ impl Worker {
             return Ok(());
         }
         let before = self.view_now();
-        self.commit_changes(&before, &mut vec![cs]).map_err(|e| {
-            tracing::error!(error = %e, "store commit failed; the change is undone");
-            if e.is_outcome_unknown() {
-                WriteError::OutcomeUnknown(Arc::new(e))
-            } else {
-                WriteError::Store(Arc::new(e))
-            }
-        })
+        self.commit_changes(&before, std::slice::from_ref(&cs))
+            .map_err(|e| {
+                tracing::error!(error = %e, "store commit failed; the change is undone");
+                if e.is_outcome_unknown() {
+                    WriteError::OutcomeUnknown(Arc::new(e))
+                } else {
+                    WriteError::Store(Arc::new(e))
+                }
+            })
     }
 
     fn bind_vfio(&mut self, req: &BindVfio) -> Result<Bound, WriteError> {
