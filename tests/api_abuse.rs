@@ -967,6 +967,31 @@ async fn a_thousand_concurrent_watch_streams() {
         .await;
 }
 
+/// Churns with one client per consumer in `who` until `watcher` has read `events`
+/// events, then stops them.
+async fn churn_until_read(
+    socket: &Path,
+    who: std::ops::Range<u128>,
+    watcher: &mut tonic::Streaming<proto::WatchEvent>,
+    events: usize,
+) {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let churners: Vec<_> = who
+        .map(|w| tokio::spawn(churn(socket.to_path_buf(), w, stop_rx.clone())))
+        .collect();
+    for _ in 0..events {
+        tokio::time::timeout(Duration::from_secs(30), watcher.next())
+            .await
+            .expect("fast watcher starved")
+            .expect("fast stream ended")
+            .expect("fast watcher cut off");
+    }
+    stop_tx.send_replace(true);
+    for t in churners {
+        t.await.expect("churn");
+    }
+}
+
 /// Claims and releases in a loop (by selector, on its own consumer) until `stop`.
 async fn churn(socket: PathBuf, who: u128, stop: tokio::sync::watch::Receiver<bool>) -> usize {
     let mut c = hostdevd::client::connect(&socket).await.expect("connect");
@@ -1132,21 +1157,7 @@ async fn silent_watchers_are_cut_off_while_silent() {
         .expect("fast")
         .into_inner();
     let rss0 = a.rss_kib();
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let churners: Vec<_> = (0..4)
-        .map(|i| tokio::spawn(churn(a.socket.clone(), 300 + i, stop_rx.clone())))
-        .collect();
-    for _ in 0..3000 {
-        tokio::time::timeout(Duration::from_secs(30), fast.next())
-            .await
-            .expect("fast watcher starved")
-            .expect("fast stream ended")
-            .expect("fast watcher cut off");
-    }
-    stop_tx.send_replace(true);
-    for t in churners {
-        t.await.expect("churn");
-    }
+    churn_until_read(&a.socket, 300..304, &mut fast, 3000).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss1 = a.rss_kib();
     println!(
@@ -1382,18 +1393,8 @@ async fn a_watcher_silent_in_its_snapshot_is_cut_off() {
         .await
         .expect("fast")
         .into_inner();
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let churner = tokio::spawn(churn(a.socket.clone(), 400, stop_rx));
     // Well past the silent watcher's 16-event limit.
-    for _ in 0..200 {
-        tokio::time::timeout(Duration::from_secs(30), fast.next())
-            .await
-            .expect("fast watcher starved")
-            .expect("fast stream ended")
-            .expect("fast watcher cut off");
-    }
-    stop_tx.send_replace(true);
-    churner.await.expect("churn");
+    churn_until_read(&a.socket, 400..401, &mut fast, 200).await;
     let mut snapshot_events = 0;
     let status = loop {
         match tokio::time::timeout(Duration::from_secs(10), silent.next()).await {

@@ -78,23 +78,13 @@ impl Hardware {
             return (Ok(()), false);
         }
         let numvfs = dir.join("sriov_numvfs");
+        let write_numvfs =
+            |step, value: &str| self.write_within(pf, step, &numvfs, value, self.vf_count_timeout);
         let zero_first = before != 0 && count != 0;
         let first = if zero_first {
-            self.write_within(
-                pf,
-                "disable VFs (write 0)",
-                &numvfs,
-                "0",
-                self.vf_count_timeout,
-            )
+            write_numvfs("disable VFs (write 0)", "0")
         } else {
-            self.write_within(
-                pf,
-                "write sriov_numvfs",
-                &numvfs,
-                &count.to_string(),
-                self.vf_count_timeout,
-            )
+            write_numvfs("write sriov_numvfs", &count.to_string())
         };
         match first {
             Ok(()) => {}
@@ -103,13 +93,7 @@ impl Hardware {
         }
         let rest = (|| {
             if zero_first {
-                self.write_within(
-                    pf,
-                    "write sriov_numvfs",
-                    &numvfs,
-                    &count.to_string(),
-                    self.vf_count_timeout,
-                )?;
+                write_numvfs("write sriov_numvfs", &count.to_string())?;
             }
             let after = self.sriov_attr(pf, "sriov_numvfs", "verify sriov_numvfs")?;
             if after != count {

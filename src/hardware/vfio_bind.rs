@@ -18,14 +18,7 @@ impl Hardware {
         if original.as_deref() == Some(VFIO_PCI_DRIVER) {
             return Ok(original);
         }
-        let drv = self.bus_path(&format!("drivers/{VFIO_PCI_DRIVER}"));
-        if !drv.is_dir() {
-            return Err(HardwareError::DriverMissing {
-                address,
-                driver: VFIO_PCI_DRIVER.into(),
-                path: drv,
-            });
-        }
+        self.require_driver(address, VFIO_PCI_DRIVER)?;
         let dir = self.device_dir(address);
         let addr = address.to_string();
         self.write(
@@ -95,14 +88,7 @@ impl Hardware {
         // after the unbind, it would leave the device on no driver with the override
         // still naming vfio-pci.
         if let Some(orig) = original.filter(|o| now.as_deref() != Some(*o)) {
-            let drv = self.bus_path(&format!("drivers/{orig}"));
-            if !drv.is_dir() {
-                return Err(HardwareError::DriverMissing {
-                    address,
-                    driver: orig.to_string(),
-                    path: drv,
-                });
-            }
+            self.require_driver(address, orig)?;
         }
         if now.is_some() && now.as_deref() != original {
             self.write(
@@ -136,6 +122,22 @@ impl Hardware {
             self.wait_driver(address, "leave unbound", None)?;
         }
         Ok(())
+    }
+}
+
+impl Hardware {
+    /// Checks that `driver` is loaded (its directory under `bus/pci/drivers`) before a
+    /// step that would leave `address` waiting on it.
+    fn require_driver(&self, address: PciAddress, driver: &str) -> Result<(), HardwareError> {
+        let path = self.bus_path(&format!("drivers/{driver}"));
+        if path.is_dir() {
+            return Ok(());
+        }
+        Err(HardwareError::DriverMissing {
+            address,
+            driver: driver.to_string(),
+            path,
+        })
     }
 }
 

@@ -22,30 +22,23 @@ use nix::sys::socket::{
 
 /// Sends one kernel-style PCI uevent to the uevent multicast group.
 pub fn send_uevent(action: &str, address: &str) {
-    let fd = socket(
-        AddressFamily::Netlink,
-        SockType::Datagram,
-        SockFlag::SOCK_CLOEXEC,
-        SockProtocol::NetlinkKObjectUEvent,
-    )
-    .expect("netlink socket (needs root)");
-    bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0)).expect("bind netlink");
     let devpath = format!("/devices/pci0000:00/{address}");
-    let msg = format!(
+    send(&format!(
         "{action}@{devpath}\0ACTION={action}\0DEVPATH={devpath}\0SUBSYSTEM=pci\0PCI_SLOT_NAME={address}\0SEQNUM=1\0"
-    );
-    sendto(
-        fd.as_raw_fd(),
-        msg.as_bytes(),
-        &NetlinkAddr::new(0, 1),
-        MsgFlags::empty(),
-    )
-    .expect("send uevent (needs root)");
+    ));
 }
 
 /// Sends the uevent the kernel sends when `address`'s network interface `old` becomes
 /// `new` (udev renaming it): subsystem `net`, action `move`.
 pub fn send_rename_uevent(address: &str, old: &str, new: &str) {
+    let parent = format!("/devices/pci0000:00/{address}/net");
+    send(&format!(
+        "move@{parent}/{new}\0ACTION=move\0DEVPATH={parent}/{new}\0DEVPATH_OLD={parent}/{old}\0SUBSYSTEM=net\0INTERFACE={new}\0SEQNUM=2\0"
+    ));
+}
+
+/// Sends one message to the kernel's uevent multicast group, as the kernel would.
+fn send(msg: &str) {
     let fd = socket(
         AddressFamily::Netlink,
         SockType::Datagram,
@@ -54,10 +47,6 @@ pub fn send_rename_uevent(address: &str, old: &str, new: &str) {
     )
     .expect("netlink socket (needs root)");
     bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0)).expect("bind netlink");
-    let parent = format!("/devices/pci0000:00/{address}/net");
-    let msg = format!(
-        "move@{parent}/{new}\0ACTION=move\0DEVPATH={parent}/{new}\0DEVPATH_OLD={parent}/{old}\0SUBSYSTEM=net\0INTERFACE={new}\0SEQNUM=2\0"
-    );
     sendto(
         fd.as_raw_fd(),
         msg.as_bytes(),
