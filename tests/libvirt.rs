@@ -539,6 +539,29 @@ async fn a_vf_count_change_is_refused_while_a_domain_or_a_vfio_holder_uses_a_vf(
         "4"
     );
     assert_eq!(device(&mut c, &h.pf).await.generation, g, "nothing changed");
+    // For the same reason the PF itself is unavailable, and a claim of it is refused:
+    // taking it from its driver would destroy VF 2 under the domain.
+    let blocker = device(&mut c, &h.pf).await.blocker.expect("PF blocked");
+    assert_eq!(
+        (blocker.relation.as_str(), blocker.address.as_str()),
+        ("virtual_function_in_use", h.vfs[2].as_str())
+    );
+    assert_eq!(blocker.domain.expect("domain").name, "vf-user-43");
+    let err = c
+        .claim(proto::ClaimRequest {
+            vfio: true,
+            owner: Some(owner(43)),
+            request_id: "pf-43".into(),
+            target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+                address: h.pf.clone(),
+                expected_generation: g,
+            })),
+        })
+        .await
+        .expect_err("a VF of the PF is in use");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_eq!(info(&err).0, "VF_IN_USE_BY_DOMAIN");
+    assert_eq!(device(&mut c, &h.pf).await.owner, None, "nothing claimed");
     dom.destroy().expect("destroy");
     dom.undefine().expect("undefine");
 

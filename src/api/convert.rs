@@ -122,6 +122,11 @@ fn blocker_to_proto(b: &Blocker) -> proto::Blocker {
             relation: "domain".into(),
             domain: Some(domain_to_proto(d)),
         },
+        Blocker::VfInUse { vf, domain } => proto::Blocker {
+            address: vf.to_string(),
+            relation: "virtual_function_in_use".into(),
+            domain: Some(domain_to_proto(domain)),
+        },
     }
 }
 

@@ -125,6 +125,7 @@ fn ledger_code(e: &LedgerError) -> Code {
         | NotPhysicalFunction { .. }
         | VfClaimed { .. }
         | VfCountInUse { .. }
+        | VfInUseByDomain { .. }
         | NoIommuGroup { .. } => Code::FailedPrecondition,
         NoMatch { .. } => Code::ResourceExhausted,
         RequestIdReused { .. } => Code::InvalidArgument,
@@ -152,7 +153,10 @@ fn ledger_metadata(e: &LedgerError) -> HashMap<String, String> {
         LedgerError::Attached { domain, .. } | LedgerError::InUseByDomain { domain, .. } => {
             domain_meta(&mut m, domain);
         }
-        LedgerError::VfCountInUse { device, domain, .. } => {
+        LedgerError::VfCountInUse { device, domain, .. }
+        | LedgerError::VfInUseByDomain {
+            vf: device, domain, ..
+        } => {
             m.insert("device_in_use".into(), device.to_string());
             domain_meta(&mut m, domain);
         }

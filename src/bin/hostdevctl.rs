@@ -511,6 +511,10 @@ fn detail_text(d: &proto::Device) -> String {
     }
     if let Some(b) = &d.blocker {
         return match &b.domain {
+            // A VF of this PF that a domain uses.
+            Some(dom) if !b.address.is_empty() => {
+                format!("its VF {} used by domain {}", b.address, domain_text(dom))
+            }
             Some(dom) => format!("used by domain {}", domain_text(dom)),
             None => format!("blocked by {} ({})", b.address, b.relation),
         };

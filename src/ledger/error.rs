@@ -117,6 +117,20 @@ pub enum LedgerError {
         generation: Generation,
     },
 
+    /// A PF claimed while a domain uses one of its VFs without a claim: a PF claim is
+    /// made to pass the PF through or bind it to vfio-pci, and unbinding its driver
+    /// destroys every VF, under the VM using one.
+    #[error(
+        "{pf} cannot be claimed: its VF {vf} is used by domain {} (uuid {}), which holds no claim on it, and taking the PF from its driver destroys its VFs; current generation {generation}",
+        .domain.name, .domain.uuid
+    )]
+    VfInUseByDomain {
+        pf: PciAddress,
+        vf: PciAddress,
+        domain: DomainRef,
+        generation: Generation,
+    },
+
     #[error("{address} is in no IOMMU group, so it cannot be bound to vfio-pci; current generation {generation}")]
     NoIommuGroup {
         address: PciAddress,
@@ -157,7 +171,9 @@ impl LedgerError {
             | Lost { address, .. }
             | NotPhysicalFunction { address, .. }
             | NoIommuGroup { address, .. } => Some(*address),
-            VfClaimed { pf, .. } | VfCountInUse { pf, .. } => Some(*pf),
+            VfClaimed { pf, .. } | VfCountInUse { pf, .. } | VfInUseByDomain { pf, .. } => {
+                Some(*pf)
+            }
             NoMatch { .. } => None,
             RequestIdReused { previous, .. } => Some(previous.address()),
         }
@@ -179,6 +195,7 @@ impl LedgerError {
             | NotPhysicalFunction { generation, .. }
             | VfClaimed { generation, .. }
             | VfCountInUse { generation, .. }
+            | VfInUseByDomain { generation, .. }
             | NoIommuGroup { generation, .. } => Some(*generation),
             UnknownDevice { .. } | NoMatch { .. } | RequestIdReused { .. } => None,
         }
@@ -215,7 +232,8 @@ impl LedgerError {
             RequestIdReused { .. } => "REQUEST_ID_REUSED",
             NotPhysicalFunction { .. } => "NOT_A_PHYSICAL_FUNCTION",
             VfClaimed { .. } => "VF_CLAIMED",
-            VfCountInUse { .. } => "VF_IN_USE_BY_DOMAIN",
+            // Both: a VF of this PF is used by a domain without a claim.
+            VfCountInUse { .. } | VfInUseByDomain { .. } => "VF_IN_USE_BY_DOMAIN",
             NoIommuGroup { .. } => "NO_IOMMU_GROUP",
         }
     }

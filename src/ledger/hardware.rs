@@ -43,6 +43,16 @@ impl Ledger {
                 generation: rec.generation,
             });
         }
+        // A PF claimed before a domain started using one of its VFs: binding it would
+        // take it from its driver, destroying that VF under the domain.
+        if let Some((vf, domain)) = self.vf_in_use(address) {
+            return Err(LedgerError::VfInUseByDomain {
+                pf: address,
+                vf,
+                domain,
+                generation: rec.generation,
+            });
+        }
         let group = rec.facts.iommu_group.ok_or(LedgerError::NoIommuGroup {
             address,
             generation: rec.generation,

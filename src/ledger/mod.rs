@@ -447,10 +447,25 @@ impl Ledger {
                 }
             }
         }
+        // A VF that a domain uses without a claim blocks its PF as a claimed one does.
+        if let Some((vf, domain)) = self.vf_in_use(addr) {
+            return Some(Blocker::VfInUse { vf, domain });
+        }
         if let Some(d) = self.refs.get(&addr).and_then(|v| v.first()) {
             return Some(Blocker::Domain(d.clone()));
         }
         None
+    }
+
+    /// The first VF of `pf` (by record id) that a domain references, with that domain:
+    /// taking the PF from its driver would destroy that VF under the domain.
+    pub(crate) fn vf_in_use(&self, pf: PciAddress) -> Option<(PciAddress, DomainRef)> {
+        self.linked(Link::VfOf(pf))
+            .filter_map(|id| self.records.get(&id))
+            .find_map(|vf| {
+                let d = self.refs.get(&vf.address())?.first()?;
+                Some((vf.address(), d.clone()))
+            })
     }
 
     /// Domains that reference devices without holding their claim, by address (O(every
@@ -623,6 +638,14 @@ impl Ledger {
                         generation,
                     });
                 }
+            }
+            Some(Blocker::VfInUse { vf, domain }) => {
+                return Err(LedgerError::VfInUseByDomain {
+                    pf: address,
+                    vf,
+                    domain,
+                    generation,
+                })
             }
             None => {}
         }

@@ -153,6 +153,9 @@ pub enum Blocker {
     },
     /// A libvirt domain references the device but holds no claim for it (a stray).
     Domain(DomainRef),
+    /// A libvirt domain uses one of the PF's VFs without a claim: taking the PF from its
+    /// driver would destroy that VF under the domain.
+    VfInUse { vf: PciAddress, domain: DomainRef },
 }
 
 /// How a blocking device is related to the blocked one.

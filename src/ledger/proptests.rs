@@ -419,10 +419,24 @@ fn states_by_walking_every_claim(l: &Ledger) -> BTreeMap<RecordId, DeviceState> 
                 DeviceState::Attached
             } else if r.claim.is_some() {
                 DeviceState::Claimed
-            } else if let Some(blocker) = related(r).or_else(|| {
-                let domain = l.refs.get(&r.address()).and_then(|v| v.first());
-                domain.map(|d| Blocker::Domain(d.clone()))
-            }) {
+            } else if let Some(blocker) = related(r)
+                .or_else(|| {
+                    // A VF that a domain uses, the first by record id.
+                    l.records()
+                        .filter(|v| v.facts.physfn == Some(r.address()))
+                        .find_map(|v| {
+                            let d = l.refs.get(&v.address())?.first()?;
+                            Some(Blocker::VfInUse {
+                                vf: v.address(),
+                                domain: d.clone(),
+                            })
+                        })
+                })
+                .or_else(|| {
+                    let domain = l.refs.get(&r.address()).and_then(|v| v.first());
+                    domain.map(|d| Blocker::Domain(d.clone()))
+                })
+            {
                 DeviceState::Unavailable { blocker }
             } else if !r.facts.managed {
                 DeviceState::Unmanaged

@@ -379,6 +379,55 @@ fn a_domain_adopts_its_device_only_when_no_other_domain_references_it() {
     }
 }
 
+/// A domain using a VF without a claim blocks the VF's PF as a claimed VF does: a PF is
+/// claimed to be passed through or bound to vfio-pci, and taking it from its driver
+/// destroys its VFs, under that domain. A PF claimed before the domain started using
+/// the VF may not be bound either.
+#[test]
+fn a_vf_a_domain_uses_blocks_its_pf() {
+    let mut l = ledger();
+    let pf = addr("0000:3b:00.0");
+    l.apply_domains(vec![domain(9, "vm9", &["0000:3b:02.2"])]);
+    assert!(matches!(
+        l.state_of(l.record_at(pf).expect("pf")),
+        DeviceState::Unavailable {
+            blocker: Blocker::VfInUse { vf, .. }
+        } if vf == addr("0000:3b:02.2")
+    ));
+    let g = gen_of(&l, "0000:3b:00.0");
+    let before = l.clone();
+    let err = claim(&mut l, "0000:3b:00.0", 1, "pf").expect_err("a VF is in use");
+    assert_eq!(err.reason(), "VF_IN_USE_BY_DOMAIN");
+    let LedgerError::VfInUseByDomain { vf, domain: d, .. } = &err else {
+        unreachable!()
+    };
+    assert_eq!((*vf, d.name.as_str()), (addr("0000:3b:02.2"), "vm9"));
+    assert_eq!(l, before, "the refusal changed nothing");
+    // The domain's own consumer may not take the PF either.
+    assert_eq!(
+        claim(&mut l, "0000:3b:00.0", 9, "pf9")
+            .expect_err("in use")
+            .reason(),
+        "VF_IN_USE_BY_DOMAIN"
+    );
+
+    // Without the domain the PF is free and claimable; once the domain uses the VF
+    // again, the claim stands but the PF may not be bound.
+    l.apply_domains(vec![]);
+    assert_eq!(gen_of(&l, "0000:3b:00.0"), g);
+    claim(&mut l, "0000:3b:00.0", 1, "pf").expect("free now");
+    let g = gen_of(&l, "0000:3b:00.0");
+    l.bind_plan(pf, owner(1).consumer, g)
+        .expect("nothing uses its VFs");
+    l.apply_domains(vec![domain(9, "vm9", &["0000:3b:02.2"])]);
+    assert_eq!(
+        l.bind_plan(pf, owner(1).consumer, g)
+            .expect_err("a VF is in use")
+            .reason(),
+        "VF_IN_USE_BY_DOMAIN"
+    );
+}
+
 #[test]
 fn selector_prefers_numa_node_then_lowest_address() {
     let mut l = Ledger::new();
