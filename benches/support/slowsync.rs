@@ -4,14 +4,16 @@
 //!
 //! The kernel's writeback cache is on, so writes land in the page cache as on any disk
 //! and reach this filesystem in large blocks when synced; only fsync and fdatasync (of a
-//! file or of the directory) pay the delay. Needs /dev/fuse, and root or `fusermount3`.
+//! file or of the directory) pay the delay. On request every sync fails with EIO after
+//! the real one (a disk whose flush fails once the data reached it), for the store's
+//! fault tests. Needs /dev/fuse, and root or `fusermount3`.
 
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -28,6 +30,8 @@ struct SlowFilesystem {
     backing: PathBuf,
     delay: Duration,
     syncs: Arc<AtomicU64>,
+    /// While set, every sync fails with EIO once the real one is done.
+    fail: Arc<AtomicBool>,
     /// Inode numbers handed to the kernel, by name and back.
     names: HashMap<u64, OsString>,
     inos: HashMap<OsString, u64>,
@@ -129,6 +133,9 @@ impl SlowFilesystem {
         synced?;
         std::thread::sleep(self.delay);
         self.syncs.fetch_add(1, Ordering::Relaxed);
+        if self.fail.load(Ordering::Relaxed) {
+            return Err(libc::EIO);
+        }
         Ok(())
     }
 }
@@ -431,6 +438,7 @@ impl Filesystem for SlowFilesystem {
 pub struct SlowSync {
     mountpoint: PathBuf,
     syncs: Arc<AtomicU64>,
+    fail: Arc<AtomicBool>,
     _session: fuser::BackgroundSession,
     _dir: tempfile::TempDir,
 }
@@ -451,10 +459,12 @@ impl SlowSync {
         std::fs::create_dir(&backing).expect("backing dir");
         std::fs::create_dir(&mountpoint).expect("mountpoint");
         let syncs = Arc::new(AtomicU64::new(0));
+        let fail = Arc::new(AtomicBool::new(false));
         let fs = SlowFilesystem {
             backing: backing.clone(),
             delay,
             syncs: syncs.clone(),
+            fail: fail.clone(),
             names: HashMap::new(),
             inos: HashMap::new(),
             next_ino: ROOT,
@@ -487,6 +497,7 @@ impl SlowSync {
         SlowSync {
             mountpoint,
             syncs,
+            fail,
             _session: session,
             _dir: dir,
         }
@@ -498,7 +509,14 @@ impl SlowSync {
     }
 
     /// How many syncs (each delayed) the filesystem has served.
+    #[allow(dead_code)] // Not every user counts them.
     pub fn syncs(&self) -> u64 {
         self.syncs.load(Ordering::Relaxed)
+    }
+
+    /// From now on every sync fails with EIO after the real one (`true`), or none does.
+    #[allow(dead_code)] // Not every user fails them.
+    pub fn fail_syncs(&self, on: bool) {
+        self.fail.store(on, Ordering::Relaxed);
     }
 }

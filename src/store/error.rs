@@ -127,7 +127,7 @@ pub enum StoreError {
     /// and commit mark may be in the write-ahead log, or may not, so whether the commit
     /// stands is unknown until the database is opened again and its log read back.
     #[error(
-        "the disk failed while committing to {}: whether the commit was made durable is          unknown until the database is opened again",
+        "the disk failed while committing to {}: whether the commit was made durable is unknown until the database is opened again",
         path.display()
     )]
     CommitUnknown {

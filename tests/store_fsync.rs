@@ -1,0 +1,158 @@
+//! A disk whose sync fails after the data reached it, on the real binary: the commit's
+//! outcome is unknown, so its caller hears exactly that (never "nothing was changed"),
+//! the agent stops with a failure, and the next start reads back what the disk holds,
+//! which GetRequestOutcome then reports and the listing agrees with. The state
+//! directory is a FUSE pass-through (`benches/support/slowsync.rs`) told to fail every
+//! sync with EIO; needs /dev/fuse and root (CI runs as root), and fails loudly without.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::simhost::{FakeSys, FakeTree};
+use tonic::transport::Channel;
+use tonic_types::StatusExt;
+
+#[path = "../benches/support/slowsync.rs"]
+mod slowsync;
+mod support;
+
+use support::Daemon;
+
+const PF: &str = "0000:3b:00.0";
+
+fn config(tree: &FakeTree, dir: &Path, state: &Path) -> String {
+    format!(
+        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n\
+         [libvirt]\nenabled = false\n",
+        tree.sysfs_root(),
+        tree.dev_root(),
+        state,
+        dir.join("hostdevd.sock"),
+    )
+}
+
+async fn start(dir: &Path) -> (Daemon, HostDevClient<Channel>) {
+    let socket = dir.join("hostdevd.sock");
+    let daemon = Daemon::serve(
+        Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+            .args(["serve", "--config"])
+            .arg(dir.join("config.toml")),
+        &socket,
+    )
+    .await;
+    let c = hostdevd::client::connect(&socket).await.expect("connect");
+    (daemon, c)
+}
+
+async fn device(c: &mut HostDevClient<Channel>, a: &str) -> proto::Device {
+    c.get_device(proto::GetDeviceRequest { address: a.into() })
+        .await
+        .expect("get")
+        .into_inner()
+        .device
+        .expect("present")
+}
+
+fn owner(n: u128) -> proto::Owner {
+    proto::Owner {
+        consumer_id: uuid::Uuid::from_u128(n).to_string(),
+        label: format!("vm-{n}"),
+    }
+}
+
+async fn claim(
+    c: &mut HostDevClient<Channel>,
+    a: &str,
+    who: u128,
+    request_id: &str,
+) -> Result<proto::ClaimResponse, tonic::Status> {
+    let g = device(c, a).await.generation;
+    c.claim(proto::ClaimRequest {
+        owner: Some(owner(who)),
+        request_id: request_id.into(),
+        target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+            address: a.into(),
+            expected_generation: g,
+        })),
+        vfio: false,
+    })
+    .await
+    .map(|r| r.into_inner())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_sync_leaves_the_outcome_unknown_and_the_restart_reads_it_back() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "tests/store_fsync.rs mounts a FUSE filesystem as root (CI runs as root)"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk = slowsync::SlowSync::mount(dir.path(), Duration::ZERO);
+    let mut f = FakeSys::new();
+    f.pf(PF, 0x8086, 0x1572, 8, 2)
+        .driver(PF, "i40e")
+        .vf_iommu_groups(PF, 40);
+    let vfs: Vec<String> = f.vfs(PF).iter().map(|a| a.to_string()).collect();
+    let tree = f.build();
+    std::fs::write(
+        dir.path().join("config.toml"),
+        config(&tree, dir.path(), disk.path()),
+    )
+    .expect("config");
+
+    let (mut daemon, mut c) = start(dir.path()).await;
+    claim(&mut c, &vfs[0], 1, "before")
+        .await
+        .expect("a good disk");
+
+    disk.fail_syncs(true);
+    let e = claim(&mut c, &vfs[1], 2, "during")
+        .await
+        .expect_err("the sync failed");
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    let reason = e.get_details_error_info().expect("ErrorInfo").reason;
+    assert_eq!(reason, "STORE_OUTCOME_UNKNOWN", "{e:?}");
+    assert!(e.message().contains("may or may not"), "{}", e.message());
+
+    // The agent stops by itself, with a failure (systemd would start it again).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = daemon.0.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent did not stop after the failed commit"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(!status.success(), "exit status {status}");
+
+    // The disk recovers; the next start reads back what it holds, and the request's
+    // outcome, the listing and the first claim all agree with it.
+    disk.fail_syncs(false);
+    let (daemon, mut c) = start(dir.path()).await;
+    assert_eq!(device(&mut c, &vfs[0]).await.owner, Some(owner(1)), "kept");
+    let outcome = c
+        .get_request_outcome(proto::GetRequestOutcomeRequest {
+            consumer_id: owner(2).consumer_id,
+            request_id: "during".into(),
+        })
+        .await;
+    let vf1 = device(&mut c, &vfs[1]).await;
+    match outcome {
+        Ok(o) => {
+            assert_eq!(o.into_inner().address, vfs[1]);
+            assert_eq!(vf1.owner, Some(owner(2)), "applied, and listed so");
+            println!("store fsync: the failed commit was read back as applied");
+        }
+        Err(e) => {
+            assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+            assert_eq!(vf1.owner, None, "not applied, and listed so");
+            println!("store fsync: the failed commit was not on the disk");
+        }
+    }
+    daemon.terminate().await;
+}
