@@ -775,9 +775,16 @@ impl HostDev for HostDevService {
         let stop_tx = tx.clone();
         let limits = self.watch.queue;
         let feed = async move {
-            let behind = |what: String| {
+            // A client cut off before its snapshot's end holds part of a snapshot only: it
+            // must start again with one, not resume.
+            let behind = |what: String, in_snapshot: bool| {
+                let advice = if in_snapshot {
+                    " before its snapshot's end; start again with a snapshot"
+                } else {
+                    "; resume with Watch from the last generation received"
+                };
                 Status::resource_exhausted(format!(
-                    "watcher fell behind by {what} and was cut off; resume with Watch from the last generation received"
+                    "watcher fell behind by {what} and was cut off{advice}"
                 ))
             };
             // The snapshot and the backlog the client asked for go at its pace, built one
@@ -786,8 +793,6 @@ impl HostDev for HostDevService {
             // a client with more than the event limit of them waiting is cut off, as it
             // would be once live: a client that stops reading in its snapshot is not kept
             // forever.
-            // Until its end is queued, a client cut off holds part of a snapshot only: it
-            // must start again with one, not resume.
             let mut in_snapshot = snapshot.is_some();
             let snapshot_events = snapshot.into_iter().flat_map(|view| {
                 let count = view.devices().len();
@@ -836,29 +841,20 @@ impl HostDev for HostDevService {
                             Ok(e) if e.generation() <= from => {}
                             Ok(e) => {
                                 early.push_back(e);
-                                if early.len() > limits.events && in_snapshot {
-                                    tx.cut_off(Status::resource_exhausted(format!(
-                                        "watcher fell behind by more than {} events while its snapshot waited and was cut off before the snapshot's end; start again with a snapshot",
-                                        limits.events
-                                    )));
-                                    return;
-                                }
                                 if early.len() > limits.events {
-                                    tx.cut_off(behind(format!(
-                                        "more than {} events while its backlog waited",
-                                        limits.events
-                                    )));
+                                    let waited = if in_snapshot { "snapshot" } else { "backlog" };
+                                    tx.cut_off(behind(
+                                        format!(
+                                            "more than {} events while its {waited} waited",
+                                            limits.events
+                                        ),
+                                        in_snapshot,
+                                    ));
                                     return;
                                 }
                             }
                             Err(broadcast::error::RecvError::Lagged(n)) => {
-                                tx.cut_off(if in_snapshot {
-                                    Status::resource_exhausted(format!(
-                                        "watcher fell behind by {n} events and was cut off before its snapshot's end; start again with a snapshot"
-                                    ))
-                                } else {
-                                    behind(format!("{n} events"))
-                                });
+                                tx.cut_off(behind(format!("{n} events"), in_snapshot));
                                 return;
                             }
                             Err(broadcast::error::RecvError::Closed) => return,
@@ -883,16 +879,19 @@ impl HostDev for HostDevService {
                             Ok(()) => {}
                             Err(watch_queue::Refused::Gone) => return,
                             Err(watch_queue::Refused::Full) => {
-                                tx.cut_off(behind(format!(
-                                    "more than {} events or {} bytes",
-                                    limits.events, limits.bytes
-                                )));
+                                tx.cut_off(behind(
+                                    format!(
+                                        "more than {} events or {} bytes",
+                                        limits.events, limits.bytes
+                                    ),
+                                    false,
+                                ));
                                 return;
                             }
                         }
                     }
                     Err(broadcast::error::RecvError::Lagged(n)) => {
-                        tx.cut_off(behind(format!("{n} events")));
+                        tx.cut_off(behind(format!("{n} events"), false));
                         return;
                     }
                     Err(broadcast::error::RecvError::Closed) => return,
