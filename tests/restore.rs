@@ -4,42 +4,16 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::process::Command;
 
 use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
-use hostdevd::simhost::{FakeSys, FakeTree};
+use hostdevd::simhost::FakeSys;
 use tonic::transport::Channel;
 
 mod support;
 
-use support::Daemon;
+use support::{config_in, device, owner, Daemon};
 
 const PF: &str = "0000:3b:00.0";
-
-fn config(tree: &FakeTree, dir: &Path) -> String {
-    format!(
-        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n\
-         [libvirt]\nenabled = false\n[[devices]]\npf_name = \"ens1f0\"\nvf = true\n",
-        tree.sysfs_root(),
-        tree.dev_root(),
-        dir.join("state"),
-        dir.join("hostdevd.sock"),
-    )
-}
-
-/// Starts the daemon on `dir`'s config; returns it and a client once it answers.
-async fn start(dir: &Path) -> (Daemon, HostDevClient<Channel>) {
-    let socket = dir.join("hostdevd.sock");
-    let daemon = Daemon::serve(
-        Command::new(env!("CARGO_BIN_EXE_hostdevd"))
-            .args(["serve", "--config"])
-            .arg(dir.join("config.toml")),
-        &socket,
-    )
-    .await;
-    let c = hostdevd::client::connect(&socket).await.expect("connect");
-    (daemon, c)
-}
 
 /// Copies the state directory's files, modes included (what a backup and its restore
 /// both do).
@@ -51,22 +25,6 @@ fn copy_state(from: &Path, to: &Path) {
         let e = e.expect("entry");
         std::fs::copy(e.path(), to.join(e.file_name())).expect("copy");
     }
-}
-
-fn owner(n: u128) -> proto::Owner {
-    proto::Owner {
-        consumer_id: uuid::Uuid::from_u128(n).to_string(),
-        label: format!("vm-{n}"),
-    }
-}
-
-async fn device(c: &mut HostDevClient<Channel>, a: &str) -> proto::Device {
-    c.get_device(proto::GetDeviceRequest { address: a.into() })
-        .await
-        .expect("get")
-        .into_inner()
-        .device
-        .expect("present")
 }
 
 async fn host_generation(c: &mut HostDevClient<Channel>) -> u64 {
@@ -120,19 +78,21 @@ async fn a_restored_state_dir_never_hands_out_a_generation_again() {
     let vfs: Vec<String> = f.vfs(PF).iter().map(|a| a.to_string()).collect();
     let tree = f.build();
     let dir = tempfile::tempdir().expect("tempdir");
-    std::fs::write(dir.path().join("config.toml"), config(&tree, dir.path())).expect("config");
+    let devices = "[[devices]]\npf_name = \"ens1f0\"\nvf = true\n";
+    let config = config_in(&tree, dir.path(), &dir.path().join("state"), devices);
+    std::fs::write(dir.path().join("config.toml"), config).expect("config");
     let state = dir.path().join("state");
     let backup = dir.path().join("backup");
 
     // The backup: VF 0 claimed by A.
-    let (daemon, mut c) = start(dir.path()).await;
+    let (daemon, mut c) = Daemon::serve_in(dir.path()).await;
     let a_claim = claim(&mut c, &vfs[0], 1).await;
     daemon.terminate().await;
     copy_state(&state, &backup);
 
     // After it: A frees VF 0, B takes it and VF 1. The controller's audit reads the host
     // generation here, the belief it then forms knowing every consumer up to it.
-    let (daemon, mut c) = start(dir.path()).await;
+    let (daemon, mut c) = Daemon::serve_in(dir.path()).await;
     release(&mut c, &vfs[0], 1, a_claim)
         .await
         .expect("A frees VF 0");
@@ -144,7 +104,7 @@ async fn a_restored_state_dir_never_hands_out_a_generation_again() {
     // The state dir comes back from the backup.
     std::fs::remove_dir_all(&state).expect("remove the state dir");
     copy_state(&backup, &state);
-    let (daemon, mut c) = start(dir.path()).await;
+    let (daemon, mut c) = Daemon::serve_in(dir.path()).await;
     let restored = host_generation(&mut c).await;
     assert!(
         restored > snapshot,

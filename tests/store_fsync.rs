@@ -5,12 +5,10 @@
 //! directory is a FUSE pass-through (`benches/support/slowsync.rs`) told to fail every
 //! sync with EIO; needs /dev/fuse and root (CI runs as root), and fails loudly without.
 
-use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
-use hostdevd::simhost::{FakeSys, FakeTree};
+use hostdevd::simhost::FakeSys;
 use tonic::transport::Channel;
 use tonic_types::StatusExt;
 
@@ -18,49 +16,9 @@ use tonic_types::StatusExt;
 mod slowsync;
 mod support;
 
-use support::Daemon;
+use support::{config_in, device, owner, Daemon};
 
 const PF: &str = "0000:3b:00.0";
-
-fn config(tree: &FakeTree, dir: &Path, state: &Path) -> String {
-    format!(
-        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n\
-         [libvirt]\nenabled = false\n",
-        tree.sysfs_root(),
-        tree.dev_root(),
-        state,
-        dir.join("hostdevd.sock"),
-    )
-}
-
-async fn start(dir: &Path) -> (Daemon, HostDevClient<Channel>) {
-    let socket = dir.join("hostdevd.sock");
-    let daemon = Daemon::serve(
-        Command::new(env!("CARGO_BIN_EXE_hostdevd"))
-            .args(["serve", "--config"])
-            .arg(dir.join("config.toml")),
-        &socket,
-    )
-    .await;
-    let c = hostdevd::client::connect(&socket).await.expect("connect");
-    (daemon, c)
-}
-
-async fn device(c: &mut HostDevClient<Channel>, a: &str) -> proto::Device {
-    c.get_device(proto::GetDeviceRequest { address: a.into() })
-        .await
-        .expect("get")
-        .into_inner()
-        .device
-        .expect("present")
-}
-
-fn owner(n: u128) -> proto::Owner {
-    proto::Owner {
-        consumer_id: uuid::Uuid::from_u128(n).to_string(),
-        label: format!("vm-{n}"),
-    }
-}
 
 async fn claim(
     c: &mut HostDevClient<Channel>,
@@ -98,11 +56,11 @@ async fn a_failed_sync_leaves_the_outcome_unknown_and_the_restart_reads_it_back(
     let tree = f.build();
     std::fs::write(
         dir.path().join("config.toml"),
-        config(&tree, dir.path(), disk.path()),
+        config_in(&tree, dir.path(), disk.path(), ""),
     )
     .expect("config");
 
-    let (mut daemon, mut c) = start(dir.path()).await;
+    let (mut daemon, mut c) = Daemon::serve_in(dir.path()).await;
     claim(&mut c, &vfs[0], 1, "before")
         .await
         .expect("a good disk");
@@ -133,7 +91,7 @@ async fn a_failed_sync_leaves_the_outcome_unknown_and_the_restart_reads_it_back(
     // The disk recovers; the next start reads back what it holds, and the request's
     // outcome, the listing and the first claim all agree with it.
     disk.fail_syncs(false);
-    let (daemon, mut c) = start(dir.path()).await;
+    let (daemon, mut c) = Daemon::serve_in(dir.path()).await;
     assert_eq!(device(&mut c, &vfs[0]).await.owner, Some(owner(1)), "kept");
     let outcome = c
         .get_request_outcome(proto::GetRequestOutcomeRequest {

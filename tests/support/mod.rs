@@ -74,3 +74,64 @@ impl Drop for Daemon {
         let _ = self.0.wait();
     }
 }
+
+/// A config for a daemon on `tree` with libvirt off: its socket at
+/// `<dir>/hostdevd.sock`, its state in `state`, then `extra` (more TOML).
+pub fn config_in(
+    tree: &hostdevd::simhost::FakeTree,
+    dir: &std::path::Path,
+    state: &std::path::Path,
+    extra: &str,
+) -> String {
+    format!(
+        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n\
+         [libvirt]\nenabled = false\n{extra}",
+        tree.sysfs_root(),
+        tree.dev_root(),
+        state,
+        dir.join("hostdevd.sock"),
+    )
+}
+
+impl Daemon {
+    /// Starts `hostdevd serve` on `<dir>/config.toml` (see [`config_in`]); returns it and
+    /// a client once it answers.
+    pub async fn serve_in(
+        dir: &std::path::Path,
+    ) -> (
+        Daemon,
+        hostdevd::api::proto::host_dev_client::HostDevClient<tonic::transport::Channel>,
+    ) {
+        let socket = dir.join("hostdevd.sock");
+        let daemon = Daemon::serve(
+            std::process::Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+                .args(["serve", "--config"])
+                .arg(dir.join("config.toml")),
+            &socket,
+        )
+        .await;
+        let c = hostdevd::client::connect(&socket).await.expect("connect");
+        (daemon, c)
+    }
+}
+
+/// Owner `n`: consumer uuid `n`, label `vm-<n>`.
+pub fn owner(n: u128) -> hostdevd::api::proto::Owner {
+    hostdevd::api::proto::Owner {
+        consumer_id: uuid::Uuid::from_u128(n).to_string(),
+        label: format!("vm-{n}"),
+    }
+}
+
+/// The present device at `a`.
+pub async fn device(
+    c: &mut hostdevd::api::proto::host_dev_client::HostDevClient<tonic::transport::Channel>,
+    a: &str,
+) -> hostdevd::api::proto::Device {
+    c.get_device(hostdevd::api::proto::GetDeviceRequest { address: a.into() })
+        .await
+        .expect("get")
+        .into_inner()
+        .device
+        .expect("present")
+}
