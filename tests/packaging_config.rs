@@ -153,3 +153,31 @@ fn every_config_key_is_documented() {
          with a comment"
     );
 }
+
+/// A stop waits for an in-flight VF count change (see the unit's comment), so the unit
+/// must not kill the agent before the longest one can end at the default timeouts.
+#[test]
+fn the_unit_waits_out_a_vf_count_change_at_the_default_timeouts() {
+    let p = root().join("packaging/hostdevd.service");
+    let unit = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()));
+    let stop: Vec<&str> = unit
+        .lines()
+        .filter_map(|l| l.strip_prefix("TimeoutStopSec="))
+        .collect();
+    let [value] = stop.as_slice() else {
+        panic!("the unit sets TimeoutStopSec= exactly once, found {stop:?}");
+    };
+    let seconds: u64 = value
+        .strip_suffix('s')
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("TimeoutStopSec={value}: expected whole seconds, like 420s"));
+    let d = Config::default();
+    // The autoprobe write, then sriov_numvfs twice (0, then the new count), after the
+    // fresh listing of libvirt's domains.
+    let longest_ms =
+        d.libvirt.timeout_ms + d.hardware.step_timeout_ms + 2 * d.hardware.vf_count_timeout_ms;
+    assert!(
+        seconds * 1000 > longest_ms,
+        "TimeoutStopSec={value} kills a VF count change that may take {longest_ms} ms"
+    );
+}
