@@ -332,6 +332,15 @@ impl RequestId {
     pub fn per_device(&self, address: PciAddress) -> Result<RequestId, IdError> {
         RequestId::try_from(format!("{}@{address}", self.0))
     }
+
+    /// The audit id and the address of a [`Self::per_device`] id: `Some` when the text
+    /// after the last "@" is an address in its canonical form. A client's own id may
+    /// have that form too, so a match says only that the id could be one.
+    pub fn split_per_device(id: &str) -> Option<(&str, PciAddress)> {
+        let (audit, address) = id.rsplit_once('@')?;
+        let parsed: PciAddress = address.parse().ok()?;
+        (!audit.is_empty() && parsed.to_string() == address).then_some((audit, parsed))
+    }
 }
 text_id!(OwnerLabel, "owner label", 256, true);
 text_id!(PhysNet, "physical network tag", 64, false);
@@ -340,6 +349,27 @@ text_id!(PhysNet, "physical network tag", 64, false);
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_per_device_id_splits_back_into_its_parts() {
+        let audit: RequestId = "audit-7@x".parse().expect("valid");
+        let a: PciAddress = "0000:3b:10.1".parse().expect("valid");
+        let part = audit.per_device(a).expect("short enough");
+        assert_eq!(part.as_str(), "audit-7@x@0000:3b:10.1");
+        assert_eq!(
+            RequestId::split_per_device(part.as_str()),
+            Some(("audit-7@x", a))
+        );
+        for not in [
+            "audit",
+            "audit@",
+            "@0000:3b:10.1",
+            "a@3b:10.1",
+            "a@0000:3B:10.1",
+        ] {
+            assert_eq!(RequestId::split_per_device(not), None, "{not}");
+        }
+    }
 
     #[test]
     fn address_canonical_forms() {

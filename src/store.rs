@@ -270,27 +270,46 @@ impl Store {
             .fingerprint(&consumer_text, request_id.as_str());
         // Usually none; where one matches, almost always the entry itself.
         for seq in self.requests.candidates(fingerprint) {
-            let row = self
-                .conn
-                .prepare_cached(schema::SELECT_REQUEST_AT)
-                .map_err(sql)?
-                .query_row([seq], |row| {
-                    Ok((
-                        row.get::<_, String>(0)?,
-                        row.get::<_, String>(1)?,
-                        row.get::<_, String>(2)?,
-                        row.get::<_, i64>(3)?,
-                    ))
-                })
-                .optional()
-                .map_err(sql)?;
-            if let Some((c, r, outcome, at)) = row {
+            if let Some((c, r, outcome, at)) = self.request_row(seq).map_err(sql)? {
                 if c == consumer_text && r == request_id.as_str() {
                     return decode_request(path, &c, &r, &outcome, at).map(Some);
                 }
             }
         }
         Ok(None)
+    }
+
+    /// What an acting audit's attempts with id `audit` logged, one entry per orphan
+    /// freed (`<audit>@<address>`, under the orphan's owner), oldest first: how a retry
+    /// of the audit learns what an earlier attempt freed.
+    pub fn audit_entries(&self, audit: &RequestId) -> Result<Vec<RequestEntry>, StoreError> {
+        let path = &self.path;
+        let sql = |e| StoreError::sqlite(path, "looking up an audit's frees", e);
+        let fingerprint = self.requests.audit_fingerprint(audit.as_str());
+        let mut found = Vec::new();
+        for seq in self.requests.part_candidates(fingerprint) {
+            if let Some((c, r, outcome, at)) = self.request_row(seq).map_err(sql)? {
+                if RequestId::split_per_device(&r).is_some_and(|(a, _)| a == audit.as_str()) {
+                    found.push(decode_request(path, &c, &r, &outcome, at)?);
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// The request-log row logged under `seq`, if it is still there.
+    fn request_row(&self, seq: i64) -> rusqlite::Result<Option<(String, String, String, i64)>> {
+        self.conn
+            .prepare_cached(schema::SELECT_REQUEST_AT)?
+            .query_row([seq], |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, String>(2)?,
+                    row.get::<_, i64>(3)?,
+                ))
+            })
+            .optional()
     }
 
     /// The database file.
@@ -409,9 +428,9 @@ impl Store {
         };
         let path = &self.path;
         let sql = |e| StoreError::sqlite(path, "committing a batch", e);
-        // The request-log entries written, as (fingerprint, sequence number): indexed
-        // once the transaction is durable.
-        let mut logged: Vec<(u32, i64)> = Vec::new();
+        // The request-log entries written, as (fingerprint, audit fingerprint, sequence
+        // number): indexed once the transaction is durable.
+        let mut logged: Vec<(u32, Option<u32>, i64)> = Vec::new();
         // IMMEDIATE takes the write lock up front, so a failure to get it surfaces here
         // and not halfway through the batch.
         let tx = self
@@ -495,6 +514,7 @@ impl Store {
                     logged.push((
                         self.requests
                             .fingerprint(&consumer, entry.request_id.as_str()),
+                        self.requests.part_fingerprint(entry.request_id.as_str()),
                         seq,
                     ));
                 }
@@ -527,8 +547,8 @@ impl Store {
             return Err(commit_error(path, e));
         }
         tx.commit().map_err(|e| commit_error(path, e))?;
-        for (fingerprint, seq) in logged {
-            self.requests.add(fingerprint, seq);
+        for (fingerprint, part, seq) in logged {
+            self.requests.add(fingerprint, part, seq);
         }
         self.host_generation = running.max(carried);
         Ok(())

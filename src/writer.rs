@@ -96,6 +96,18 @@ pub struct OrphanFree {
     pub request_id: RequestId,
 }
 
+/// What an acting reconcile's frees came to.
+#[derive(Debug)]
+pub struct OrphansFreed {
+    /// For each orphan sent, in order.
+    pub results: Vec<Result<Applied, WriteError>>,
+    /// The frees that earlier attempts with the same audit id logged, oldest first
+    /// (empty on a first attempt): a retry whose first answer was lost learns them here,
+    /// since those devices are no longer orphans. A client's own request logged under an
+    /// id of the same form (`<audit id>@<address>`) would show here too.
+    pub earlier: Vec<RequestEntry>,
+}
+
 /// A command for the writer.
 #[derive(Debug)]
 pub enum Command {
@@ -118,8 +130,9 @@ pub enum Command {
         close: bool,
         reply: Reply<Option<RequestEntry>>,
     },
-    /// Free orphans found by a reconcile (each result in order).
-    FreeOrphans(Vec<OrphanFree>, Reply<Vec<Result<Applied, WriteError>>>),
+    /// Free orphans found by an acting reconcile with the given audit id (each result in
+    /// order), and say what earlier attempts with that id freed.
+    FreeOrphans(RequestId, Vec<OrphanFree>, Reply<OrphansFreed>),
     /// Bind a claimed device's IOMMU group to vfio-pci (decided and done alone).
     BindVfio(BindVfio, Reply<Bound>),
     /// Set a PF's VF count (decided and done alone).
@@ -411,9 +424,10 @@ impl Writer {
     }
     pub async fn free_orphans(
         &self,
+        audit: RequestId,
         orphans: Vec<OrphanFree>,
-    ) -> Result<Vec<Result<Applied, WriteError>>, WriteError> {
-        self.call(|r| Command::FreeOrphans(orphans, r)).await
+    ) -> Result<OrphansFreed, WriteError> {
+        self.call(|r| Command::FreeOrphans(audit, orphans, r)).await
     }
     pub async fn bind_vfio(&self, req: BindVfio) -> Result<Bound, WriteError> {
         self.call(|r| Command::BindVfio(req, r)).await
@@ -436,10 +450,7 @@ enum Pending {
         Option<RequestKey>,
     ),
     Unit(Reply<()>),
-    Orphans(
-        Reply<Vec<Result<Applied, WriteError>>>,
-        Vec<Result<Applied, WriteError>>,
-    ),
+    Orphans(Reply<OrphansFreed>, OrphansFreed),
 }
 
 /// The writer's state and who may use it: the writer thread, or a caller deciding its
@@ -685,7 +696,7 @@ impl Worker {
                 Command::Settle { reply, .. } => {
                     let _ = reply.send(Err(e()));
                 }
-                Command::FreeOrphans(_, r) => {
+                Command::FreeOrphans(_, _, r) => {
                     let _ = r.send(Err(e()));
                 }
                 Command::BindVfio(_, r) => {
@@ -753,7 +764,14 @@ impl Worker {
                     .transfer(&req, now)
                     .map(|decided| keep(changes, decided)),
             ),
-            Command::FreeOrphans(list, reply) => {
+            Command::FreeOrphans(audit, list, reply) => {
+                let earlier = match self.earlier_frees(&audit, changes) {
+                    Ok(found) => found,
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return Pending::Unit(oneshot::channel().0);
+                    }
+                };
                 let mut results = Vec::with_capacity(list.len());
                 for o in list {
                     let freed = self
@@ -765,7 +783,7 @@ impl Worker {
                         });
                     results.push(freed.map(|decided| keep(changes, decided)));
                 }
-                Pending::Orphans(reply, results)
+                Pending::Orphans(reply, OrphansFreed { results, earlier })
             }
             Command::Inventory(facts, reply) => {
                 changes.push(self.ledger.apply_inventory(facts));
@@ -941,6 +959,31 @@ impl Worker {
     /// An entry one of them logged may have been pushed out of memory since (the window
     /// drops its oldest by time, and a busy second fills it), and the store cannot know it
     /// before the commit: a retry within the same batch finds it there.
+    /// What earlier attempts of acting audit `audit` freed: committed, or decided earlier
+    /// in this batch (`batch`; the order lock keeps two attempts apart, but it costs
+    /// nothing to look).
+    fn earlier_frees(
+        &self,
+        audit: &RequestId,
+        batch: &[ChangeSet],
+    ) -> Result<Vec<RequestEntry>, WriteError> {
+        let mut found = self.store.audit_entries(audit).map_err(|e| {
+            tracing::error!(error = %e, "reading the request log failed");
+            WriteError::Store(Arc::new(e))
+        })?;
+        found.extend(
+            batch
+                .iter()
+                .flat_map(|cs| cs.requests.iter())
+                .filter(|e| {
+                    RequestId::split_per_device(e.request_id.as_str())
+                        .is_some_and(|(a, _)| a == audit.as_str())
+                })
+                .cloned(),
+        );
+        Ok(found)
+    }
+
     fn recall(
         &mut self,
         consumer: ConsumerId,

@@ -663,8 +663,9 @@ async fn reconcile_reports_then_frees_only_unchanged_orphans() {
 }
 
 /// A dead instance that held two VFs: one acting audit frees both (each orphan's free is
-/// its own request, "<audit id>@<address>"), a retry of the audit frees nothing more, and
-/// an audit id too long to carry an address is refused before anything is freed.
+/// its own request, "<audit id>@<address>"), a retry of the audit frees nothing more but
+/// lists what the first attempt freed, and an audit id too long to carry an address is
+/// refused before anything is freed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconcile_frees_every_orphan_of_one_owner() {
     let s = start(4).await;
@@ -726,12 +727,52 @@ async fn reconcile_frees_every_orphan_of_one_owner() {
         .into_inner();
     assert_eq!(out.operation, "released");
 
+    // The retry of a caller that lost that answer: nothing is freed again, and the
+    // answer lists what the first attempt freed, with the same generations.
     let again = c
         .reconcile(req(&"a".repeat(111)))
         .await
         .expect("retry")
         .into_inner();
-    assert!(again.orphans.is_empty(), "nothing left to free: {again:?}");
+    assert_eq!(
+        again.host_generation, acted.host_generation,
+        "nothing freed again"
+    );
+    let replayed: Vec<(&str, u64, bool, i32)> = again
+        .orphans
+        .iter()
+        .map(|o| {
+            let d = o.device.as_ref().expect("the device as it is now");
+            (
+                d.address.as_str(),
+                o.freed_generation,
+                o.earlier_attempt,
+                d.state,
+            )
+        })
+        .collect();
+    let first: Vec<(&str, u64, bool, i32)> = acted
+        .orphans
+        .iter()
+        .map(|o| {
+            let d = o.device.as_ref().expect("device");
+            (
+                d.address.as_str(),
+                o.freed_generation,
+                true,
+                proto::DeviceState::Free as i32,
+            )
+        })
+        .collect();
+    assert_eq!(replayed, first, "{again:?}");
+    assert!(acted.orphans.iter().all(|o| !o.earlier_attempt));
+    // Another audit id is another audit: nothing to free, nothing to recall.
+    let other = c
+        .reconcile(req("b"))
+        .await
+        .expect("another audit")
+        .into_inner();
+    assert!(other.orphans.is_empty(), "{other:?}");
     s.stop().await;
 }
 

@@ -681,6 +681,7 @@ impl HostDev for HostDevService {
                 device: Some(d),
                 freed_generation: 0,
                 kept_because: String::new(),
+                earlier_attempt: false,
             })
             .collect();
         if let Some(request_id) = request_id {
@@ -697,16 +698,43 @@ impl HostDev for HostDevService {
                     });
                 }
             }
-            let results = self
+            let freed = self
                 .writer
-                .free_orphans(frees)
+                .free_orphans(request_id, frees)
                 .await
                 .map_err(ApiError::from)?;
-            for (o, res) in orphans.iter_mut().zip(results) {
+            for (o, res) in orphans.iter_mut().zip(freed.results) {
                 match res {
                     Ok(a) => o.freed_generation = a.outcome.generation().0,
                     Err(e) => o.kept_because = e.to_string(),
                 }
+            }
+            // A retry: what the earlier attempts freed is no orphan now, but the caller
+            // may never have heard of it.
+            let now = self.writer.view();
+            let inv = self.inv();
+            for entry in freed.earlier {
+                let Outcome::Released {
+                    address,
+                    record,
+                    generation,
+                } = entry.outcome
+                else {
+                    continue;
+                };
+                if report.orphans.iter().any(|r| r.address() == address) {
+                    continue;
+                }
+                let device = now
+                    .device(address)
+                    .find(|v| v.record.id == record)
+                    .map(|v| device_to_proto(&v, inv.get(&address)));
+                orphans.push(proto::Orphan {
+                    device,
+                    freed_generation: generation.0,
+                    kept_because: String::new(),
+                    earlier_attempt: true,
+                });
             }
         }
         let host_generation = self.writer.view().host_generation.0;

@@ -1139,6 +1139,7 @@ async fn cmd_reconcile(ctx: &mut Ctx, a: ReconcileArgs) -> Outcome {
                 "device": o.device.as_ref().map(device_json),
                 "freed_generation": (o.freed_generation != 0).then_some(o.freed_generation),
                 "kept_because": nonempty(&o.kept_because),
+                "earlier_attempt": o.earlier_attempt,
             })).collect::<Vec<_>>(),
             "strays": r.strays.iter().map(stray_json).collect::<Vec<_>>(),
             "lost": r.lost.iter().map(device_json).collect::<Vec<_>>(),
@@ -1164,7 +1165,12 @@ async fn cmd_reconcile(ctx: &mut Ctx, a: ReconcileArgs) -> Outcome {
         }
     };
     for o in &r.orphans {
-        let what = if o.freed_generation != 0 {
+        let what = if o.earlier_attempt {
+            format!(
+                "; freed at generation {} by an earlier attempt with this request id",
+                o.freed_generation
+            )
+        } else if o.freed_generation != 0 {
             format!("; freed at generation {}", o.freed_generation)
         } else if !o.kept_because.is_empty() {
             format!("; kept: {}", o.kept_because)

@@ -12,6 +12,11 @@
 //! no client can choose request ids that collide. A lookup reads every row whose
 //! fingerprint matches and compares the whole key, newest first, so a collision costs one
 //! row read and never a wrong answer.
+//!
+//! Beside it, the entries an acting Reconcile logged (`<audit id>@<address>`, one per
+//! orphan freed) by a fingerprint of the audit id alone, so that a retry of the audit
+//! finds what its first attempt freed without knowing the addresses. Only ids of that
+//! form are held there, a few in a log of claims and releases.
 
 use std::hash::{BuildHasher, RandomState};
 
@@ -37,6 +42,9 @@ pub(crate) struct RequestIndex {
     newest: i64,
     /// The oldest sequence number still held.
     oldest: i64,
+    /// The per-device entries of acting audits: (fingerprint of the audit id, sequence
+    /// number), in the order logged.
+    parts: Vec<(u32, i64)>,
 }
 
 impl std::fmt::Debug for RequestIndex {
@@ -58,12 +66,16 @@ impl RequestIndex {
             recent: Vec::new(),
             newest: 0,
             oldest: i64::MAX,
+            parts: Vec::new(),
         }
     }
 
     /// Adds an entry read from the log at open, in any order.
     pub(crate) fn load(&mut self, seq: i64, consumer: &str, request_id: &str) {
         let fingerprint = self.fingerprint(consumer, request_id);
+        if let Some(part) = self.part_fingerprint(request_id) {
+            self.parts.push((part, seq));
+        }
         self.long.push(pack(fingerprint, seq));
         self.newest = self.newest.max(seq);
         self.oldest = self.oldest.min(seq);
@@ -73,6 +85,7 @@ impl RequestIndex {
     pub(crate) fn seal(&mut self) {
         self.long.sort_unstable();
         self.long.shrink_to_fit();
+        self.parts.sort_unstable_by_key(|&(_, seq)| seq);
         if self.long.is_empty() {
             self.oldest = 1;
         }
@@ -95,6 +108,29 @@ impl RequestIndex {
         self.key.hash_one((consumer, request_id)) as u32
     }
 
+    /// For a request id of an acting audit's form (`<audit id>@<address>`), the
+    /// fingerprint of its audit id; `None` for any other id.
+    pub(crate) fn part_fingerprint(&self, request_id: &str) -> Option<u32> {
+        crate::pci::RequestId::split_per_device(request_id)
+            .map(|(audit, _)| self.audit_fingerprint(audit))
+    }
+
+    /// The fingerprint an audit id's per-device entries are held under.
+    pub(crate) fn audit_fingerprint(&self, audit: &str) -> u32 {
+        // Hashed with a marker, so that it is not the fingerprint of any whole key.
+        self.key.hash_one(("@", audit)) as u32
+    }
+
+    /// The sequence numbers of the per-device entries whose audit id has `fingerprint`,
+    /// oldest first.
+    pub(crate) fn part_candidates(&self, fingerprint: u32) -> Vec<i64> {
+        self.parts
+            .iter()
+            .filter(|&&(f, seq)| f == fingerprint && seq >= self.oldest)
+            .map(|&(_, seq)| seq)
+            .collect()
+    }
+
     /// The sequence number the next entry logged gets.
     pub(crate) fn next_seq(&self) -> i64 {
         self.newest.saturating_add(1)
@@ -106,11 +142,15 @@ impl RequestIndex {
     }
 
     /// Adds an entry logged under `seq`, which must be [`Self::next_seq`] or later (the
-    /// store adds what a commit logged, in order, once it is durable).
-    pub(crate) fn add(&mut self, fingerprint: u32, seq: i64) {
+    /// store adds what a commit logged, in order, once it is durable); `part` is its
+    /// [`Self::part_fingerprint`].
+    pub(crate) fn add(&mut self, fingerprint: u32, part: Option<u32>, seq: i64) {
         debug_assert!(seq > self.newest, "sequence numbers only grow");
         if self.len() == 0 {
             self.oldest = seq;
+        }
+        if let Some(part) = part {
+            self.parts.push((part, seq));
         }
         self.newest = self.newest.max(seq);
         let packed = pack(fingerprint, seq);
@@ -144,6 +184,7 @@ impl RequestIndex {
         }
         let window = self.newest.saturating_sub(self.oldest);
         self.oldest = oldest;
+        self.parts.retain(|&(_, seq)| seq >= oldest);
         if window >= LOW as i64 {
             // Too long a log to tell a low half's age: keep them all; a lookup skips the
             // rows that are gone.
@@ -212,8 +253,8 @@ mod tests {
         assert_eq!(index.next_seq(), 1);
         let a = index.fingerprint("c1", "r1");
         let b = index.fingerprint("c1", "r2");
-        index.add(a, 1);
-        index.add(b, 2);
+        index.add(a, None, 1);
+        index.add(b, None, 2);
         assert!(index.candidates(a).contains(&1));
         assert!(index.candidates(b).contains(&2));
         assert_eq!(index.next_seq(), 3);
@@ -239,7 +280,7 @@ mod tests {
     fn the_low_half_is_read_back_across_its_wrap() {
         let mut index = RequestIndex::build([(LOW as i64 - 2, "c", "a")]);
         let fp = index.fingerprint("c", "b");
-        index.add(fp, LOW as i64 + 5);
+        index.add(fp, None, LOW as i64 + 5);
         assert_eq!(index.candidates(fp), vec![LOW as i64 + 5]);
         let old = index.fingerprint("c", "a");
         assert_eq!(index.candidates(old), vec![LOW as i64 - 2]);
@@ -252,12 +293,39 @@ mod tests {
     fn a_log_longer_than_the_low_half_gives_every_possible_entry() {
         let mut index = RequestIndex::build([(1, "c", "a")]);
         let fp = index.fingerprint("c", "a");
-        index.add(index.fingerprint("c", "z"), 2 * LOW as i64 + 10);
+        index.add(index.fingerprint("c", "z"), None, 2 * LOW as i64 + 10);
         // Entry 1 reads back as every number with its low half, newest first; the
         // store reads each row and keeps the one whose key matches.
         assert_eq!(
             index.candidates(fp),
             vec![2 * LOW as i64 + 1, LOW as i64 + 1, 1]
+        );
+    }
+
+    #[test]
+    fn an_audits_entries_are_found_by_its_id_until_pruned() {
+        let mut index = RequestIndex::build([
+            (1, "c1", "claim-1"),
+            (2, "c1", "audit-1@0000:3b:10.1"),
+            (3, "c2", "audit-2@0000:3b:10.2"),
+        ]);
+        let one = index.audit_fingerprint("audit-1");
+        assert_eq!(index.part_candidates(one), vec![2]);
+        let id = "audit-1@0000:3b:10.3";
+        let seq = index.next_seq();
+        index.add(index.fingerprint("c3", id), index.part_fingerprint(id), seq);
+        assert_eq!(index.part_candidates(one), vec![2, 4]);
+        assert_eq!(index.part_fingerprint("claim-1"), None);
+        assert_eq!(
+            index.part_fingerprint("audit-1@3b:10.3"),
+            None,
+            "not canonical"
+        );
+        index.forget_before(3);
+        assert_eq!(index.part_candidates(one), vec![4]);
+        assert_eq!(
+            index.part_candidates(index.audit_fingerprint("audit-2")),
+            vec![3]
         );
     }
 
@@ -287,7 +355,7 @@ mod tests {
                     _ => {
                         let seq = index.next_seq();
                         let id = format!("r{n}");
-                        index.add(index.fingerprint("c", &id), seq);
+                        index.add(index.fingerprint("c", &id), index.part_fingerprint(&id), seq);
                         model.insert(seq, id);
                     }
                 }

@@ -488,6 +488,62 @@ fn every_logged_request_is_found_by_key() {
     }
 }
 
+/// An acting audit's per-device entries are found by the audit id alone, before and
+/// after a reopen rebuilds the index, among other entries (a client's id of the same
+/// form under another audit id, ids that only look like one); nothing for an unknown id.
+#[test]
+fn an_audits_frees_are_found_by_its_id() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut store = Store::open(tmp.path()).expect("open");
+    let rec = record(1, 0, 1, Some(1));
+    let audit = request_id("audit-9");
+    let mut cs = change(0, 1);
+    cs.requests = vec![
+        entry(1, "claim-1", &rec, 1),
+        entry(
+            1,
+            audit.per_device(address(1)).expect("id").as_str(),
+            &rec,
+            1,
+        ),
+        entry(2, "audit-90@0000:3b:02.1", &rec, 1),
+        entry(2, "audit-9@3b:02.1", &rec, 1),
+    ];
+    store.commit(&[cs]).expect("commit");
+    let mut cs = change(1, 2);
+    cs.requests = vec![entry(
+        3,
+        audit.per_device(address(4)).expect("id").as_str(),
+        &rec,
+        2,
+    )];
+    store.commit(&[cs]).expect("commit");
+    let mut store = Some(store);
+    for _ in 0..2 {
+        let store = match store.take() {
+            Some(s) => s,
+            None => reopen(tmp.path()),
+        };
+        let found: Vec<(ConsumerId, String)> = store
+            .audit_entries(&audit)
+            .expect("lookup")
+            .into_iter()
+            .map(|e| (e.consumer, e.request_id.as_str().to_string()))
+            .collect();
+        assert_eq!(
+            found,
+            vec![
+                (consumer(1), "audit-9@0000:3b:02.1".to_string()),
+                (consumer(3), "audit-9@0000:3b:02.4".to_string()),
+            ]
+        );
+        assert!(store
+            .audit_entries(&request_id("audit-8"))
+            .expect("lookup")
+            .is_empty());
+    }
+}
+
 /// The ledger never moves a record id to another address, but the store does not rely
 /// on it: the address column follows the record, so a reopen never sees a disagreement.
 #[test]

@@ -56,7 +56,7 @@ impl Worker {
         match cmd {
             Command::BindVfio(..) | Command::SetVfCount(..) => true,
             Command::Release(req, _) => self.ledger.has_binding(req.address),
-            Command::FreeOrphans(list, _) => {
+            Command::FreeOrphans(_, list, _) => {
                 list.iter().any(|o| self.ledger.has_binding(o.address))
             }
             _ => false,
@@ -83,7 +83,14 @@ impl Worker {
                 self.count(Op::Release, &r);
                 let _ = reply.send(r);
             }
-            Command::FreeOrphans(list, reply) => {
+            Command::FreeOrphans(audit, list, reply) => {
+                let earlier = match self.earlier_frees(&audit, &[]) {
+                    Ok(found) => found,
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return;
+                    }
+                };
                 let mut out = Vec::with_capacity(list.len());
                 for orphan in list {
                     let r = self.release_restoring(&orphan.release_request());
@@ -92,7 +99,10 @@ impl Worker {
                     }
                     out.push(r);
                 }
-                let _ = reply.send(Ok(out));
+                let _ = reply.send(Ok(super::OrphansFreed {
+                    results: out,
+                    earlier,
+                }));
             }
             other => self.run_batch(vec![other]),
         }
