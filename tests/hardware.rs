@@ -1049,6 +1049,70 @@ async fn a_claim_whose_binding_fails_says_the_claim_stands() {
     s.stop().await;
 }
 
+/// PrepareVfio on a claimed device: refused before anything is recorded when vfio-pci is
+/// not loaded (the generation stays), and, when a sysfs step fails after the binding was
+/// recorded, the answer carries the claim's new generation (an earlier version recorded
+/// the binding first in both cases and answered as if nothing had changed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_vfio_failures_say_what_changed() {
+    use nix::errno::Errno;
+    let _alone = alone().await;
+    let t = tree();
+    let a = virtfn(&t, 0);
+    let fs = support::faultfs::FaultFs::mount(&[("driver_override", "(null)\n")]);
+    fs.plant(&t.bus_link(&a).join("driver_override"), "driver_override");
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    claim(&mut c, &a, 7, false).await.expect("claim");
+    let prepare = |generation: u64| proto::PrepareVfioRequest {
+        address: a.clone(),
+        owner: Some(owner(7)),
+        generation,
+    };
+
+    // vfio-pci not loaded (its driver directory gone): nothing recorded.
+    let drivers = t.sysfs_root().join("bus/pci/drivers");
+    std::fs::rename(drivers.join("vfio-pci"), drivers.join("vfio-pci.away")).expect("unload");
+    let before = device(&mut c, &a).await.expect("VF");
+    let e = c
+        .prepare_vfio(prepare(before.generation))
+        .await
+        .expect_err("vfio-pci is not loaded");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert_eq!(reason(&e).0, "DRIVER_NOT_LOADED");
+    let d = device(&mut c, &a).await.expect("VF");
+    assert_eq!(d.generation, before.generation, "a refusal changes nothing");
+    assert!(d.vfio_binding.is_empty(), "{:?}", d.vfio_binding);
+    std::fs::rename(drivers.join("vfio-pci.away"), drivers.join("vfio-pci")).expect("load");
+
+    // A sysfs write refused after the binding was recorded: the claim's generation now.
+    fs.fail_writes("driver_override", Some(Errno::EIO));
+    let e = c
+        .prepare_vfio(prepare(before.generation))
+        .await
+        .expect_err("the kernel refused the override");
+    assert_eq!(e.code(), Code::Internal, "{e:?}");
+    let (why, meta) = reason(&e);
+    assert_eq!(why, "HARDWARE_STEP_FAILED");
+    assert_eq!(meta.get("claim_stands").map(String::as_str), Some("true"));
+    let now: u64 = meta["claim_generation"].parse().expect("claim_generation");
+    assert!(now > before.generation, "{now} > {}", before.generation);
+    let d = device(&mut c, &a).await.expect("VF");
+    assert_eq!((d.generation, d.vfio_binding.len()), (now, 1));
+    assert!(e.message().contains("PrepareVfio again"), "{}", e.message());
+    // With the cause gone, PrepareVfio with that generation finishes the binding.
+    fs.fail_writes("driver_override", None);
+    c.prepare_vfio(prepare(now))
+        .await
+        .expect("bound with the generation the error gave");
+    until(&mut c, "the VF on vfio-pci", |l| {
+        l.iter().any(|d| d.address == a && d.driver == "vfio-pci")
+    })
+    .await;
+    s.stop().await;
+}
+
 /// A PCI function's network interface renamed after its own events were read (udev
 /// renaming eth0 to ens1f0) reaches the inventory through the interface's `move` uevent:
 /// the function is rescanned, so its netdev names (which device specs match on) are not

@@ -725,12 +725,18 @@ impl HostDev for HostDevService {
                 if report.orphans.iter().any(|r| r.address() == address) {
                     continue;
                 }
+                // A device gone from sysfs since, and so from the ledger, is named by
+                // its address alone.
                 let device = now
                     .device(address)
                     .find(|v| v.record.id == record)
-                    .map(|v| device_to_proto(&v, inv.get(&address)));
+                    .map(|v| device_to_proto(&v, inv.get(&address)))
+                    .unwrap_or_else(|| proto::Device {
+                        address: address.to_string(),
+                        ..Default::default()
+                    });
                 orphans.push(proto::Orphan {
-                    device,
+                    device: Some(device),
                     freed_generation: generation.0,
                     kept_because: String::new(),
                     earlier_attempt: true,
@@ -1052,9 +1058,38 @@ impl HostDev for HostDevService {
         let r = req.get_ref();
         let owner = convert::owner("owner", r.owner.as_ref())?;
         let address = convert::address("address", &r.address)?;
-        let (generation, members) = self
+        let (generation, members) = match self
             .bind_vfio(address, owner.consumer, Generation(r.generation))
-            .await?;
+            .await
+        {
+            Ok(bound) => bound,
+            // A sysfs step failed after the binding was recorded: the claim moved to a
+            // new generation, and an answer without it would read as nothing changed.
+            Err(e @ ApiError::Write(crate::writer::WriteError::Hardware(_))) => {
+                let now = self
+                    .writer
+                    .view()
+                    .device(address)
+                    .find(|v| {
+                        v.record.present
+                            && v.record
+                                .claim
+                                .as_ref()
+                                .is_some_and(|c| c.owner.consumer == owner.consumer)
+                    })
+                    .map(|v| v.record.generation.0);
+                return Err(match now {
+                    Some(generation) if generation != r.generation => ApiError::BindingNotDone {
+                        address,
+                        generation,
+                        source: Box::new(e),
+                    },
+                    _ => e,
+                }
+                .into());
+            }
+            Err(e) => return Err(e.into()),
+        };
         Ok(Response::new(proto::PrepareVfioResponse {
             device: self.present_device(address),
             generation: generation.0,

@@ -82,6 +82,16 @@ pub enum ApiError {
         #[source]
         source: Box<ApiError>,
     },
+    /// A PrepareVfio that recorded its binding (a new generation) and then failed in a
+    /// sysfs step: the claim stands at that generation, which the caller must learn.
+    #[error("binding {address} to vfio-pci failed after the binding was recorded: {source}; the claim stands at generation {generation}: send PrepareVfio again with it to finish the binding, or release with it")]
+    BindingNotDone {
+        address: PciAddress,
+        /// The claim's generation now.
+        generation: u64,
+        #[source]
+        source: Box<ApiError>,
+    },
 }
 
 /// The reasons of the refusals the service decides itself, before the writer.
@@ -339,6 +349,11 @@ pub fn to_status(e: &ApiError) -> Status {
             Status::with_error_details(Code::Unavailable, msg, d)
         }
         ApiError::ClaimedNotBound {
+            address,
+            generation,
+            source,
+        }
+        | ApiError::BindingNotDone {
             address,
             generation,
             source,

@@ -128,7 +128,7 @@ impl Hardware {
 impl Hardware {
     /// Checks that `driver` is loaded (its directory under `bus/pci/drivers`) before a
     /// step that would leave `address` waiting on it.
-    fn require_driver(&self, address: PciAddress, driver: &str) -> Result<(), HardwareError> {
+    pub fn require_driver(&self, address: PciAddress, driver: &str) -> Result<(), HardwareError> {
         let path = self.bus_path(&format!("drivers/{driver}"));
         if path.is_dir() {
             return Ok(());

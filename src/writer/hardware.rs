@@ -155,6 +155,10 @@ impl Worker {
             };
             members.push(member);
         }
+        // Without vfio-pci loaded nothing can be bound: refused before the binding is
+        // recorded (a new generation), so the refusal changes nothing. Where a member is
+        // on vfio-pci already, the driver is loaded.
+        hw.require_driver(req.address, crate::hardware::VFIO_PCI_DRIVER)?;
         let (generation, cs) = self.ledger.record_binding(
             req.address,
             req.consumer,
