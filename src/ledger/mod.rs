@@ -1006,17 +1006,15 @@ impl Ledger {
     ) -> Generation {
         self.remember(tx, id);
         let generation = self.bump(tx);
-        let attached = {
-            let Some(rec) = self.records.get_mut(&id) else {
-                return generation;
-            };
-            f(rec);
-            rec.generation = generation;
-            rec.clone()
+        // Changed on a copy: `store_record` compares the record's links (IOMMU group,
+        // PF) before and after to keep the `related` index in step, so the stored
+        // record must still be the old one when it does.
+        let Some(mut updated) = self.records.get(&id).cloned() else {
+            return generation;
         };
-        let want = self.attachment_for(&attached);
-        let mut updated = attached;
-        updated.attached = want;
+        f(&mut updated);
+        updated.generation = generation;
+        updated.attached = self.attachment_for(&updated);
         self.store_record(updated.clone());
         tx.cs.upserts.retain(|r| r.id != id);
         tx.cs.upserts.push(updated);

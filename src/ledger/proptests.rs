@@ -42,6 +42,13 @@ enum Op {
     Return {
         dev: u8,
     },
+    /// A rescan finds device `dev` in another IOMMU group (a reboot renumbers groups, or
+    /// the IOMMU was turned on or off): `None` for none, else one of a few groups, some
+    /// shared with other devices.
+    Regroup {
+        dev: u8,
+        group: Option<u32>,
+    },
     Domains {
         actor: u8,
         devs: Vec<u8>,
@@ -62,6 +69,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..3, 0u8..3, 0u8..7).prop_map(|(actor, to, dev)| Op::Transfer { actor, to, dev }),
         1 => (0u8..7).prop_map(|dev| Op::Vanish { dev }),
         1 => (0u8..7).prop_map(|dev| Op::Return { dev }),
+        1 => (0u8..7, proptest::option::of(prop_oneof![Just(20u32), Just(21), Just(30), Just(99)]))
+            .prop_map(|(dev, group)| Op::Regroup { dev, group }),
         1 => (0u8..3, proptest::collection::vec(0u8..7, 0..3)).prop_map(|(actor, devs)| Op::Domains { actor, devs }),
         1 => Just(Op::NoDomains),
         1 => (0u32..3).prop_map(|ahead| Op::Raise { ahead: ahead * 1000 }),
@@ -258,6 +267,26 @@ impl World {
             }
             Op::Return { dev } => {
                 self.present[usize::from(*dev)] = true;
+                Ok((None, self.ledger.apply_inventory(self.current_inventory())))
+            }
+            Op::Regroup { dev, group } => {
+                // Two claims the hardware put into one group are no claim the ledger
+                // made (I1 is about what it decides): such a move is left out.
+                let address = self.address(*dev);
+                let claimed_here = self
+                    .ledger
+                    .record_at(address)
+                    .is_some_and(|r| r.claim.is_some());
+                let joins_a_claim = group.is_some()
+                    && self.ledger.records().any(|r| {
+                        r.present
+                            && r.claim.is_some()
+                            && r.address() != address
+                            && r.facts.iommu_group == *group
+                    });
+                if !(claimed_here && joins_a_claim) {
+                    self.inventory[usize::from(*dev)].iommu_group = *group;
+                }
                 Ok((None, self.ledger.apply_inventory(self.current_inventory())))
             }
             Op::Domains { actor, devs } => {

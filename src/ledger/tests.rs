@@ -259,6 +259,50 @@ fn iommu_group_members_block_each_other() {
     ));
 }
 
+/// IOMMU groups renumbered by a rescan (a reboot, the IOMMU turned on): the related
+/// index follows, so the new group mates block each other and a binding covers the new
+/// group. An earlier version changed the record in place before comparing its links, so
+/// the index kept the old groups until a restart rebuilt it.
+#[test]
+fn a_device_moved_to_another_iommu_group_is_related_by_its_new_group() {
+    let mut l = ledger();
+    claim(&mut l, "0000:3b:02.0", 1, "r1").expect("claim");
+    let mut inv = host();
+    for f in &mut inv {
+        if f.address == addr("0000:3b:02.0") || f.address == addr("0000:3b:02.1") {
+            f.iommu_group = Some(99);
+        }
+    }
+    l.apply_inventory(inv);
+    let err = claim(&mut l, "0000:3b:02.1", 2, "r2").expect_err("shares group 99 now");
+    assert!(
+        matches!(
+            err,
+            LedgerError::Blocked {
+                relation: Relation::IommuGroup,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let g = gen_of(&l, "0000:3b:02.0");
+    let plan = l
+        .bind_plan(addr("0000:3b:02.0"), owner(1).consumer, g)
+        .expect("plan");
+    assert_eq!(
+        plan.members,
+        vec![addr("0000:3b:02.0"), addr("0000:3b:02.1")]
+    );
+    assert_eq!(l.states(), {
+        let snap = Snapshot {
+            host_generation: l.host_generation(),
+            records: l.records().map(|r| (r.id, r.clone())).collect(),
+            requests: l.request_log().collect(),
+        };
+        Ledger::from_snapshot(snap).states()
+    });
+}
+
 #[test]
 fn vanished_claim_is_lost_and_returning_address_is_new_instance() {
     let mut l = ledger();
