@@ -277,7 +277,9 @@ impl Agent {
 
     /// Starts the uevent listener thread and the task that rescans what events name
     /// (events waiting together are coalesced into one rescan). A lost event or socket
-    /// means a full rescan, logged.
+    /// means a full rescan, logged. A rescan that fails (the ledger could not take it: a
+    /// full disk) is owed, not dropped: it is tried again, with what arrived meanwhile,
+    /// after a wait that doubles from one second to half a minute, until it is applied.
     fn start_hotplug(&self, socket: UeventSocket, rcvbuf: usize) -> Result<(), DaemonError> {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         crate::hotplug::spawn(socket, rcvbuf, tx).map_err(DaemonError::Thread)?;
@@ -286,22 +288,41 @@ impl Agent {
         let hotplug = self.info.hotplug.clone();
         crate::domains::set_health(&hotplug, true, "listening for PCI uevents".into());
         tokio::spawn(async move {
-            while let Some(first) = rx.recv().await {
-                let mut addresses = BTreeSet::new();
-                let mut resync: Option<String> = None;
+            let mut owed = Owed::default();
+            let mut retry_in: Option<std::time::Duration> = None;
+            loop {
+                // Wait for an event; with a rescan owed, at most until its retry is due.
+                let first = match retry_in {
+                    None => match rx.recv().await {
+                        Some(n) => Some(n),
+                        None => break,
+                    },
+                    Some(wait) => tokio::select! {
+                        n = rx.recv() => match n {
+                            Some(n) => Some(n),
+                            None => break,
+                        },
+                        _ = tokio::time::sleep(wait) => None,
+                    },
+                };
                 let mut take = |n: Notice| match n {
                     Notice::Device(ev) => {
                         metrics.uevent();
                         tracing::debug!(action = %ev.action, device = %ev.address, "uevent");
-                        addresses.insert(ev.address);
+                        owed.addresses.insert(ev.address);
+                        if ev.removal {
+                            owed.removed.insert(ev.address);
+                        }
                     }
-                    Notice::Resync(why) => resync = Some(why),
+                    Notice::Resync(why) => owed.resync = Some(why),
                 };
-                take(first);
+                if let Some(n) = first {
+                    take(n);
+                }
                 while let Ok(n) = rx.try_recv() {
                     take(n);
                 }
-                let result = match resync {
+                let result = match &owed.resync {
                     Some(why) => {
                         metrics.uevent_resync();
                         tracing::warn!(reason = %why, "uevents were lost: full rescan");
@@ -311,12 +332,38 @@ impl Agent {
                             true,
                             format!("listening for PCI uevents; {events} handled, {resyncs} full rescan(s) after lost events (last: {why})"),
                         );
-                        rescanner.full(None).await
+                        rescanner.full_after(&owed.removed).await
                     }
-                    None => rescanner.devices(addresses).await,
+                    None => {
+                        rescanner
+                            .devices(owed.addresses.clone(), &owed.removed)
+                            .await
+                    }
                 };
-                if let Err(e) = result {
-                    tracing::error!(error = %e, "rescan after uevent failed");
+                match result {
+                    Ok(()) => {
+                        if retry_in.take().is_some() {
+                            tracing::info!("the owed rescan is applied");
+                            let (events, resyncs) = metrics.uevent_counts();
+                            crate::domains::set_health(
+                                &hotplug,
+                                true,
+                                format!("listening for PCI uevents; {events} handled, {resyncs} full rescan(s) after lost events"),
+                            );
+                        }
+                        owed = Owed::default();
+                    }
+                    Err(e) => {
+                        let wait =
+                            retry_in.map_or(RESCAN_RETRY_FIRST, |w| (w * 2).min(RESCAN_RETRY_MAX));
+                        retry_in = Some(wait);
+                        tracing::error!(error = %e, retry_in_ms = wait.as_millis() as u64, "rescan after uevent failed; it is owed and tried again");
+                        crate::domains::set_health(
+                            &hotplug,
+                            false,
+                            format!("a rescan after uevents failed ({e}); the inventory may be stale until it is retried, in {} ms", wait.as_millis()),
+                        );
+                    }
                 }
             }
         });
@@ -379,6 +426,19 @@ impl Agent {
             self.guard.clone(),
         )
     }
+}
+
+/// The first wait before an owed rescan is tried again, and the longest.
+const RESCAN_RETRY_FIRST: std::time::Duration = std::time::Duration::from_secs(1);
+const RESCAN_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// What the hotplug task still has to apply: the devices events named (and which of them
+/// the kernel removed), and whether a full rescan is needed.
+#[derive(Debug, Default)]
+struct Owed {
+    addresses: BTreeSet<crate::pci::PciAddress>,
+    removed: BTreeSet<crate::pci::PciAddress>,
+    resync: Option<String>,
 }
 
 /// Binds the Unix socket: creates its directory, replaces a stale socket (never any

@@ -31,6 +31,10 @@ pub struct Uevent {
     pub devpath: String,
     /// The device the event names (`PCI_SLOT_NAME`, else the devpath's last component).
     pub address: PciAddress,
+    /// The PCI function itself was removed (a `remove` of the pci subsystem; a network
+    /// interface's `remove` is not one). Whatever is found at its address afterwards is
+    /// another device, even with the same IDs: its claim must not carry over.
+    pub removal: bool,
 }
 
 /// What the listener hands to the agent.
@@ -81,8 +85,10 @@ pub fn parse(msg: &[u8]) -> Option<Uevent> {
         _ => return None,
     };
     let address = name.parse::<PciAddress>().ok()?;
+    let action = action?;
     Some(Uevent {
-        action: action?.to_string(),
+        removal: subsystem == Some("pci") && action == "remove",
+        action: action.to_string(),
         devpath: devpath.to_string(),
         address,
     })
@@ -203,6 +209,7 @@ mod tests {
         let ev = parse(&m).expect("parsed");
         assert_eq!(ev.action, "add");
         assert_eq!(ev.address.to_string(), "0000:01:00.2");
+        assert!(!ev.removal);
     }
 
     #[test]
@@ -212,10 +219,9 @@ mod tests {
             "ACTION=remove",
             "SUBSYSTEM=pci",
         ]);
-        assert_eq!(
-            parse(&m).expect("parsed").address.to_string(),
-            "0000:00:1f.3"
-        );
+        let ev = parse(&m).expect("parsed");
+        assert_eq!(ev.address.to_string(), "0000:00:1f.3");
+        assert!(ev.removal, "a PCI function's remove");
     }
 
     /// A PCI function's interface renamed (udev, after the function's own events) or
@@ -244,6 +250,13 @@ mod tests {
             parse(&m).expect("parsed").address.to_string(),
             "0000:3b:02.1"
         );
+        // An interface going away (its driver unbound) is no removal of the function.
+        let m = msg(&[
+            "remove@/devices/pci0000:3a/0000:3a:00.0/0000:3b:02.1/net/eth7",
+            "ACTION=remove",
+            "SUBSYSTEM=net",
+        ]);
+        assert!(!parse(&m).expect("parsed").removal);
     }
 
     #[test]

@@ -95,18 +95,43 @@ impl Rescanner {
         for d in inv.devices.iter().filter(|d| !d.errors.is_empty()) {
             tracing::warn!(device = %d.address, problems = ?d.errors, "device read with problems");
         }
-        if let Some(sel) = selection {
-            *write(&self.selection) = sel;
-        }
-        let facts = read(&self.selection).facts(&inv.devices);
-        *write(&self.inventory) = inv.devices.into_iter().map(|d| (d.address, d)).collect();
+        let sel = selection.unwrap_or_else(|| read(&self.selection).clone());
+        let facts = sel.facts(&inv.devices);
+        // The inventory and the selection change only once the ledger took the scan: a
+        // scan the ledger refused (a full disk) leaves both as the ledger has them, and
+        // the retry finds the same differences again.
         self.writer.inventory(facts).await?;
+        *write(&self.selection) = sel;
+        *write(&self.inventory) = inv.devices.into_iter().map(|d| (d.address, d)).collect();
         Ok(())
     }
 
+    /// A full scan (lost uevents) after `removed`, PCI functions the kernel said it
+    /// removed, leave the ledger: a device at one of their addresses now is a new one.
+    pub async fn full_after(&self, removed: &BTreeSet<PciAddress>) -> Result<(), RescanError> {
+        if !removed.is_empty() {
+            let _turn = self.turn.lock().await;
+            self.writer
+                .devices(removed.iter().map(|a| (*a, None)).collect())
+                .await?;
+            let mut inv = write(&self.inventory);
+            for a in removed {
+                inv.remove(a);
+            }
+        }
+        self.full(None).await
+    }
+
     /// Rescans `addresses` and their PF/VF relatives (before and after the change), and
-    /// applies only those devices: O(changed devices), not a full scan.
-    pub async fn devices(&self, addresses: BTreeSet<PciAddress>) -> Result<(), RescanError> {
+    /// applies only those devices: O(changed devices), not a full scan. Each of
+    /// `removed` (a subset of `addresses`: PCI functions the kernel said it removed)
+    /// leaves the ledger first, so a device found at its address now is a new one,
+    /// without the old one's claim (which is kept, lost).
+    pub async fn devices(
+        &self,
+        addresses: BTreeSet<PciAddress>,
+        removed: &BTreeSet<PciAddress>,
+    ) -> Result<(), RescanError> {
         if addresses.is_empty() {
             return Ok(());
         }
@@ -145,39 +170,48 @@ impl Rescanner {
         })
         .await
         .map_err(|e| RescanError::Thread(e.to_string()))??;
-        let changes: Vec<(PciAddress, Option<DeviceFacts>)> = {
-            let mut inv = write(&self.inventory);
+        let mut changes: Vec<(PciAddress, Option<DeviceFacts>)> =
+            removed.iter().map(|a| (*a, None)).collect();
+        {
+            let inv = read(&self.inventory);
+            let sel = read(&self.selection);
             for (a, d) in &scanned {
-                match d {
-                    Some(d) => {
-                        if !d.errors.is_empty() {
-                            tracing::warn!(device = %a, problems = ?d.errors, "device read with problems");
-                        }
-                        inv.insert(*a, d.clone());
+                let facts = d.as_ref().map(|d| {
+                    if !d.errors.is_empty() {
+                        tracing::warn!(device = %a, problems = ?d.errors, "device read with problems");
                     }
-                    None => {
-                        inv.remove(a);
-                    }
+                    // The PF as just scanned, else as the inventory has it.
+                    let pf_netdevs: &[String] = d
+                        .physfn
+                        .and_then(|pf| match scanned.get(&pf) {
+                            Some(fresh) => fresh.as_ref(),
+                            None => inv.get(&pf),
+                        })
+                        .map(|pf| pf.netdevs.as_slice())
+                        .unwrap_or(&[]);
+                    sel.fact(d, pf_netdevs)
+                });
+                changes.push((*a, facts));
+            }
+        }
+        tracing::debug!(
+            devices = changes.len(),
+            removed = removed.len(),
+            "partial rescan"
+        );
+        // As for a full scan: the inventory follows only once the ledger took it.
+        self.writer.devices(changes).await?;
+        let mut inv = write(&self.inventory);
+        for (a, d) in scanned {
+            match d {
+                Some(d) => {
+                    inv.insert(a, d);
+                }
+                None => {
+                    inv.remove(&a);
                 }
             }
-            let sel = read(&self.selection);
-            scanned
-                .iter()
-                .map(|(a, d)| {
-                    let facts = d.as_ref().map(|d| {
-                        let pf_netdevs: &[String] = d
-                            .physfn
-                            .and_then(|pf| inv.get(&pf))
-                            .map(|pf| pf.netdevs.as_slice())
-                            .unwrap_or(&[]);
-                        sel.fact(d, pf_netdevs)
-                    });
-                    (*a, facts)
-                })
-                .collect()
-        };
-        tracing::debug!(devices = changes.len(), "partial rescan");
-        self.writer.devices(changes).await?;
+        }
         Ok(())
     }
 }

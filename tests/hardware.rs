@@ -576,6 +576,54 @@ async fn hotplug_removal_marks_a_claim_lost_and_an_overflow_rescans_everything()
     s.stop().await;
 }
 
+/// A claimed VF hot-removed and a function added back at its address before the agent
+/// rescanned it (the remove's rescan found the new one there): the kernel said the
+/// function was removed, so the claim is kept, lost, and the function there now is a new
+/// device, free. An earlier version reduced events to addresses and, finding a device at
+/// the address, kept the old claim on the new device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_seen_before_the_device_came_back_does_not_carry_its_claim_over() {
+    let _alone = alone().await;
+    let t = tree();
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 1).await;
+    claim(&mut c, &a, 10, false).await.expect("claim");
+    let claimed = device(&mut c, &a).await.expect("VF");
+
+    // Removed and back before either event is read.
+    t.remove_device(&a);
+    t.replug_device(&a);
+    send_uevent("remove", &a);
+    send_uevent("add", &a);
+    let l = until(&mut c, "the claim lost and the new device free", |l| {
+        let here: Vec<&proto::Device> = l.iter().filter(|d| d.address == a).collect();
+        here.len() == 2
+            && here
+                .iter()
+                .any(|d| !d.present && d.state == proto::DeviceState::Lost as i32)
+            && here
+                .iter()
+                .any(|d| d.present && d.state == proto::DeviceState::Free as i32)
+    })
+    .await;
+    let lost = l
+        .iter()
+        .find(|d| d.address == a && !d.present)
+        .expect("lost record");
+    assert_eq!(
+        lost.owner, claimed.owner,
+        "the claim is kept, on the lost record"
+    );
+    let new = l
+        .iter()
+        .find(|d| d.address == a && d.present)
+        .expect("the new device");
+    assert!(new.owner.is_none(), "the new device carries no claim");
+    assert!(new.generation > claimed.generation);
+    s.stop().await;
+}
+
 // ---- sysfs write faults -------------------------------------------------------------
 //
 // The kernel's own errors on sysfs writes, returned through a FUSE file planted in the

@@ -573,3 +573,91 @@ async fn a_restart_on_a_full_disk_serves_reads() {
         "the raised generation was stored with the next commit"
     );
 }
+
+/// A hotplug removal whose rescan the ledger cannot take (the disk is full) is owed, not
+/// dropped: the agent tries it again until it is applied, and the removed VF leaves the
+/// listing once space is back. An earlier version logged the failure and forgot the
+/// event, so the VF stayed listed (free and claimable) until the next full rescan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hotplug_rescan_refused_by_a_full_disk_is_retried_until_applied() {
+    require_root("a_hotplug_rescan_refused_by_a_full_disk_is_retried_until_applied");
+    let mut f = hostdevd::simhost::FakeSys::new();
+    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
+        .vf_iommu_groups("0000:3b:00.0", 40);
+    let tree = f.build();
+    let tmp = TempDir::new().expect("tempdir");
+    let mnt = tmp.path().join("full");
+    let _mount = Mount::tmpfs(&mnt, "1m");
+    let socket = tmp.path().join("hostdevd.sock");
+    let cfg_path = tmp.path().join("config.toml");
+    fs::write(
+        &cfg_path,
+        format!(
+            "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n\
+             [api]\nsocket = {:?}\n[libvirt]\nenabled = false\n[hotplug]\nenabled = true\n",
+            tree.sysfs_root(),
+            tree.dev_root(),
+            mnt.join("state"),
+            socket,
+        ),
+    )
+    .expect("config");
+    // A first run writes the ledger and stops cleanly (no write-ahead log left), so that
+    // on the full disk the next commit has nowhere to go.
+    let (daemon, _c) = start(&cfg_path, &socket).await;
+    daemon.terminate().await;
+    fill_up(&mnt.join("filler"));
+    let (daemon, mut c) = start(&cfg_path, &socket).await;
+    let vf = list(&mut c)
+        .await
+        .into_iter()
+        .find(|d| d.managed)
+        .expect("a VF")
+        .address;
+
+    tree.remove_device(&vf);
+    support::fakekernel::send_uevent("remove", &vf);
+    let hotplug = |s: proto::AgentStatus| s.hotplug.expect("hotplug health");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let h = hotplug(
+            c.get_status(proto::GetStatusRequest {})
+                .await
+                .expect("status")
+                .into_inner(),
+        );
+        if !h.ok {
+            assert!(h.detail.contains("retried"), "{}", h.detail);
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the rescan never failed on the full disk: {}",
+            h.detail
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(
+        list(&mut c).await.iter().any(|d| d.address == vf),
+        "the ledger could not take the removal yet"
+    );
+
+    // Space is back: the owed rescan goes through without another event.
+    fs::remove_file(mnt.join("filler")).expect("free space");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while list(&mut c).await.iter().any(|d| d.address == vf) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the removed VF is still listed a minute after space came back"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let h = hotplug(
+        c.get_status(proto::GetStatusRequest {})
+            .await
+            .expect("status")
+            .into_inner(),
+    );
+    assert!(h.ok, "healthy again once applied: {}", h.detail);
+    daemon.terminate().await;
+}

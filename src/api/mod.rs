@@ -1206,7 +1206,7 @@ impl HostDevService {
     /// Rescans devices after a hardware action (a failure is logged: the uevents that
     /// follow rescan them again).
     async fn rescan(&self, addresses: BTreeSet<PciAddress>) {
-        if let Err(e) = self.rescanner.devices(addresses).await {
+        if let Err(e) = self.rescanner.devices(addresses, &BTreeSet::new()).await {
             tracing::warn!(error = %e, "rescan after a hardware action failed");
         }
     }
