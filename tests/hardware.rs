@@ -576,6 +576,52 @@ async fn hotplug_removal_marks_a_claim_lost_and_an_overflow_rescans_everything()
     s.stop().await;
 }
 
+/// A VF count change that writes nothing changes nothing: the count asked for is the
+/// count the PF has (and no autoprobe setting), or the kernel refuses the first write
+/// (here `sriov_drivers_autoprobe` is missing, as before Linux 4.12). The PF keeps its
+/// generation either way; an earlier version gave it a new one, so the caller's next
+/// call with the generation it held was refused as stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vf_count_change_that_writes_nothing_keeps_the_pf_generation() {
+    let _alone = alone().await;
+    let t = tree();
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let pf = device(&mut c, PF).await.expect("PF");
+    let vfs = pf.sriov.as_ref().expect("sriov").num_vfs;
+
+    let same = c
+        .set_vf_count(proto::SetVfCountRequest {
+            address: PF.into(),
+            vf_count: vfs,
+            generation: pf.generation,
+            drivers_autoprobe: None,
+        })
+        .await
+        .expect("the count it has")
+        .into_inner();
+    assert_eq!(same.generation, pf.generation, "{same:?}");
+    assert_eq!(
+        device(&mut c, PF).await.expect("PF").generation,
+        pf.generation
+    );
+
+    t.remove_attr(PF, "sriov_drivers_autoprobe");
+    let e = set_vfs(&mut c, 2, pf.generation)
+        .await
+        .expect_err("no sriov_drivers_autoprobe to write");
+    assert_eq!(reason(&e).0, "HARDWARE_STEP_FAILED", "{e:?}");
+    assert_eq!(
+        reason(&e).1.get("step").map(String::as_str),
+        Some("set sriov_drivers_autoprobe")
+    );
+    let after = device(&mut c, PF).await.expect("PF");
+    assert_eq!(after.generation, pf.generation, "nothing was written");
+    assert_eq!(after.sriov.expect("sriov").num_vfs, vfs);
+    s.stop().await;
+}
+
 /// A claimed VF hot-removed and a function added back at its address before the agent
 /// rescanned it (the remove's rescan found the new one there): the kernel said the
 /// function was removed, so the claim is kept, lost, and the function there now is a new

@@ -214,7 +214,7 @@ fn non_utf8_value_is_named() {
     let f = base();
     let t = f.build();
     t.write_attr(OTHER, "subsystem_device", b"0x\xff\xfe\n");
-    t.write_attr(OTHER, "driver_override", b"\xc3\x28\n");
+    t.write_attr(OTHER, "numa_node", b"\xc3\x28\n");
     let inv = scan(&t);
     let d = dev(&inv, OTHER);
     assert_eq!(d.errors.len(), 2, "{:?}", d.errors);
@@ -225,7 +225,7 @@ fn non_utf8_value_is_named() {
     assert!(d
         .errors
         .iter()
-        .any(|e| e.starts_with("driver_override: ") && e.contains("0000:00:1f.3/driver_override")));
+        .any(|e| e.starts_with("numa_node: ") && e.contains("0000:00:1f.3/numa_node")));
     assert_others_clean(&f, &inv, &[OTHER]);
 }
 
@@ -312,7 +312,7 @@ fn absent_optional_attributes_are_not_errors() {
     let inv = scan(&t);
     let d = dev(&inv, OTHER);
     assert!(d.errors.is_empty(), "{:?}", d.errors);
-    assert_eq!((d.numa_node, d.driver_override.as_deref()), (None, None));
+    assert_eq!(d.numa_node, None);
 }
 
 #[test]
@@ -336,20 +336,24 @@ fn missing_root_is_an_error_naming_the_path() {
     assert!(std::error::Error::source(&err).is_some(), "cause kept");
 }
 
+/// A scan never reads `driver_override`: the kernel takes the device's lock to show it,
+/// so a read waits out any bind, unbind or probe of that device (minutes for a driver
+/// whose remove hangs), and the inventory has no use for it. An unreadable one is no
+/// problem of the scan's.
 #[test]
-fn driver_override_and_group_peers_are_kept() {
+fn group_peers_are_kept_and_driver_override_is_not_read() {
     let mut f = base();
     f.driver_override(OTHER, "vfio-pci").iommu_group(OTHER, 30);
     let t = f.build();
+    t.make_attr_unreadable(OTHER, "driver_override");
     let inv = scan(&t);
     let d = dev(&inv, OTHER);
-    assert_eq!(d.driver_override.as_deref(), Some("vfio-pci"));
+    assert!(d.errors.is_empty(), "{:?}", d.errors);
     assert_eq!(d.iommu_group_peers, vec![addr("0000:00:1f.4")]);
     assert_eq!(
         dev(&inv, "0000:00:1f.4").iommu_group_peers,
         vec![addr(OTHER)]
     );
-    assert_eq!(dev(&inv, PF).driver_override, None, "(null) is no override");
 }
 
 #[test]

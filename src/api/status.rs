@@ -238,7 +238,9 @@ pub fn to_status(e: &ApiError) -> Status {
                     (Code::FailedPrecondition, "HARDWARE_PRECONDITION")
                 }
                 H::DriverMissing { .. } => (Code::FailedPrecondition, "DRIVER_NOT_LOADED"),
-                H::Timeout { .. } => (Code::DeadlineExceeded, "HARDWARE_STEP_TIMEOUT"),
+                H::Timeout { .. } | H::ReadTimeout { .. } => {
+                    (Code::DeadlineExceeded, "HARDWARE_STEP_TIMEOUT")
+                }
                 H::Write { .. } | H::Read { .. } | H::Driver { .. } | H::VfCount { .. } => {
                     (Code::Internal, "HARDWARE_STEP_FAILED")
                 }

@@ -58,6 +58,13 @@ pub enum HardwareError {
         path: PathBuf,
         after: Duration,
     },
+    #[error("{address}: {step}: no answer from the kernel within {after:?} reading {path} (the kernel holds the device while it changes it: a VF count change or a driver probe still running?); nothing was changed")]
+    ReadTimeout {
+        address: PciAddress,
+        step: &'static str,
+        path: PathBuf,
+        after: Duration,
+    },
     #[error("{address}: {step}: expected driver {expected}, found {found}")]
     Driver {
         address: PciAddress,
@@ -99,6 +106,7 @@ impl HardwareError {
             HardwareError::Write { step, .. }
             | HardwareError::Read { step, .. }
             | HardwareError::Timeout { step, .. }
+            | HardwareError::ReadTimeout { step, .. }
             | HardwareError::Driver { step, .. }
             | HardwareError::VfCount { step, .. } => step,
             HardwareError::DriverMissing { .. } => "driver present",
@@ -142,6 +150,62 @@ impl Hardware {
         value: &str,
     ) -> Result<(), HardwareError> {
         self.write_within(address, step, path, value, self.step_timeout)
+    }
+
+    /// Reads an attribute the kernel shows under the device's lock (`sriov_numvfs`),
+    /// waiting at most the step timeout: a VF count change still running (one that
+    /// outlived its own timeout) holds that lock for as long as it takes, and the caller
+    /// (the writer thread) must not wait with it. `Ok(None)`: no such attribute.
+    pub fn read_within(
+        &self,
+        address: PciAddress,
+        step: &'static str,
+        path: &Path,
+    ) -> Result<Option<String>, HardwareError> {
+        let p = path.to_path_buf();
+        self.read_on_thread(address, step, path, move || {
+            crate::sysfs::attr::read_optional_text(&p)
+        })
+    }
+
+    /// Runs `read` (of `path`) on a thread of its own and waits at most the step
+    /// timeout for it; a read that never returns keeps only that thread.
+    fn read_on_thread<T: Send + 'static>(
+        &self,
+        address: PciAddress,
+        step: &'static str,
+        path: &Path,
+        read: impl FnOnce() -> Result<T, crate::sysfs::SysfsError> + Send + 'static,
+    ) -> Result<T, HardwareError> {
+        let (tx, rx) = mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("hostdevd-sysfs-read".into())
+            .spawn(move || {
+                let _ = tx.send(read());
+            });
+        if let Err(e) = spawned {
+            return Err(HardwareError::Read {
+                address,
+                step,
+                path: path.to_path_buf(),
+                detail: format!("cannot start a thread to read it: {e}"),
+            });
+        }
+        match rx.recv_timeout(self.step_timeout) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(HardwareError::Read {
+                address,
+                step,
+                path: path.to_path_buf(),
+                detail: e.full_message(),
+            }),
+            Err(_) => Err(HardwareError::ReadTimeout {
+                address,
+                step,
+                path: path.to_path_buf(),
+                after: self.step_timeout,
+            }),
+        }
     }
 
     /// [`Self::write`], waiting at most `timeout` (for `sriov_numvfs`, the VF count
@@ -232,5 +296,58 @@ impl Hardware {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    /// A read the kernel does not answer (it holds the device while a VF count change
+    /// that outlived its own timeout still runs) is given up after the step timeout, so
+    /// the writer thread, which checks the VF count before a change, is not held with it.
+    #[test]
+    fn a_read_that_hangs_is_given_up_after_the_step_timeout() {
+        let hw = Hardware {
+            sysfs_root: PathBuf::from("/nonexistent"),
+            step_timeout: Duration::from_millis(100),
+            vf_count_timeout: Duration::from_secs(10),
+        };
+        let (release, held) = mpsc::channel::<()>();
+        let a: PciAddress = "0000:3b:00.0".parse().expect("address");
+        let started = Instant::now();
+        let err = hw
+            .read_on_thread(
+                a,
+                "read sriov_numvfs",
+                Path::new("sriov_numvfs"),
+                move || {
+                    let _ = held.recv();
+                    Ok(Some("4".to_string()))
+                },
+            )
+            .expect_err("no answer");
+        assert!(
+            matches!(
+                &err,
+                HardwareError::ReadTimeout {
+                    step: "read sriov_numvfs",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("nothing was changed"), "{err}");
+        assert!(started.elapsed() >= Duration::from_millis(100));
+        drop(release);
+        // An answer in time is passed on.
+        let v = hw
+            .read_on_thread(a, "read sriov_numvfs", Path::new("sriov_numvfs"), || {
+                Ok(Some("4".to_string()))
+            })
+            .expect("answered");
+        assert_eq!(v.as_deref(), Some("4"));
     }
 }

@@ -7,6 +7,18 @@ use crate::pci::PciAddress;
 
 use super::{Hardware, HardwareError};
 
+/// What a VF count change wrote before it ended, or failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    /// Nothing: refused before any write, or nothing to write.
+    Nothing,
+    /// `sriov_drivers_autoprobe` only; the PF's VFs are as they were.
+    Autoprobe,
+    /// A `sriov_numvfs` write went through or timed out (and may still finish): the VFs
+    /// the PF had may be gone.
+    Vfs,
+}
+
 impl Hardware {
     /// Reads one numeric SR-IOV attribute of a PF.
     fn sriov_attr(
@@ -16,20 +28,14 @@ impl Hardware {
         step: &'static str,
     ) -> Result<u32, HardwareError> {
         let path = self.device_dir(pf).join(name);
-        match crate::sysfs::attr::read_optional_text(&path) {
-            Ok(Some(v)) => v.trim().parse::<u32>().map_err(|e| HardwareError::Read {
+        match self.read_within(pf, step, &path)? {
+            Some(v) => v.trim().parse::<u32>().map_err(|e| HardwareError::Read {
                 address: pf,
                 step,
                 path,
                 detail: format!("{v:?} is not a count: {e}"),
             }),
-            Ok(None) => Err(HardwareError::NotPhysicalFunction { address: pf }),
-            Err(e) => Err(HardwareError::Read {
-                address: pf,
-                step,
-                path,
-                detail: e.full_message(),
-            }),
+            None => Err(HardwareError::NotPhysicalFunction { address: pf }),
         }
     }
 
@@ -55,27 +61,29 @@ impl Hardware {
     /// Sets the VF count of `pf` from `before` (as [`Self::vf_count_now`] read it) to
     /// `count`; `autoprobe`, when given, is written to `sriov_drivers_autoprobe` first
     /// (false: new VFs stay unbound until bound on purpose). Any error may come after a
-    /// write, so the PF may have changed. Also says whether the VFs the PF had may be
-    /// gone: not when the count stays, nor when the kernel refused the first
-    /// `sriov_numvfs` write outright; once one went through (or timed out, and may still
-    /// finish), they may be.
+    /// write, so the PF may have changed; the second value says what was written. The
+    /// VFs the PF had may be gone ([`Written::Vfs`]) once a `sriov_numvfs` write went
+    /// through or timed out (and may still finish), not when the count stays, nor when
+    /// the kernel refused the first one outright.
     pub fn write_num_vfs(
         &self,
         pf: PciAddress,
         before: u32,
         count: u32,
         autoprobe: Option<bool>,
-    ) -> (Result<(), HardwareError>, bool) {
+    ) -> (Result<(), HardwareError>, Written) {
         let dir = self.device_dir(pf);
+        let mut written = Written::Nothing;
         if let Some(on) = autoprobe {
             let path = dir.join("sriov_drivers_autoprobe");
             let value = if on { "1" } else { "0" };
             if let Err(e) = self.write(pf, "set sriov_drivers_autoprobe", &path, value) {
-                return (Err(e), false);
+                return (Err(e), written);
             }
+            written = Written::Autoprobe;
         }
         if before == count {
-            return (Ok(()), false);
+            return (Ok(()), written);
         }
         let numvfs = dir.join("sriov_numvfs");
         let write_numvfs =
@@ -88,8 +96,8 @@ impl Hardware {
         };
         match first {
             Ok(()) => {}
-            Err(e @ HardwareError::Write { .. }) => return (Err(e), false),
-            Err(e) => return (Err(e), true),
+            Err(e @ HardwareError::Write { .. }) => return (Err(e), written),
+            Err(e) => return (Err(e), Written::Vfs),
         }
         let rest = (|| {
             if zero_first {
@@ -106,6 +114,6 @@ impl Hardware {
             }
             Ok(())
         })();
-        (rest, true)
+        (rest, Written::Vfs)
     }
 }

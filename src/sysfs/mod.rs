@@ -213,9 +213,6 @@ pub struct PciDevice {
     pub vfio_device: Option<PathBuf>,
     /// One sentence per attribute or link that could not be read, each naming it.
     pub errors: Vec<String>,
-    /// `driver_override`; `None` when the kernel shows "(null)".
-    #[serde(skip)]
-    pub driver_override: Option<String>,
     /// The other devices in the same IOMMU group (this device excluded), sorted.
     #[serde(skip)]
     pub iommu_group_peers: Vec<PciAddress>,
@@ -247,7 +244,6 @@ impl PciDevice {
             vfio_group: None,
             vfio_device: None,
             errors: Vec::new(),
-            driver_override: None,
             iommu_group_peers: Vec::new(),
             vfio_group_exists: false,
         }

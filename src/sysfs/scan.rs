@@ -181,10 +181,9 @@ fn read_device(ctx: &mut Ctx<'_>, address: PciAddress) -> (PciDevice, Option<VfL
         Ok(d) => dev.driver = d,
         Err(e) => dev.problem("driver", &e),
     }
-    match attr::read_optional_text(&dir.join("driver_override")) {
-        Ok(v) => dev.driver_override = v.as_deref().and_then(attr::parse_driver_override),
-        Err(e) => dev.problem("driver_override", &e),
-    }
+    // Not `driver_override`: the kernel shows it under the device's lock, so reading it
+    // waits out any bind, unbind or probe of the device, and nothing here needs it (a
+    // hardware action reads it itself when it must).
     // Absent without CONFIG_NUMA: no affinity, not an error.
     match attr::read_optional_text(&dir.join("numa_node")) {
         Ok(Some(v)) => match attr::parse_numa_node(&dir.join("numa_node"), &v) {

@@ -10,6 +10,7 @@
 use std::sync::Arc;
 
 use super::{now_unix, Applied, Command, Worker, WriteError};
+use crate::hardware::sriov::Written;
 use crate::hardware::HardwareError;
 use crate::ledger::{BoundMember, ChangeSet, ReleaseRequest};
 use crate::metrics::Op;
@@ -218,12 +219,23 @@ impl Worker {
         let vfs = self.ledger.check_vf_change(req.pf, req.generation)?;
         // Reads only: refused here, nothing changed.
         let before = hw.vf_count_now(req.pf, req.count)?;
-        let (result, destroyed) = hw.write_num_vfs(req.pf, before, req.count, req.autoprobe);
+        let (result, written) = hw.write_num_vfs(req.pf, before, req.count, req.autoprobe);
+        if written == Written::Nothing {
+            // Nothing reached sysfs (refused at the first write, or nothing to write):
+            // nothing changed, and the caller's generation stays good.
+            result?;
+            return Ok(VfCountSet {
+                generation: req.generation,
+                before,
+            });
+        }
         // Written or half-written, the PF gets a new generation (whoever holds the old
         // one must look again), and where the VFs it had may be gone, they are gone in
         // the same commit: the kernel destroys them all first, so a claim must not take
         // one before the rescan finds what is there now.
-        let cs = self.ledger.vf_count_written(req.pf, &vfs, destroyed);
+        let cs = self
+            .ledger
+            .vf_count_written(req.pf, &vfs, written == Written::Vfs);
         let generation = cs.host_generation;
         self.commit_one(cs)?;
         tracing::info!(pf = %req.pf, count = req.count, before, ok = result.is_ok(), "VF count written");
