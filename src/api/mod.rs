@@ -993,10 +993,19 @@ impl HostDev for HostDevService {
             Outcome::Released { .. } => "released",
             Outcome::Transferred { .. } => "transferred",
         };
+        // The log holds the generation the claim was made at; a binding recorded after it
+        // (a Claim with vfio, PrepareVfio) moved the claim on. While the claim stands, its
+        // generation now is the one its owner must present, as a retried Claim answers.
+        let mut generation = entry.outcome.generation();
+        if let Outcome::Claimed { address, .. } = entry.outcome {
+            if let Some((now, _)) = self.claim_now(address, consumer, &request_id) {
+                generation = now;
+            }
+        }
         Ok(Response::new(proto::RequestOutcome {
             operation: operation.into(),
             address: entry.outcome.address().to_string(),
-            generation: entry.outcome.generation().0,
+            generation: generation.0,
             at_unix: entry.at,
         }))
     }
