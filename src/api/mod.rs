@@ -256,13 +256,6 @@ impl HostDevService {
         }
     }
 
-    /// [`HostDevService::unused`], with a refusal counted in the rejections metric.
-    async fn check_free(&self, devices: &[PciAddress], what: &str) -> Result<(), ApiError> {
-        self.unused(devices, what)
-            .await
-            .map_err(|e| self.refused(e))
-    }
-
     /// Counts a refusal the service's own checks decided (the writer counts the
     /// ledger's), and passes it on.
     fn refused(&self, e: ApiError) -> ApiError {
@@ -559,9 +552,22 @@ impl HostDev for HostDevService {
                     .as_ref()
                     .is_some_and(|c| c.owner.consumer == rel.consumer)
         });
+        // Where the checks fail and the ledger, as it is now, refuses the release anyway (a
+        // domain uses the device, or the fresh listing moved its generation on), that
+        // refusal is the answer: it names what to do (detach from the domain, read the
+        // device again), where a check's failure would only say to try again later.
         if checked {
-            self.check_free(&[rel.address], &rel.address.to_string())
-                .await?;
+            if let Err(e) = self.unused(&[rel.address], &rel.address.to_string()).await {
+                let refused = self.writer.view().ledger.check_release(&rel).err();
+                return Err(match refused {
+                    Some(le) => {
+                        self.writer.metrics().rejected(le.reason());
+                        ApiError::from(crate::writer::WriteError::from(le))
+                    }
+                    None => self.refused(e),
+                }
+                .into());
+            }
         }
         let bound: BTreeSet<PciAddress> = self
             .writer
