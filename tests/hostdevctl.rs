@@ -929,3 +929,44 @@ fn a_claim_whose_outcome_is_open_names_its_request_id() {
     let r = a.ctl(&["claim", &v, "--owner", OTHER]);
     assert!(!refusal(&r, 1).contains("request id"), "{r:?}");
 }
+
+/// A watch that the agent ends because it is stopping (SIGTERM) says so, and exits 1 as
+/// a call the agent ended, not 3 as a connection that broke.
+#[test]
+fn a_watch_ended_by_the_agent_stopping_says_so() {
+    use std::io::BufRead;
+    let a = Agent::start();
+    let mut watch = Command::new(env!("CARGO_BIN_EXE_hostdevctl"))
+        .arg("--socket")
+        .arg(&a.socket)
+        .arg("watch")
+        .env_remove("HOSTDEVD_SOCKET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(watch.stderr.take().unwrap());
+    // hostdevctl says it is watching once the agent has accepted the stream.
+    let mut first = String::new();
+    stderr.read_line(&mut first).unwrap();
+    assert!(
+        first.starts_with("hostdevctl: watching changes after generation"),
+        "{first}"
+    );
+    let pid = nix::unistd::Pid::from_raw(a.child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
+        let _ = tx.send((watch.wait(), rest));
+    });
+    let (status, rest) = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("hostdevctl watch ends when the agent stops");
+    assert_eq!(status.unwrap().code(), Some(1), "{rest}");
+    assert!(
+        rest.starts_with("hostdevctl: watch failed: agent stopping: the agent is shutting down"),
+        "{rest}"
+    );
+}

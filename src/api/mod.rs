@@ -176,7 +176,7 @@ impl HostDevService {
         self
     }
 
-    /// Ends every open watch stream (with UNAVAILABLE) and refuses new ones.
+    /// Ends every open watch stream (with UNAVAILABLE, SHUTTING_DOWN) and refuses new ones.
     pub fn stop_streams(&self) {
         self.stopping.send_replace(true);
     }
@@ -797,7 +797,10 @@ impl HostDev for HostDevService {
         };
         let already = *self.stopping.borrow();
         if already {
-            return Err(ApiError::Unavailable("the agent is shutting down".into()).into());
+            return Err(ApiError::ShuttingDown {
+                advice: "watch again once it is back",
+            }
+            .into());
         }
         let slot = self.watch.slots.clone().try_acquire_owned().map_err(|_| {
             ApiError::TooManyWatchers {
@@ -817,15 +820,11 @@ impl HostDev for HostDevService {
         let feed = async move {
             // A client cut off before its snapshot's end holds part of a snapshot only: it
             // must start again with one, not resume.
-            let behind = |what: String, in_snapshot: bool| {
-                let advice = if in_snapshot {
-                    " before its snapshot's end; start again with a snapshot"
-                } else {
-                    "; resume with Watch from the last generation received"
-                };
-                Status::resource_exhausted(format!(
-                    "watcher fell behind by {what} and was cut off{advice}"
-                ))
+            let behind = |behind: String, in_snapshot: bool| {
+                Status::from(ApiError::WatchCutOff {
+                    behind,
+                    in_snapshot,
+                })
             };
             // The snapshot and the backlog the client asked for go at its pace, built one
             // event at a time (a client that does not read holds at most its queue's
@@ -953,9 +952,12 @@ impl HostDev for HostDevService {
             tokio::select! {
                 _ = feed => {}
                 _ = stopped => {
-                    stop_tx.cut_off(Status::unavailable(
-                        "the agent is shutting down; resume with Watch from the last generation received",
-                    ));
+                    stop_tx.cut_off(
+                        ApiError::ShuttingDown {
+                            advice: "resume with Watch from the last generation received",
+                        }
+                        .into(),
+                    );
                 }
             }
         });

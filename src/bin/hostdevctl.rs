@@ -271,9 +271,12 @@ fn code_label(code: Code, reason: Option<&str>) -> Option<&'static str> {
         Code::Aborted => Some("stale generation"),
         Code::InvalidArgument => Some("invalid argument"),
         Code::PermissionDenied => Some("permission denied"),
-        // Also a Watch cut off, or the stream limit: their messages say so.
+        // Also a Watch cut off (WATCH_CUT_OFF), or the stream limit: their messages say so.
         Code::ResourceExhausted => (reason == Some("NO_MATCH")).then_some("no free device"),
         Code::OutOfRange => Some("cannot resume"),
+        // The agent answered that it is stopping (a Watch ended by its shutdown, a call
+        // that came too late): not a broken connection, and worth telling apart.
+        Code::Unavailable if reason == Some("SHUTTING_DOWN") => Some("agent stopping"),
         Code::Unavailable => Some("agent unavailable"),
         Code::DeadlineExceeded => Some("timed out"),
         Code::Unimplemented => Some("not supported by this agent"),
@@ -291,7 +294,9 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
     let info = status.get_details_error_info();
     let ours = info.as_ref().is_some_and(|i| i.domain == ERROR_DOMAIN);
     if !ours && matches!(status.code(), Code::Unavailable | Code::Unknown) {
-        // Transport failure: the connection broke, not an answer from the agent.
+        // Transport failure: the connection broke, not an answer from the agent. An
+        // UNAVAILABLE with our ErrorInfo is the agent's own answer (SHUTTING_DOWN: it is
+        // stopping), a refused or ended call like any other.
         return Failure::Connect(format!(
             "{op} failed: lost the connection to hostdevd at {}: {}",
             socket.display(),
@@ -1384,12 +1389,47 @@ mod tests {
             code_label(Code::ResourceExhausted, Some("NO_MATCH")),
             Some("no free device")
         );
-        // The stream limit and a Watch cut-off (which carries no ErrorInfo) say what
-        // they are in their messages.
+        // The stream limit and a Watch cut-off say what they are in their messages.
         assert_eq!(
             code_label(Code::ResourceExhausted, Some("TOO_MANY_WATCHERS")),
             None
         );
+        assert_eq!(
+            code_label(Code::ResourceExhausted, Some("WATCH_CUT_OFF")),
+            None
+        );
         assert_eq!(code_label(Code::ResourceExhausted, None), None);
+    }
+
+    fn ours(code: Code, reason: &str, message: &str) -> Status {
+        let details = tonic_types::ErrorDetails::with_error_info(
+            reason,
+            ERROR_DOMAIN,
+            std::collections::HashMap::new(),
+        );
+        Status::with_error_details(code, message, details)
+    }
+
+    #[test]
+    fn an_agent_shutting_down_reads_as_stopping_not_as_a_lost_connection() {
+        let socket = std::path::Path::new("hostdevd.sock");
+        let stopping = ours(
+            Code::Unavailable,
+            "SHUTTING_DOWN",
+            "the agent is shutting down; resume with Watch from the last generation received",
+        );
+        match describe("watch", socket, &stopping) {
+            // Exit 1, as for any call the agent refused or ended.
+            Failure::Refused(m) => assert_eq!(
+                m,
+                "watch failed: agent stopping: the agent is shutting down; resume with Watch from the last generation received"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // Without our ErrorInfo, UNAVAILABLE is the transport's: the connection broke.
+        let broken = Status::unavailable("connection reset");
+        assert!(
+            matches!(describe("watch", socket, &broken), Failure::Connect(m) if m.contains("lost the connection")),
+        );
     }
 }
