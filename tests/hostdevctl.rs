@@ -923,6 +923,14 @@ fn a_claim_whose_outcome_is_open_names_its_request_id() {
         )),
         "{line}"
     );
+    // Resending and asking are alternatives: asking closes an id that did not apply.
+    assert!(
+        line.contains(&format!(
+            "either send the same claim again with --request-id {id}"
+        )),
+        "{line}"
+    );
+    assert!(line.contains("closes the id if it did not"), "{line}");
     let o = a.json(&["outcome", "--owner", INSTANCE, "--request-id", &id]);
     assert_eq!(o["address"], v.as_str(), "{o}");
     // A plain refusal that changed nothing does not send the operator looking.

@@ -64,7 +64,8 @@ enum Command {
     PrepareVfio(PrepareVfioArgs),
     /// Set a PF's VF count (refused while any of its VFs is claimed).
     SetVfs(SetVfsArgs),
-    /// The outcome of an earlier claim/release/transfer, by owner and request id.
+    /// The outcome of an earlier claim/release/transfer, by owner and request id. One
+    /// that did not apply never will: asking closes its request id (for a writer).
     Outcome {
         /// The consumer that made the request.
         #[arg(long, value_name = "UUID")]
@@ -268,7 +269,13 @@ fn mutating(op: &str) -> bool {
 /// ErrorInfo reason), used where the server's message does not already say it.
 fn code_label(code: Code, reason: Option<&str>) -> Option<&'static str> {
     match code {
-        Code::Aborted => Some("stale generation"),
+        // ABORTED has more than one cause; a status without a known reason is left to
+        // its message.
+        Code::Aborted => match reason {
+            Some("STALE_GENERATION") => Some("stale generation"),
+            Some("REQUEST_CLOSED") => Some("request id closed"),
+            _ => None,
+        },
         Code::InvalidArgument => Some("invalid argument"),
         Code::PermissionDenied => Some("permission denied"),
         // Also a Watch cut off (WATCH_CUT_OFF), or the stream limit: their messages say so.
@@ -363,8 +370,10 @@ fn open_outcome(
                 | Code::DeadlineExceeded
                 | Code::Cancelled
         );
+    // Two ways on, not two steps: asking the outcome of a request that did not apply
+    // closes its id, and a resend with it is then refused.
     let hint = format!(
-        " (request id {id}: `hostdevctl outcome --owner {owner} --request-id {id}` tells whether it applied; the same request id sends it again safely)",
+        " (request id {id}: either send the same {op} again with --request-id {id}, which applies it at most once, or ask `hostdevctl outcome --owner {owner} --request-id {id}` whether it applied, which closes the id if it did not, so that a resend with it is refused)",
         id = request_id.as_str()
     );
     match describe(op, socket, status) {
@@ -1399,6 +1408,33 @@ mod tests {
             None
         );
         assert_eq!(code_label(Code::ResourceExhausted, None), None);
+    }
+
+    #[test]
+    fn aborted_is_labelled_by_its_reason() {
+        assert_eq!(
+            code_label(Code::Aborted, Some("STALE_GENERATION")),
+            Some("stale generation")
+        );
+        // A request id that GetRequestOutcome closed is no stale generation.
+        assert_eq!(
+            code_label(Code::Aborted, Some("REQUEST_CLOSED")),
+            Some("request id closed")
+        );
+        assert_eq!(code_label(Code::Aborted, None), None);
+        let socket = std::path::Path::new("hostdevd.sock");
+        let closed = ours(
+            Code::Aborted,
+            "REQUEST_CLOSED",
+            "request r1 of consumer c was closed: GetRequestOutcome answered that it was not applied",
+        );
+        match describe("claim", socket, &closed) {
+            Failure::Refused(m) => assert!(
+                m.starts_with("claim refused: request id closed: request r1"),
+                "{m}"
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 
     fn ours(code: Code, reason: &str, message: &str) -> Status {
