@@ -1159,6 +1159,13 @@ async fn cmd_reconcile(ctx: &mut Ctx, a: ReconcileArgs) -> Outcome {
             "lost": r.lost.iter().map(device_json).collect::<Vec<_>>(),
             "changed": r.changed.iter().map(device_json).collect::<Vec<_>>(),
             "protected": r.protected.iter().map(device_json).collect::<Vec<_>>(),
+            "protections": r.protections.iter().map(|p| json!({
+                "address": p.address,
+                "reason": p.reason,
+                "domain": domain_json(&p.domain),
+                "holder_pid": (p.holder_pid != 0).then_some(p.holder_pid),
+                "holder_command": nonempty(&p.holder_command),
+            })).collect::<Vec<_>>(),
         }));
     }
     out(format!(
@@ -1204,11 +1211,17 @@ async fn cmd_reconcile(ctx: &mut Ctx, a: ReconcileArgs) -> Outcome {
         ("protected", &r.protected),
     ] {
         for d in list {
+            // Why a protected device is kept (the domain, or the process holding its VFIO
+            // group) says more than its state's detail.
+            let why = (name == "protected")
+                .then(|| r.protections.iter().find(|p| p.address == d.address))
+                .flatten()
+                .filter(|p| !p.reason.is_empty());
             let detail = detail_text(d);
-            let detail = if detail.is_empty() {
-                String::new()
-            } else {
-                format!(" ({detail})")
+            let detail = match why {
+                Some(p) => format!("; kept because {}", p.reason),
+                None if detail.is_empty() => String::new(),
+                None => format!(" ({detail})"),
             };
             out(format!("{name:<10} {}{detail}", dev(&Some(d.clone()))))?;
         }
