@@ -584,6 +584,38 @@ async fn watch_delivers_resumes_and_refuses_unknown_generations() {
     s.stop().await;
 }
 
+/// A server shutting down ends every open Watch stream with UNAVAILABLE and ErrorInfo
+/// SHUTTING_DOWN, so a client can tell the agent stopping from a connection that broke
+/// (which carries no ErrorInfo of ours). Before, the status had no ErrorInfo.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_ends_open_watch_streams_saying_so() {
+    let s = start(2).await;
+    let mut c = s.client().await;
+    let from = listing(&mut c).await.host_generation;
+    let mut stream = c
+        .watch(proto::WatchRequest {
+            from_generation: from,
+            snapshot: false,
+        })
+        .await
+        .expect("watch")
+        .into_inner();
+    let stopping = tokio::spawn(s.stop());
+    let ended = stream
+        .next()
+        .await
+        .expect("the stream ends with a status")
+        .expect_err("no event, the end");
+    assert_eq!(ended.code(), Code::Unavailable, "{ended:?}");
+    assert_eq!(info(&ended).0, "SHUTTING_DOWN", "{ended:?}");
+    assert!(
+        ended.message().contains("resume with Watch"),
+        "{}",
+        ended.message()
+    );
+    stopping.await.expect("the server stops");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconcile_reports_then_frees_only_unchanged_orphans() {
     let s = start(4).await;

@@ -1025,6 +1025,26 @@ async fn churn(socket: PathBuf, who: u128, stop: tokio::sync::watch::Receiver<bo
     n
 }
 
+/// Checks that `status` ends a watch stream cut off for falling behind: RESOURCE_EXHAUSTED
+/// with ErrorInfo WATCH_CUT_OFF, saying whether it was inside its snapshot and so what to
+/// do next.
+fn assert_cut_off(status: &Status, in_snapshot: bool) {
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    let info = tonic_types::StatusExt::get_details_error_info(status).expect("ErrorInfo");
+    assert_eq!(
+        (info.reason.as_str(), info.domain.as_str()),
+        ("WATCH_CUT_OFF", hostdevd::api::status::ERROR_DOMAIN),
+        "{status:?}"
+    );
+    assert_eq!(info.metadata["in_snapshot"], in_snapshot.to_string());
+    let recovery = if in_snapshot {
+        "watch_snapshot"
+    } else {
+        "resume_from_last_generation"
+    };
+    assert_eq!(info.metadata["recovery"], recovery, "{status:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watcher_that_never_reads_is_cut_off_and_others_are_unaffected() {
     // The resume ring and broadcast channel hold 64 events; the per-stream queue has the
@@ -1125,7 +1145,7 @@ async fn a_watcher_that_never_reads_is_cut_off_and_others_are_unaffected() {
         }
     };
     let read_ms = t.elapsed().as_millis();
-    assert_eq!(cut_off.code(), Code::ResourceExhausted, "{cut_off:?}");
+    assert_cut_off(&cut_off, false);
     assert!(
         cut_off.message().contains("resume"),
         "the cut-off says how to recover: {}",
@@ -1208,7 +1228,7 @@ async fn silent_watchers_are_cut_off_while_silent() {
             other => panic!("after {delivered} events: {other:?}"),
         }
     };
-    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert_cut_off(&status, false);
     assert!(
         delivered <= 128,
         "the silent watcher was still sent {delivered} buffered events before its cut-off: \
@@ -1437,7 +1457,7 @@ async fn a_watcher_silent_in_its_snapshot_is_cut_off() {
             other => panic!("after {snapshot_events} snapshot events: {other:?}"),
         }
     };
-    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert_cut_off(&status, true);
     assert!(
         snapshot_events < devices,
         "cut off within its snapshot: {snapshot_events} of {devices} sent"

@@ -1012,6 +1012,45 @@ async fn a_retried_vfio_claim_binds_what_the_first_call_could_not() {
     s.stop().await;
 }
 
+/// A client that lost the answer to a Claim with `vfio` asks GetRequestOutcome: the log
+/// holds the claim's first generation, but the binding recorded after it moved the claim
+/// on. The outcome answers the claim's generation now, the one the Claim answered, so the
+/// owner's release with it goes through (an earlier version answered the old one, and
+/// the release was refused ABORTED).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_outcome_of_a_vfio_claim_is_the_generation_after_its_binding() {
+    let _alone = alone().await;
+    let t = tree();
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 2).await;
+    let g = device(&mut c, &a).await.expect("device").generation;
+    let claimed = claim_as(&mut c, &a, 7, true, "lost-answer", g)
+        .await
+        .expect("claim --vfio");
+    let outcome = c
+        .get_request_outcome(proto::GetRequestOutcomeRequest {
+            consumer_id: owner(7).consumer_id,
+            request_id: "lost-answer".into(),
+        })
+        .await
+        .expect("outcome")
+        .into_inner();
+    assert_eq!(
+        (outcome.operation.as_str(), outcome.address.as_str()),
+        ("claimed", a.as_str())
+    );
+    assert_eq!(
+        outcome.generation, claimed.generation,
+        "the claim's generation after its binding"
+    );
+    release_as(&mut c, &a, 7, "after-outcome", outcome.generation)
+        .await
+        .expect("a release with the outcome's generation");
+    s.stop().await;
+}
+
 /// A release retried after memory forgot it, while the device is bound for its next
 /// owner (so the release runs alone, where drivers are restored): it is answered from the
 /// request log on disk, as any other retry, and frees nothing. (The service looks such a

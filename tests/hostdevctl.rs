@@ -24,6 +24,8 @@ struct Agent {
     log: PathBuf,
     vfs: Vec<String>,
     tree: FakeTree,
+    /// The agent's proc tree: empty unless a test plants a VFIO holder in it.
+    proc: PathBuf,
     _dir: tempfile::TempDir,
 }
 
@@ -53,12 +55,16 @@ impl Agent {
             .unwrap();
         let socket = dir.path().join("hostdevd.sock");
         let log = dir.path().join("hostdevd.log");
+        let proc = dir.path().join("proc");
+        std::fs::create_dir(&proc).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_hostdevd"))
             .arg("serve")
             .arg("--sysfs-root")
             .arg(tree.sysfs_root())
             .arg("--dev-root")
             .arg(tree.dev_root())
+            .arg("--proc-root")
+            .arg(&proc)
             .arg("--state-dir")
             .arg(dir.path().join("state"))
             .arg("--socket")
@@ -78,6 +84,7 @@ impl Agent {
             log,
             vfs,
             tree,
+            proc,
             _dir: dir,
         };
         agent.wait_ready();
@@ -923,9 +930,121 @@ fn a_claim_whose_outcome_is_open_names_its_request_id() {
         )),
         "{line}"
     );
+    // Resending and asking are alternatives: asking closes an id that did not apply.
+    assert!(
+        line.contains(&format!(
+            "either send the same claim again with --request-id {id}"
+        )),
+        "{line}"
+    );
+    assert!(line.contains("closes the id if it did not"), "{line}");
     let o = a.json(&["outcome", "--owner", INSTANCE, "--request-id", &id]);
     assert_eq!(o["address"], v.as_str(), "{o}");
     // A plain refusal that changed nothing does not send the operator looking.
     let r = a.ctl(&["claim", &v, "--owner", OTHER]);
     assert!(!refusal(&r, 1).contains("request id"), "{r:?}");
+}
+
+/// A watch that the agent ends because it is stopping (SIGTERM) says so, and exits 1 as
+/// a call the agent ended, not 3 as a connection that broke.
+#[test]
+fn a_watch_ended_by_the_agent_stopping_says_so() {
+    use std::io::BufRead;
+    let a = Agent::start();
+    let mut watch = Command::new(env!("CARGO_BIN_EXE_hostdevctl"))
+        .arg("--socket")
+        .arg(&a.socket)
+        .arg("watch")
+        .env_remove("HOSTDEVD_SOCKET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(watch.stderr.take().unwrap());
+    // hostdevctl says it is watching once the agent has accepted the stream.
+    let mut first = String::new();
+    stderr.read_line(&mut first).unwrap();
+    assert!(
+        first.starts_with("hostdevctl: watching changes after generation"),
+        "{first}"
+    );
+    let pid = nix::unistd::Pid::from_raw(a.child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
+        let _ = tx.send((watch.wait(), rest));
+    });
+    let (status, rest) = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("hostdevctl watch ends when the agent stops");
+    assert_eq!(status.unwrap().code(), Some(1), "{rest}");
+    assert!(
+        rest.starts_with("hostdevctl: watch failed: agent stopping: the agent is shutting down"),
+        "{rest}"
+    );
+}
+
+/// A protected device says why it is kept: the text names the process holding its VFIO
+/// group, and the JSON lists the protections (reason, holder, domain). Before, neither
+/// said why.
+#[test]
+fn reconcile_says_why_a_protected_device_is_kept() {
+    let a = Agent::start();
+    let v = a.vf(1).to_string();
+    a.ok(&[
+        "claim",
+        &v,
+        "--owner",
+        OTHER,
+        "--label",
+        "instance-0000002b",
+    ]);
+    let group = a.json(&["show", &v])["device"]["iommu_group"]
+        .as_u64()
+        .unwrap();
+    // QEMU for the claim's VM holds the VF's VFIO group open.
+    let qemu = a.proc.join("4242");
+    std::fs::create_dir_all(qemu.join("fd")).unwrap();
+    std::fs::write(qemu.join("comm"), "qemu-system-x86\n").unwrap();
+    std::fs::write(
+        qemu.join("cmdline"),
+        format!("qemu-system-x86_64\0-name\0guest=instance-0000002b\0-uuid\0{OTHER}\0"),
+    )
+    .unwrap();
+    let node = a.tree.vfio_node(u32::try_from(group).unwrap());
+    std::os::unix::fs::symlink(node, qemu.join("fd/12")).unwrap();
+    let snap = a.json(&["list"])["host_generation"]
+        .as_u64()
+        .unwrap()
+        .to_string();
+
+    let r = a.ok(&["reconcile", "--expect-none", "--snapshot-generation", &snap]);
+    let line = r
+        .lines()
+        .find(|l| l.starts_with("protected "))
+        .unwrap_or_else(|| panic!("no protected device: {r}"));
+    assert!(line.contains(&v), "{r}");
+    assert!(
+        line.contains("; kept because its VFIO group")
+            && line.contains(&format!(
+                "held open by pid 4242 (qemu-system-x86, domain instance-0000002b {OTHER})"
+            )),
+        "{r}"
+    );
+    assert!(
+        r.contains("0 orphans, 0 strays, 0 lost, 0 changed, 1 protected"),
+        "{r}"
+    );
+
+    let j = a.json(&["reconcile", "--expect-none", "--snapshot-generation", &snap]);
+    let p = &j["protections"][0];
+    assert_eq!(p["address"], v.as_str(), "{j}");
+    assert_eq!(p["holder_pid"], 4242, "{j}");
+    assert_eq!(p["holder_command"], "qemu-system-x86", "{j}");
+    assert_eq!(p["domain"]["name"], "instance-0000002b", "{j}");
+    assert_eq!(p["domain"]["uuid"], OTHER, "{j}");
+    assert!(p["reason"].as_str().unwrap().contains("pid 4242"), "{j}");
+    assert_eq!(j["protections"].as_array().unwrap().len(), 1, "{j}");
 }

@@ -492,6 +492,55 @@ async fn vfio_holder_blocks_the_free_until_it_exits() {
     s.stop().await;
 }
 
+/// A device attached to a domain whose QEMU holds its VFIO group open: Release fails the
+/// fresh checks (the group is held), but the ledger refuses it anyway, so the answer is
+/// the ledger's, FAILED_PRECONDITION ATTACHED naming the domain, which says what to do
+/// (detach it first). Before, the holder check answered VFIO_GROUP_IN_USE. Nothing
+/// changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attached_device_held_open_is_refused_as_attached() {
+    let lv = test_driver();
+    let h = host(0x44, 210);
+    let vf = h.vfs[0].as_str();
+    let node = h.tree.dev_root().join("vfio/210");
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let s = start_with(&h, proc_dir.path(), "test:///default", 3_600_000, |cfg| {
+        cfg.libvirt.events = false;
+    })
+    .await;
+    let mut c = s.client().await;
+    let claimed = claim(&mut c, vf, 0x4401).await;
+    let dom = lv
+        .define_domain_xml(&domain_xml("attached-44", 0x4401, &[vf], &[]))
+        .expect("define");
+    dom.create().expect("start");
+    // The fresh listing attaches the device, which moves its generation on.
+    let err = release(&mut c, vf, 0x4401, claimed.generation)
+        .await
+        .expect_err("stale once attached");
+    assert_eq!(err.code(), Code::Aborted, "{err:?}");
+    let d = device(&mut c, vf).await;
+    assert_eq!(d.state, ATTACHED);
+
+    // QEMU for the domain holds the group open.
+    let qemu = fake_qemu(proc_dir.path(), 4444, 0x4401, &[&node]);
+    let err = release(&mut c, vf, 0x4401, d.generation)
+        .await
+        .expect_err("attached and held open");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    let (reason, meta) = info(&err);
+    assert_eq!(reason, "ATTACHED", "{err:?}");
+    assert_eq!(meta["domain_name"], "attached-44");
+    assert!(err.message().contains("attached-44"), "{}", err.message());
+    let now = device(&mut c, vf).await;
+    assert_eq!((now.state, now.generation), (ATTACHED, d.generation));
+
+    std::fs::remove_dir_all(&qemu).expect("QEMU exits");
+    dom.destroy().expect("destroy");
+    dom.undefine().expect("undefine");
+    s.stop().await;
+}
+
 /// A VF count change destroys every VF, so it is checked like a free of the PF and each
 /// VF: a domain using one without a claim (listed afresh: the poller is effectively off
 /// and so are domain events) and a process holding one's VFIO group refuse it, and
@@ -1159,13 +1208,15 @@ async fn libvirtd_killed_and_restarted_under_the_agent() {
         .expect_err("libvirt is down");
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
     assert_eq!(info(&err).0, "LIBVIRT_UNREACHABLE");
+    // The ledger refuses it anyway, as attached: that refusal is the answer, not the
+    // failed listing.
     let err = release(&mut c, &used, 0x3e01, attached.generation)
         .await
         .expect_err("attached, and libvirt is down");
-    assert!(
-        matches!(err.code(), Code::Unavailable | Code::FailedPrecondition),
-        "{err:?}"
-    );
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    let (reason, meta) = info(&err);
+    assert_eq!(reason, "ATTACHED", "{err:?}");
+    assert_eq!(meta["domain_name"], "vm-3e");
     let err = reconcile(&mut c, &[], true)
         .await
         .expect_err("no acting audit without libvirt");

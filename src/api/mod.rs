@@ -176,7 +176,7 @@ impl HostDevService {
         self
     }
 
-    /// Ends every open watch stream (with UNAVAILABLE) and refuses new ones.
+    /// Ends every open watch stream (with UNAVAILABLE, SHUTTING_DOWN) and refuses new ones.
     pub fn stop_streams(&self) {
         self.stopping.send_replace(true);
     }
@@ -254,13 +254,6 @@ impl HostDevService {
                 .chain(dev.iommu_group_peers.iter().copied())
                 .collect(),
         }
-    }
-
-    /// [`HostDevService::unused`], with a refusal counted in the rejections metric.
-    async fn check_free(&self, devices: &[PciAddress], what: &str) -> Result<(), ApiError> {
-        self.unused(devices, what)
-            .await
-            .map_err(|e| self.refused(e))
     }
 
     /// Counts a refusal the service's own checks decided (the writer counts the
@@ -559,9 +552,22 @@ impl HostDev for HostDevService {
                     .as_ref()
                     .is_some_and(|c| c.owner.consumer == rel.consumer)
         });
+        // Where the checks fail and the ledger, as it is now, refuses the release anyway (a
+        // domain uses the device, or the fresh listing moved its generation on), that
+        // refusal is the answer: it names what to do (detach from the domain, read the
+        // device again), where a check's failure would only say to try again later.
         if checked {
-            self.check_free(&[rel.address], &rel.address.to_string())
-                .await?;
+            if let Err(e) = self.unused(&[rel.address], &rel.address.to_string()).await {
+                let refused = self.writer.view().ledger.check_release(&rel).err();
+                return Err(match refused {
+                    Some(le) => {
+                        self.writer.metrics().rejected(le.reason());
+                        ApiError::from(crate::writer::WriteError::from(le))
+                    }
+                    None => self.refused(e),
+                }
+                .into());
+            }
         }
         let bound: BTreeSet<PciAddress> = self
             .writer
@@ -791,7 +797,10 @@ impl HostDev for HostDevService {
         };
         let already = *self.stopping.borrow();
         if already {
-            return Err(ApiError::Unavailable("the agent is shutting down".into()).into());
+            return Err(ApiError::ShuttingDown {
+                advice: "watch again once it is back",
+            }
+            .into());
         }
         let slot = self.watch.slots.clone().try_acquire_owned().map_err(|_| {
             ApiError::TooManyWatchers {
@@ -811,15 +820,11 @@ impl HostDev for HostDevService {
         let feed = async move {
             // A client cut off before its snapshot's end holds part of a snapshot only: it
             // must start again with one, not resume.
-            let behind = |what: String, in_snapshot: bool| {
-                let advice = if in_snapshot {
-                    " before its snapshot's end; start again with a snapshot"
-                } else {
-                    "; resume with Watch from the last generation received"
-                };
-                Status::resource_exhausted(format!(
-                    "watcher fell behind by {what} and was cut off{advice}"
-                ))
+            let behind = |behind: String, in_snapshot: bool| {
+                Status::from(ApiError::WatchCutOff {
+                    behind,
+                    in_snapshot,
+                })
             };
             // The snapshot and the backlog the client asked for go at its pace, built one
             // event at a time (a client that does not read holds at most its queue's
@@ -947,9 +952,12 @@ impl HostDev for HostDevService {
             tokio::select! {
                 _ = feed => {}
                 _ = stopped => {
-                    stop_tx.cut_off(Status::unavailable(
-                        "the agent is shutting down; resume with Watch from the last generation received",
-                    ));
+                    stop_tx.cut_off(
+                        ApiError::ShuttingDown {
+                            advice: "resume with Watch from the last generation received",
+                        }
+                        .into(),
+                    );
                 }
             }
         });
@@ -993,10 +1001,19 @@ impl HostDev for HostDevService {
             Outcome::Released { .. } => "released",
             Outcome::Transferred { .. } => "transferred",
         };
+        // The log holds the generation the claim was made at; a binding recorded after it
+        // (a Claim with vfio, PrepareVfio) moved the claim on. While the claim stands, its
+        // generation now is the one its owner must present, as a retried Claim answers.
+        let mut generation = entry.outcome.generation();
+        if let Outcome::Claimed { address, .. } = entry.outcome {
+            if let Some((now, _)) = self.claim_now(address, consumer, &request_id) {
+                generation = now;
+            }
+        }
         Ok(Response::new(proto::RequestOutcome {
             operation: operation.into(),
             address: entry.outcome.address().to_string(),
-            generation: entry.outcome.generation().0,
+            generation: generation.0,
             at_unix: entry.at,
         }))
     }

@@ -42,8 +42,20 @@ pub enum ApiError {
     /// A Reconcile snapshot past the host generation: not read from this agent.
     #[error("snapshot generation {snapshot} is past this agent's host generation {current}, so it was not read from this agent (another host's agent, or a state dir restored since); list devices again and audit against the listed host generation; nothing was changed")]
     SnapshotAhead { snapshot: u64, current: u64 },
-    #[error("{0}")]
-    Unavailable(String),
+    /// The agent is stopping: an open Watch stream ends with this, and a new one is
+    /// refused.
+    #[error("the agent is shutting down; {advice}")]
+    ShuttingDown { advice: &'static str },
+    /// A watcher fell behind (its queue full, or the live channel lagged past it) and its
+    /// stream was ended.
+    #[error("watcher fell behind by {behind} and was cut off{}", if *in_snapshot { " before its snapshot's end; start again with a snapshot" } else { "; resume with Watch from the last generation received" })]
+    WatchCutOff {
+        /// How far: "12 events", "more than 1024 events or 262144 bytes".
+        behind: String,
+        /// Cut off before its snapshot's end: it holds part of a snapshot only, and must
+        /// start again with one rather than resume.
+        in_snapshot: bool,
+    },
     /// Every Watch stream slot is taken.
     #[error("too many watch streams: {limit} are open, the limit ([api] max_watch_streams); close one, or share one stream between the consumers of a client")]
     TooManyWatchers { limit: usize },
@@ -301,9 +313,27 @@ pub fn to_status(e: &ApiError) -> Status {
             let d = ErrorDetails::with_error_info(SNAPSHOT_AHEAD, ERROR_DOMAIN, meta);
             Status::with_error_details(Code::OutOfRange, msg, d)
         }
-        ApiError::Unavailable(_) => {
-            let d = ErrorDetails::with_error_info("UNAVAILABLE", ERROR_DOMAIN, HashMap::new());
+        ApiError::ShuttingDown { .. } => {
+            let d = ErrorDetails::with_error_info("SHUTTING_DOWN", ERROR_DOMAIN, HashMap::new());
             Status::with_error_details(Code::Unavailable, msg, d)
+        }
+        ApiError::WatchCutOff { in_snapshot, .. } => {
+            let meta = HashMap::from([
+                ("in_snapshot".to_string(), in_snapshot.to_string()),
+                // What the client does next: a watcher holding part of a snapshot starts
+                // again with one; any other resumes from the last generation it received.
+                (
+                    "recovery".to_string(),
+                    if *in_snapshot {
+                        "watch_snapshot"
+                    } else {
+                        "resume_from_last_generation"
+                    }
+                    .to_string(),
+                ),
+            ]);
+            let d = ErrorDetails::with_error_info("WATCH_CUT_OFF", ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::ResourceExhausted, msg, d)
         }
         ApiError::TooManyWatchers { limit } => {
             let meta = HashMap::from([("max_watch_streams".to_string(), limit.to_string())]);

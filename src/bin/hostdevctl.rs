@@ -64,7 +64,8 @@ enum Command {
     PrepareVfio(PrepareVfioArgs),
     /// Set a PF's VF count (refused while any of its VFs is claimed).
     SetVfs(SetVfsArgs),
-    /// The outcome of an earlier claim/release/transfer, by owner and request id.
+    /// The outcome of an earlier claim/release/transfer, by owner and request id. One
+    /// that did not apply never will: asking closes its request id (for a writer).
     Outcome {
         /// The consumer that made the request.
         #[arg(long, value_name = "UUID")]
@@ -268,12 +269,21 @@ fn mutating(op: &str) -> bool {
 /// ErrorInfo reason), used where the server's message does not already say it.
 fn code_label(code: Code, reason: Option<&str>) -> Option<&'static str> {
     match code {
-        Code::Aborted => Some("stale generation"),
+        // ABORTED has more than one cause; a status without a known reason is left to
+        // its message.
+        Code::Aborted => match reason {
+            Some("STALE_GENERATION") => Some("stale generation"),
+            Some("REQUEST_CLOSED") => Some("request id closed"),
+            _ => None,
+        },
         Code::InvalidArgument => Some("invalid argument"),
         Code::PermissionDenied => Some("permission denied"),
-        // Also a Watch cut off, or the stream limit: their messages say so.
+        // Also a Watch cut off (WATCH_CUT_OFF), or the stream limit: their messages say so.
         Code::ResourceExhausted => (reason == Some("NO_MATCH")).then_some("no free device"),
         Code::OutOfRange => Some("cannot resume"),
+        // The agent answered that it is stopping (a Watch ended by its shutdown, a call
+        // that came too late): not a broken connection, and worth telling apart.
+        Code::Unavailable if reason == Some("SHUTTING_DOWN") => Some("agent stopping"),
         Code::Unavailable => Some("agent unavailable"),
         Code::DeadlineExceeded => Some("timed out"),
         Code::Unimplemented => Some("not supported by this agent"),
@@ -291,7 +301,9 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
     let info = status.get_details_error_info();
     let ours = info.as_ref().is_some_and(|i| i.domain == ERROR_DOMAIN);
     if !ours && matches!(status.code(), Code::Unavailable | Code::Unknown) {
-        // Transport failure: the connection broke, not an answer from the agent.
+        // Transport failure: the connection broke, not an answer from the agent. An
+        // UNAVAILABLE with our ErrorInfo is the agent's own answer (SHUTTING_DOWN: it is
+        // stopping), a refused or ended call like any other.
         return Failure::Connect(format!(
             "{op} failed: lost the connection to hostdevd at {}: {}",
             socket.display(),
@@ -358,8 +370,10 @@ fn open_outcome(
                 | Code::DeadlineExceeded
                 | Code::Cancelled
         );
+    // Two ways on, not two steps: asking the outcome of a request that did not apply
+    // closes its id, and a resend with it is then refused.
     let hint = format!(
-        " (request id {id}: `hostdevctl outcome --owner {owner} --request-id {id}` tells whether it applied; the same request id sends it again safely)",
+        " (request id {id}: either send the same {op} again with --request-id {id}, which applies it at most once, or ask `hostdevctl outcome --owner {owner} --request-id {id}` whether it applied, which closes the id if it did not, so that a resend with it is refused)",
         id = request_id.as_str()
     );
     match describe(op, socket, status) {
@@ -1145,6 +1159,13 @@ async fn cmd_reconcile(ctx: &mut Ctx, a: ReconcileArgs) -> Outcome {
             "lost": r.lost.iter().map(device_json).collect::<Vec<_>>(),
             "changed": r.changed.iter().map(device_json).collect::<Vec<_>>(),
             "protected": r.protected.iter().map(device_json).collect::<Vec<_>>(),
+            "protections": r.protections.iter().map(|p| json!({
+                "address": p.address,
+                "reason": p.reason,
+                "domain": domain_json(&p.domain),
+                "holder_pid": (p.holder_pid != 0).then_some(p.holder_pid),
+                "holder_command": nonempty(&p.holder_command),
+            })).collect::<Vec<_>>(),
         }));
     }
     out(format!(
@@ -1190,11 +1211,17 @@ async fn cmd_reconcile(ctx: &mut Ctx, a: ReconcileArgs) -> Outcome {
         ("protected", &r.protected),
     ] {
         for d in list {
+            // Why a protected device is kept (the domain, or the process holding its VFIO
+            // group) says more than its state's detail.
+            let why = (name == "protected")
+                .then(|| r.protections.iter().find(|p| p.address == d.address))
+                .flatten()
+                .filter(|p| !p.reason.is_empty());
             let detail = detail_text(d);
-            let detail = if detail.is_empty() {
-                String::new()
-            } else {
-                format!(" ({detail})")
+            let detail = match why {
+                Some(p) => format!("; kept because {}", p.reason),
+                None if detail.is_empty() => String::new(),
+                None => format!(" ({detail})"),
             };
             out(format!("{name:<10} {}{detail}", dev(&Some(d.clone()))))?;
         }
@@ -1384,12 +1411,74 @@ mod tests {
             code_label(Code::ResourceExhausted, Some("NO_MATCH")),
             Some("no free device")
         );
-        // The stream limit and a Watch cut-off (which carries no ErrorInfo) say what
-        // they are in their messages.
+        // The stream limit and a Watch cut-off say what they are in their messages.
         assert_eq!(
             code_label(Code::ResourceExhausted, Some("TOO_MANY_WATCHERS")),
             None
         );
+        assert_eq!(
+            code_label(Code::ResourceExhausted, Some("WATCH_CUT_OFF")),
+            None
+        );
         assert_eq!(code_label(Code::ResourceExhausted, None), None);
+    }
+
+    #[test]
+    fn aborted_is_labelled_by_its_reason() {
+        assert_eq!(
+            code_label(Code::Aborted, Some("STALE_GENERATION")),
+            Some("stale generation")
+        );
+        // A request id that GetRequestOutcome closed is no stale generation.
+        assert_eq!(
+            code_label(Code::Aborted, Some("REQUEST_CLOSED")),
+            Some("request id closed")
+        );
+        assert_eq!(code_label(Code::Aborted, None), None);
+        let socket = std::path::Path::new("hostdevd.sock");
+        let closed = ours(
+            Code::Aborted,
+            "REQUEST_CLOSED",
+            "request r1 of consumer c was closed: GetRequestOutcome answered that it was not applied",
+        );
+        match describe("claim", socket, &closed) {
+            Failure::Refused(m) => assert!(
+                m.starts_with("claim refused: request id closed: request r1"),
+                "{m}"
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn ours(code: Code, reason: &str, message: &str) -> Status {
+        let details = tonic_types::ErrorDetails::with_error_info(
+            reason,
+            ERROR_DOMAIN,
+            std::collections::HashMap::new(),
+        );
+        Status::with_error_details(code, message, details)
+    }
+
+    #[test]
+    fn an_agent_shutting_down_reads_as_stopping_not_as_a_lost_connection() {
+        let socket = std::path::Path::new("hostdevd.sock");
+        let stopping = ours(
+            Code::Unavailable,
+            "SHUTTING_DOWN",
+            "the agent is shutting down; resume with Watch from the last generation received",
+        );
+        match describe("watch", socket, &stopping) {
+            // Exit 1, as for any call the agent refused or ended.
+            Failure::Refused(m) => assert_eq!(
+                m,
+                "watch failed: agent stopping: the agent is shutting down; resume with Watch from the last generation received"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // Without our ErrorInfo, UNAVAILABLE is the transport's: the connection broke.
+        let broken = Status::unavailable("connection reset");
+        assert!(
+            matches!(describe("watch", socket, &broken), Failure::Connect(m) if m.contains("lost the connection")),
+        );
     }
 }

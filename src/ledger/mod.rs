@@ -706,15 +706,8 @@ impl Ledger {
                 }),
             };
         }
-        let id = self.resolve_claimed(req.address, req.consumer, req.generation)?;
+        let id = self.releasable(req)?;
         let rec = &self.records[&id];
-        if let Some(domain) = &rec.attached {
-            return Err(LedgerError::Attached {
-                address: req.address,
-                domain: domain.clone(),
-                generation: rec.generation,
-            });
-        }
         let mut tx = Tx::new(self.host_generation);
         let generation = if rec.present {
             self.modify(&mut tx, id, |r| {
@@ -731,6 +724,38 @@ impl Ledger {
         };
         self.log_request(&mut tx, req.consumer, &req.request_id, &outcome, now);
         Ok((outcome, tx.cs))
+    }
+
+    /// The refusal [`Self::release`] would answer now, without applying anything: a
+    /// request id recorded for another operation, a stale generation, another owner, a
+    /// device not claimed or attached. A retry of a recorded release is no refusal.
+    pub fn check_release(&self, req: &ReleaseRequest) -> Result<(), LedgerError> {
+        if let Some(entry) = self.requests.get(&(req.consumer, req.request_id.clone())) {
+            return match &entry.outcome {
+                Outcome::Released { address, .. } if *address == req.address => Ok(()),
+                other => Err(LedgerError::RequestIdReused {
+                    consumer: req.consumer,
+                    request_id: req.request_id.clone(),
+                    previous: other.clone(),
+                }),
+            };
+        }
+        self.releasable(req).map(|_| ())
+    }
+
+    /// The claim a release frees: the owner's, at the presented generation, and not
+    /// attached to a domain.
+    fn releasable(&self, req: &ReleaseRequest) -> Result<RecordId, LedgerError> {
+        let id = self.resolve_claimed(req.address, req.consumer, req.generation)?;
+        let rec = &self.records[&id];
+        if let Some(domain) = &rec.attached {
+            return Err(LedgerError::Attached {
+                address: req.address,
+                domain: domain.clone(),
+                generation: rec.generation,
+            });
+        }
+        Ok(id)
     }
 
     /// Moves a claim atomically from one consumer to another.

@@ -369,6 +369,43 @@ fn attached_device_is_never_released() {
 }
 
 #[test]
+fn check_release_names_the_refusal_release_would_answer() {
+    let mut l = ledger();
+    let a = "0000:3b:02.1";
+    claim(&mut l, a, 1, "r1").expect("claim");
+    l.apply_domains(vec![domain(1, "instance-0000002a", &[a])]);
+    let g = gen_of(&l, a);
+    let req = |who: u128, id: &str, g: Generation| ReleaseRequest {
+        address: addr(a),
+        consumer: owner(who).consumer,
+        request_id: rid(id),
+        generation: g,
+    };
+    let reason = |r: Result<(), LedgerError>| r.err().map(|e| e.reason());
+    assert_eq!(reason(l.check_release(&req(1, "r2", g))), Some("ATTACHED"));
+    assert_eq!(
+        reason(l.check_release(&req(1, "r2", Generation(1)))),
+        Some("STALE_GENERATION")
+    );
+    assert_eq!(
+        reason(l.check_release(&req(2, "r2", g))),
+        Some("WRONG_OWNER")
+    );
+    assert_eq!(
+        reason(l.check_release(&req(1, "r1", g))),
+        Some("REQUEST_ID_REUSED")
+    );
+    l.apply_domains(vec![]);
+    let g = gen_of(&l, a);
+    let before = l.clone();
+    l.check_release(&req(1, "r2", g)).expect("releasable");
+    assert_eq!(l, before, "a check changes nothing");
+    release(&mut l, a, 1, "r2", g).expect("released");
+    // A retry of the recorded release is no refusal: it is replayed.
+    l.check_release(&req(1, "r2", g)).expect("a retry");
+}
+
+#[test]
 fn owner_domain_attaches_even_without_reference() {
     let mut l = ledger();
     claim(&mut l, "0000:3b:02.1", 7, "r1").expect("claim");
