@@ -118,10 +118,25 @@ impl Worker {
         }
     }
 
+    /// Refuses to act once a commit's outcome was unknown (the store failed): the
+    /// checks at the start of a batch cover one command, but a command that acts more
+    /// than once (an acting audit's frees, each with its sysfs writes) must stop at the
+    /// first such commit, not write sysfs and commit again after it.
+    fn still_sound(&self) -> Result<(), WriteError> {
+        match &self.failed {
+            Some(why) => Err(WriteError::StoreFailed(why.clone())),
+            None => Ok(()),
+        }
+    }
+
     /// Commits one change set on its own and publishes it; on failure it is undone.
     pub(super) fn commit_one(&mut self, cs: ChangeSet) -> Result<(), WriteError> {
         if cs.is_empty() {
             return Ok(());
+        }
+        if let Err(e) = self.still_sound() {
+            self.ledger.undo(&cs);
+            return Err(e);
         }
         let before = self.view_now();
         self.commit_changes(&before, std::slice::from_ref(&cs))
@@ -183,6 +198,7 @@ impl Worker {
         &mut self,
         req: &ReleaseRequest,
     ) -> Result<Applied, WriteError> {
+        self.still_sound()?;
         // As in a batch: a retry that memory no longer holds is answered from the store
         // (this runs alone, so nothing is decided and not yet committed).
         self.recall(req.consumer, &req.request_id, &[])?;

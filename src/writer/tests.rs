@@ -531,3 +531,94 @@ fn a_commit_whose_outcome_is_unknown_stops_the_writer() {
         "nothing committed after the failure"
     );
 }
+
+/// An acting audit whose orphans run alone (one holds a recorded binding to give back):
+/// once one orphan's commit has an unknown outcome, the rest are refused, with no sysfs
+/// write and no commit after it. An earlier version went on freeing the next orphans (a
+/// commit after the one the agent stops for) and cleared the store's failure with them.
+#[test]
+fn an_audit_stops_freeing_at_a_commit_whose_outcome_is_unknown() {
+    let mut sys = crate::simhost::FakeSys::new();
+    sys.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 0);
+    let tree = sys.build();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hardware = Hardware {
+        sysfs_root: tree.sysfs_root().to_path_buf(),
+        step_timeout: std::time::Duration::from_secs(10),
+        vf_count_timeout: std::time::Duration::from_secs(10),
+    };
+    let store = Store::open(dir.path()).expect("store");
+    let mut w = Worker::new(
+        Ledger::new(),
+        store,
+        EventBuffer::events(64),
+        Some(hardware),
+    );
+    let (reply, rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Inventory((0..4).map(vf).collect(), reply)]);
+    answer(rx).expect("inventory");
+    let (x, y) = (vf(0).address, vf(1).address);
+    let mut orphans = Vec::new();
+    for (who, a) in [(1, x), (2, y)] {
+        let g = w
+            .view_now()
+            .device(a)
+            .next()
+            .expect("free")
+            .record
+            .generation;
+        let (c, rx) = claim_at(who, "boot", a, g);
+        w.apply_batch(vec![c]);
+        let claimed = answer(rx).expect("claim").outcome.generation();
+        orphans.push((who, a, claimed));
+    }
+    // x holds a binding of no members: giving it back writes nothing, but the audit's
+    // frees run alone.
+    let (bound, cs) = w
+        .ledger
+        .record_binding(x, consumer(1), orphans[0].2, vec![])
+        .expect("binding");
+    w.commit_one(cs).expect("commit");
+    orphans[0].2 = bound;
+    let frees: Vec<OrphanFree> = orphans
+        .iter()
+        .map(|&(who, a, generation)| OrphanFree {
+            address: a,
+            consumer: consumer(who),
+            generation,
+            request_id: rid("audit").per_device(a).expect("id"),
+        })
+        .collect();
+    let audit = Command::FreeOrphans(rid("audit"), frees, oneshot::channel().0);
+    assert!(w.acts_on_hardware(&audit));
+
+    w.store.fail_next_commit(rusqlite::ffi::SQLITE_IOERR_FSYNC);
+    let (reply, rx) = oneshot::channel();
+    let Command::FreeOrphans(id, frees, _) = audit else {
+        unreachable!()
+    };
+    w.run_alone(Command::FreeOrphans(id, frees, reply));
+    let freed = answer(rx).expect("answered per orphan");
+    assert!(
+        matches!(freed.results[0], Err(WriteError::OutcomeUnknown(_))),
+        "{:?}",
+        freed.results[0]
+    );
+    assert!(
+        matches!(freed.results[1], Err(WriteError::StoreFailed(_))),
+        "the next orphan is refused: {:?}",
+        freed.results[1]
+    );
+    let stored = w.store.load().expect("load");
+    assert!(
+        stored
+            .records
+            .values()
+            .any(|r| r.address() == y && r.claim.is_some()),
+        "nothing was committed after the unknown outcome"
+    );
+    assert!(
+        w.store_error.lock().expect("lock").is_some(),
+        "the failure is still reported"
+    );
+}
