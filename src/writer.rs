@@ -904,6 +904,13 @@ impl Worker {
                             self.metrics.rejected(le.reason());
                             let _ = r.send(Err(WriteError::Ledger(le)));
                         }
+                        // Likewise a replay: it answers from a request log entry already
+                        // on disk, which this failure does not touch. "Not made" would be
+                        // false, and its caller might give up on a claim it holds.
+                        Pending::Applied(r, op, Ok(a)) if a.replayed && !after_undoable => {
+                            self.metrics.applied(op, true);
+                            let _ = r.send(Ok(a));
+                        }
                         Pending::Refused(r, refused) if !after_undoable => {
                             self.count_refused(&refused);
                             let _ = r.send(Err(refused));

@@ -233,6 +233,38 @@ fn a_failed_commit_takes_back_refusals_that_rested_on_what_it_undid() {
     assert_eq!(claimed(&w), 0);
 }
 
+/// A retry of a committed claim in a batch whose commit fails: decided before anything
+/// changed, its replayed answer rests on the log on disk and stands. An earlier version
+/// answered it with the batch's error ("not made") though the claim is held.
+#[test]
+fn a_failed_commit_leaves_a_replay_decided_before_it_standing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 64);
+    let (x, y) = (addr("0000:3b:02.0"), addr("0000:3b:02.1"));
+    let gen_of = |w: &Worker, a| {
+        w.view_now()
+            .device(a)
+            .map(|v| v.record.generation)
+            .next()
+            .expect("present")
+    };
+    let g = gen_of(&w, x);
+    let (c, rx) = claim_at(1, "boot", x, g);
+    w.apply_batch(vec![c]);
+    let first = answer(rx).expect("claim");
+    let (retry, retry_rx) = claim_at(1, "boot", x, g);
+    let (other, other_rx) = claim_at(2, "other", y, gen_of(&w, y));
+    w.store.refuse_writes(true);
+    w.apply_batch(vec![retry, other]);
+    w.store.refuse_writes(false);
+    let replayed = answer(retry_rx).expect("the replay stands");
+    assert!(replayed.replayed);
+    assert_eq!(replayed.outcome, first.outcome);
+    let e = answer(other_rx).expect_err("the new claim was not made");
+    assert!(matches!(e, WriteError::Store(_)), "{e}");
+    assert_eq!(claimed(&w), 1);
+}
+
 /// GetRequestOutcome closes an id it answers "not applied"; if its batch then fails to
 /// commit, it answers the error and the id stays open.
 #[test]
