@@ -136,6 +136,36 @@ impl Rescanner {
             return Ok(());
         }
         let _turn = self.turn.lock().await;
+        self.devices_in_turn(addresses, removed).await
+    }
+
+    /// Runs a hardware action (a VF count change, a vfio-pci binding) with every other
+    /// rescan held off, then rescans the devices `then` names from its result, before
+    /// any other rescan may apply. Without it, a hotplug rescan that read sysfs before
+    /// the action and applied after it would bring back, free and claimable, the VFs the
+    /// action destroyed (until their own events were read).
+    pub async fn around<T>(
+        &self,
+        action: impl std::future::Future<Output = T>,
+        then: impl FnOnce(&T) -> BTreeSet<PciAddress>,
+    ) -> (T, Result<(), RescanError>) {
+        let _turn = self.turn.lock().await;
+        let out = action.await;
+        let addresses = then(&out);
+        let rescanned = if addresses.is_empty() {
+            Ok(())
+        } else {
+            self.devices_in_turn(addresses, &BTreeSet::new()).await
+        };
+        (out, rescanned)
+    }
+
+    /// [`Self::devices`], with the turn already taken.
+    async fn devices_in_turn(
+        &self,
+        addresses: BTreeSet<PciAddress>,
+        removed: &BTreeSet<PciAddress>,
+    ) -> Result<(), RescanError> {
         // One level of relatives only: a VF's event rescans its PF (whose VF list
         // changed), not all the PF's other VFs, which have events of their own.
         let named = addresses;

@@ -576,9 +576,14 @@ impl HostDev for HostDevService {
             .filter_map(|v| v.record.claim.as_ref().and_then(|c| c.vfio.clone()))
             .flat_map(|b| b.members.into_iter().map(|m| m.address))
             .collect();
-        let result = self.writer.release(rel).await;
-        // The drivers were given back (or a step failed): show what sysfs says now.
-        self.rescan(bound).await;
+        // A device with a binding gets its drivers back (or a step fails): show what
+        // sysfs says now. Without one, nothing in sysfs changes.
+        let result = if bound.is_empty() {
+            self.writer.release(rel).await
+        } else {
+            self.after_hardware(self.writer.release(rel), |_| bound)
+                .await
+        };
         let applied = result.map_err(ApiError::from)?;
         Ok(Response::new(proto::ReleaseResponse {
             address: applied.outcome.address().to_string(),
@@ -1153,20 +1158,26 @@ impl HostDev for HostDevService {
             .into());
         }
         let result = self
-            .writer
-            .set_vf_count(crate::writer::SetVfCount {
-                pf,
-                generation: Generation(r.generation),
-                count: r.vf_count,
-                autoprobe: r.drivers_autoprobe,
-            })
+            .after_hardware(
+                self.writer.set_vf_count(crate::writer::SetVfCount {
+                    pf,
+                    generation: Generation(r.generation),
+                    count: r.vf_count,
+                    autoprobe: r.drivers_autoprobe,
+                }),
+                // Written or not, show what the kernel has now: the PF and its VFs, before
+                // and after (the rescan finds the new ones through the PF).
+                |result| {
+                    if matches!(result, Err(crate::writer::WriteError::Ledger(_))) {
+                        BTreeSet::new()
+                    } else {
+                        let mut changed = old_vfs;
+                        changed.insert(pf);
+                        changed
+                    }
+                },
+            )
             .await;
-        // Written or not, show what the kernel has now: the PF and its VFs, before and after.
-        if !matches!(result, Err(crate::writer::WriteError::Ledger(_))) {
-            let mut changed = old_vfs;
-            changed.insert(pf);
-            self.rescan(changed).await;
-        }
         let done = result.map_err(ApiError::from)?;
         let device = self.present_device(pf);
         Ok(Response::new(proto::SetVfCountResponse {
@@ -1190,18 +1201,18 @@ impl HostDevService {
         generation: Generation,
     ) -> Result<(Generation, Vec<proto::BoundMember>), ApiError> {
         let result = self
-            .writer
-            .bind_vfio(crate::writer::BindVfio {
-                address,
-                consumer,
-                generation,
-            })
+            .after_hardware(
+                self.writer.bind_vfio(crate::writer::BindVfio {
+                    address,
+                    consumer,
+                    generation,
+                }),
+                |result| match result {
+                    Ok(b) => b.members.iter().map(|m| m.address).collect(),
+                    Err(_) => [address].into(),
+                },
+            )
             .await;
-        let members: BTreeSet<PciAddress> = match &result {
-            Ok(b) => b.members.iter().map(|m| m.address).collect(),
-            Err(_) => [address].into(),
-        };
-        self.rescan(members).await;
         let bound = result.map_err(ApiError::from)?;
         let now = self
             .writer
@@ -1220,11 +1231,18 @@ impl HostDevService {
         ))
     }
 
-    /// Rescans devices after a hardware action (a failure is logged: the uevents that
-    /// follow rescan them again).
-    async fn rescan(&self, addresses: BTreeSet<PciAddress>) {
-        if let Err(e) = self.rescanner.devices(addresses, &BTreeSet::new()).await {
+    /// Runs a hardware action with the other rescans held off, then rescans the devices
+    /// `then` names from its result (a failed rescan is logged: the uevents that follow
+    /// rescan them again).
+    async fn after_hardware<T>(
+        &self,
+        action: impl std::future::Future<Output = T>,
+        then: impl FnOnce(&T) -> BTreeSet<PciAddress>,
+    ) -> T {
+        let (out, rescanned) = self.rescanner.around(action, then).await;
+        if let Err(e) = rescanned {
             tracing::warn!(error = %e, "rescan after a hardware action failed");
         }
+        out
     }
 }
