@@ -1149,10 +1149,11 @@ impl Worker {
             for r in &cs.upserts {
                 written.insert(r.id);
             }
-            for (address, generation) in &cs.removed {
+            for (address, generation, present) in &cs.removed {
                 events.push(Event::Removed {
                     generation: *generation,
                     address: *address,
+                    present: *present,
                 });
             }
         }
@@ -1240,8 +1241,9 @@ impl Worker {
                 Event::Removed {
                     generation,
                     address,
+                    present,
                 } => {
-                    tracing::info!(device = %address, new_generation = %generation, "device record removed");
+                    tracing::info!(device = %address, new_generation = %generation, lost_claim = !present, "device record removed");
                 }
                 Event::Changed { view, .. } => {
                     let Some(old) = p.old_generations.get(&view.record.id) else {

@@ -13,6 +13,7 @@ use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
 use hostdevd::config::Config;
 use hostdevd::simhost::{FakeSys, FakeTree};
 use support::fakekernel::{send_rename_uevent, send_uevent, FakeKernel};
+use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_types::StatusExt;
@@ -355,10 +356,42 @@ async fn a_lost_claims_release_is_not_checked_against_the_device_now_at_its_addr
     );
 
     // The lost claim's owner frees its lost claim: that device is gone, the held one is
-    // another's and is not what this release frees, so it is not checked against it.
+    // another's and is not what this release frees, so it is not checked against it. A
+    // watcher is told which of the two records at the address went.
+    let from = c
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner()
+        .host_generation;
+    let mut watch = c
+        .watch(proto::WatchRequest {
+            from_generation: from,
+            snapshot: false,
+        })
+        .await
+        .expect("watch")
+        .into_inner();
     let r = release_as(&mut c, &a, 10, "free-the-lost-one", lost[0])
         .await
         .expect("the lost claim is released");
+    let removed = loop {
+        let ev = tokio::time::timeout(Duration::from_secs(10), watch.next())
+            .await
+            .expect("an event in time")
+            .expect("the stream is open")
+            .expect("an event");
+        if ev.kind == proto::WatchEventKind::Removed as i32 {
+            break ev;
+        }
+    };
+    assert_eq!(removed.address, a);
+    let gone = removed.device.expect("which record went");
+    assert!(
+        !gone.present,
+        "the lost claim went, not the present device: {gone:?}"
+    );
+    drop(watch);
     assert_eq!(r.address, a);
     assert!(!r.replayed);
     assert!(

@@ -382,11 +382,19 @@ impl HostDevService {
             Event::Removed {
                 generation,
                 address,
+                present,
             } => proto::WatchEvent {
                 kind: proto::WatchEventKind::Removed as i32,
                 generation: generation.0,
                 address: address.to_string(),
-                device: None,
+                // Which record went: a lost claim and a present device may share the
+                // address, and only one of them is removed.
+                device: Some(proto::Device {
+                    address: address.to_string(),
+                    present: *present,
+                    generation: generation.0,
+                    ..Default::default()
+                }),
             },
         }
     }

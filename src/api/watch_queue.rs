@@ -322,6 +322,7 @@ mod tests {
         Pending::Shared(Event::Removed {
             generation: crate::pci::Generation(generation),
             address: "0000:3b:10.0".parse().expect("address"),
+            present: true,
         })
     }
 

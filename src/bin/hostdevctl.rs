@@ -1057,6 +1057,17 @@ fn event_text(e: &proto::WatchEvent) -> String {
         t.push(' ');
         t.push_str(&e.address);
     }
+    if e.kind == proto::WatchEventKind::Removed as i32 {
+        // Which record went: the present device, or a lost claim at the same address.
+        if let Some(d) = &e.device {
+            t.push_str(if d.present {
+                " (the present device)"
+            } else {
+                " (a lost claim)"
+            });
+        }
+        return t;
+    }
     if let Some(d) = &e.device {
         t.push(' ');
         t.push_str(state_name(d.state));
@@ -1404,6 +1415,29 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_removal_says_which_record_went() {
+        let removed = |present| proto::WatchEvent {
+            kind: proto::WatchEventKind::Removed as i32,
+            generation: 7,
+            address: "0000:3b:02.0".into(),
+            device: Some(proto::Device {
+                address: "0000:3b:02.0".into(),
+                present,
+                generation: 7,
+                ..Default::default()
+            }),
+        };
+        assert_eq!(
+            event_text(&removed(false)),
+            "7 removed 0000:3b:02.0 (a lost claim)"
+        );
+        assert_eq!(
+            event_text(&removed(true)),
+            "7 removed 0000:3b:02.0 (the present device)"
+        );
+    }
 
     #[test]
     fn resource_exhausted_reads_no_free_device_only_for_no_match() {

@@ -491,7 +491,7 @@ impl Ledger {
                     .map(|r| r.address()),
             );
             touched.extend(cs.upserts.iter().map(|r| r.address()));
-            touched.extend(cs.removed.iter().map(|(addr, _)| *addr));
+            touched.extend(cs.removed.iter().map(|(addr, _, _)| *addr));
         }
         touched
             .into_iter()
@@ -1091,7 +1091,7 @@ impl Ledger {
             if self.present.get(&rec.address()) == Some(&id) {
                 self.present.remove(&rec.address());
             }
-            tx.cs.removed.push((rec.address(), generation));
+            tx.cs.removed.push((rec.address(), generation, rec.present));
         }
         tx.cs.upserts.retain(|r| r.id != id);
         tx.cs.removals.push(id);

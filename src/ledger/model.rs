@@ -253,9 +253,10 @@ pub struct ChangeSet {
     pub upserts: Vec<DeviceRecord>,
     /// Records deleted by id.
     pub removals: Vec<RecordId>,
-    /// For each removal: the address and the generation the removal was given (what
-    /// watchers see).
-    pub removed: Vec<(PciAddress, Generation)>,
+    /// For each removal: the address, the generation the removal was given, and whether
+    /// the record removed was the present device there (false: a lost claim): what
+    /// watchers see, since a lost claim and a present device may share an address.
+    pub removed: Vec<(PciAddress, Generation, bool)>,
     /// Each touched record as it was before (None: it did not exist). For undo only.
     pub before: Vec<(RecordId, Option<DeviceRecord>)>,
     /// Request-log entries added.

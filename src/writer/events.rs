@@ -21,6 +21,9 @@ pub enum Event {
     Removed {
         generation: Generation,
         address: PciAddress,
+        /// The record removed was the present device at `address`; false: a lost claim
+        /// (released), while a present device there may stay.
+        present: bool,
     },
 }
 
@@ -279,6 +282,7 @@ mod tests {
         let removed = Event::Removed {
             generation: Generation(1),
             address: "0000:3b:02.0".parse().expect("address"),
+            present: true,
         };
         assert!(event_bytes(&removed) < event_bytes(&changed(1, 0)));
     }
