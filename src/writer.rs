@@ -226,6 +226,8 @@ pub struct Writer {
     metrics: Arc<Metrics>,
     /// Turns true once a commit's outcome is unknown (the writer then decides nothing).
     failed: tokio::sync::watch::Receiver<bool>,
+    /// Whether a listing of libvirt's domains was applied since this agent started.
+    domains_listed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn now_unix() -> u64 {
@@ -280,6 +282,7 @@ impl Writer {
                 store_error,
                 metrics,
                 failed,
+                domains_listed: Arc::default(),
             },
             handle,
         ))
@@ -420,7 +423,15 @@ impl Writer {
         .await
     }
     pub async fn domains(&self, domains: Vec<DomainDevices>) -> Result<(), WriteError> {
-        self.call(|r| Command::Domains(domains, r)).await
+        self.call(|r| Command::Domains(domains, r)).await?;
+        self.domains_listed.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Whether a listing of libvirt's domains was applied since this agent started:
+    /// until then the ledger cannot see a domain that uses a device without a claim.
+    pub fn domains_listed(&self) -> bool {
+        self.domains_listed.load(Ordering::SeqCst)
     }
     pub async fn free_orphans(
         &self,

@@ -397,43 +397,77 @@ async fn poller_attaches_reports_strays_and_audit_protects() {
     s.stop().await;
 }
 
-/// libvirt unreachable: a claimed device is not freed (UNAVAILABLE, nothing changes);
-/// with libvirt disabled in config the status says so and frees go on.
+/// libvirt unreachable since the start: no device is claimed (a domain could use one
+/// without a claim, and it would read as free; an earlier version handed it out) and no
+/// acting audit runs (UNAVAILABLE, nothing changes) until it answers; with libvirt
+/// disabled in config the status says so and claims and frees go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_libvirt_refuses_frees_and_disabled_says_so() {
     let _lv = test_driver();
     let h = host(0x3d, 130);
     let proc_dir = tempfile::tempdir().expect("proc");
-    let uri = format!("test://{}/missing-host.xml", proc_dir.path().display());
+    let host_xml = proc_dir.path().join("missing-host.xml");
+    let uri = format!("test://{}", host_xml.display());
     let s = start(&h, proc_dir.path(), &uri, 3_600_000).await;
     let mut c = s.client().await;
     let vf = h.vfs[1].as_str();
-    let claimed = claim(&mut c, vf, 0x3d01).await;
-    let err = release(&mut c, vf, 0x3d01, claimed.generation)
+    let free = device(&mut c, vf).await;
+    let blind = c
+        .claim(proto::ClaimRequest {
+            vfio: false,
+            owner: Some(owner(0x3d01)),
+            request_id: "while-blind".into(),
+            target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+                address: vf.into(),
+                expected_generation: free.generation,
+            })),
+        })
         .await
-        .expect_err("libvirt cannot be asked");
-    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
-    assert_eq!(info(&err).0, "LIBVIRT_UNREACHABLE");
+        .expect_err("libvirt has never answered");
+    assert_eq!(blind.code(), Code::Unavailable, "{blind:?}");
+    assert_eq!(info(&blind).0, "LIBVIRT_UNREACHABLE");
     assert!(
-        err.message().starts_with(&format!(
-            "cannot prove {vf} unused: libvirt at {uri} unreachable"
-        )),
+        blind
+            .message()
+            .contains("has not answered since this agent started"),
         "{}",
-        err.message()
+        blind.message()
     );
-    let d = device(&mut c, vf).await;
-    assert_eq!((d.state, d.generation), (CLAIMED, claimed.generation));
+    let still = device(&mut c, vf).await;
+    assert_eq!((still.state, still.generation), (FREE, free.generation));
     let err = reconcile(&mut c, &[], true)
         .await
         .expect_err("no acting audit");
     assert_eq!(err.code(), Code::Unavailable);
-    assert_eq!(device(&mut c, vf).await.state, CLAIMED);
+    assert_eq!(info(&err).0, "LIBVIRT_UNREACHABLE");
+    assert!(
+        err.message().starts_with(&format!(
+            "cannot prove the orphans unused: libvirt at {uri} unreachable"
+        )),
+        "{}",
+        err.message()
+    );
     let status = c
         .get_status(proto::GetStatusRequest {})
         .await
         .expect("status")
         .into_inner();
     assert!(!status.libvirt.expect("health").ok);
+    // libvirt answers (its host file appears): the next acting audit lists the domains,
+    // and claims and frees go on from then. (A libvirt that goes away after answering,
+    // and the frees it then refuses, are libvirtd_killed_and_restarted_under_the_agent.)
+    std::fs::write(
+        &host_xml,
+        "<node xmlns:test='http://libvirt.org/schemas/domain/test/1.0'></node>",
+    )
+    .expect("host file");
+    reconcile(&mut c, &[], true)
+        .await
+        .expect("an acting audit lists the domains");
+    let claimed = claim(&mut c, vf, 0x3d01).await;
+    release(&mut c, vf, 0x3d01, claimed.generation)
+        .await
+        .expect("libvirt answered: the release is checked and goes through");
     s.stop().await;
 
     let s = start(&h, proc_dir.path(), "", 3_600_000).await;

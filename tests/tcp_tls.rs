@@ -92,7 +92,7 @@ async fn tcp_requires_a_client_certificate_from_the_configured_ca() {
     let rogue = leaf(&[], "intruder", &rogue_issuer);
     let port = free_port();
     let cfg = format!(
-        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n[api.tcp]\nlisten = \"127.0.0.1:{port}\"\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n",
+        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[libvirt]\nenabled = false\n[api]\nsocket = {:?}\n[api.tcp]\nlisten = \"127.0.0.1:{port}\"\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n",
         tree.sysfs_root(),
         tree.dev_root(),
         dir.path().join("state"),

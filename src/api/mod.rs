@@ -475,6 +475,24 @@ impl HostDev for HostDevService {
                 .into())
             }
         };
+        // Until libvirt has answered once, a device a domain uses without a claim (a
+        // stray) would read as free: no device is handed out on that blind view.
+        if let Some(lv) = &self.guard.libvirt {
+            if !self.writer.domains_listed() {
+                let what = match &target {
+                    ClaimTarget::Address { address, .. } => address.to_string(),
+                    ClaimTarget::Selector(_) => "a device matching the selector".to_string(),
+                };
+                return Err(self
+                    .refused(ApiError::LibvirtUnreachable {
+                        what,
+                        source: Box::new(crate::domains::DomainsError::NotYetListed {
+                            uri: lv.uri().to_string(),
+                        }),
+                    })
+                    .into());
+            }
+        }
         let consumer = owner.consumer;
         let applied = self
             .writer

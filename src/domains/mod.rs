@@ -52,6 +52,8 @@ pub enum DomainsError {
     },
     #[error("the libvirt query thread failed: {0}")]
     Thread(String),
+    #[error("libvirt at {uri} has not answered since this agent started, so a domain that uses a device without a claim would not be seen; claims wait for its first answer")]
+    NotYetListed { uri: String },
 }
 
 /// A libvirt connection by URI, opened on first use and reopened after a failure.

@@ -247,10 +247,11 @@ exec_start=$(sed -n 's/^ExecStart=//p' "$unit")
 socket=/run/hostdevd/hostdevd.sock
 start_daemon() {
   # As the unit would, with the unit's directories; only sysfs and /dev point at the fake
-  # host (flags override the config file's keys).
+  # host, and libvirt at its in-process test driver, since no libvirtd runs here and
+  # claims wait for libvirt's first answer (flags override the config file's keys).
   mkdir -p /run/hostdevd /var/lib/hostdevd
   # shellcheck disable=SC2086
-  $exec_start --sysfs-root "$host/sys" --dev-root "$host/dev" >>"$work/daemon.log" 2>&1 &
+  $exec_start --sysfs-root "$host/sys" --dev-root "$host/dev" --libvirt-uri test:///default >>"$work/daemon.log" 2>&1 &
   daemon_pid=$!
   for _ in $(seq 1 100); do
     [ -S "$socket" ] && hostdevctl status >/dev/null 2>&1 && return 0
