@@ -311,19 +311,12 @@ impl Agent {
                         tracing::debug!(action = %ev.action, device = %ev.address, "uevent");
                         owed.addresses.insert(ev.address);
                         if ev.removal {
-                            owed.removed.insert(ev.address);
+                            // The latest of its removals; one without a number wins.
+                            let seq = owed.removed.entry(ev.address).or_insert(ev.seqnum);
+                            *seq = seq.zip(ev.seqnum).map(|(a, b)| a.max(b));
                         }
                     }
-                    Notice::Resync(why) => owed.resync = Some(why),
-                };
-                if let Some(n) = first {
-                    take(n);
-                }
-                while let Ok(n) = rx.try_recv() {
-                    take(n);
-                }
-                let result = match &owed.resync {
-                    Some(why) => {
+                    Notice::Resync(why) => {
                         metrics.uevent_resync();
                         tracing::warn!(reason = %why, "uevents were lost: full rescan");
                         let (events, resyncs) = metrics.uevent_counts();
@@ -332,8 +325,17 @@ impl Agent {
                             true,
                             format!("listening for PCI uevents; {events} handled, {resyncs} full rescan(s) after lost events (last: {why})"),
                         );
-                        rescanner.full_after(&owed.removed).await
+                        owed.resync = Some(why);
                     }
+                };
+                if let Some(n) = first {
+                    take(n);
+                }
+                while let Ok(n) = rx.try_recv() {
+                    take(n);
+                }
+                let result = match &owed.resync {
+                    Some(_) => rescanner.full_after(&owed.removed).await,
                     None => {
                         rescanner
                             .devices(owed.addresses.clone(), &owed.removed)
@@ -437,7 +439,7 @@ const RESCAN_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(30)
 #[derive(Debug, Default)]
 struct Owed {
     addresses: BTreeSet<crate::pci::PciAddress>,
-    removed: BTreeSet<crate::pci::PciAddress>,
+    removed: crate::rescan::Removals,
     resync: Option<String>,
 }
 

@@ -35,6 +35,8 @@ pub struct Uevent {
     /// interface's `remove` is not one). Whatever is found at its address afterwards is
     /// another device, even with the same IDs: its claim must not carry over.
     pub removal: bool,
+    /// The kernel's sequence number of the event (`SEQNUM`), if it sent one.
+    pub seqnum: Option<u64>,
 }
 
 /// What the listener hands to the agent.
@@ -56,6 +58,7 @@ pub fn parse(msg: &[u8]) -> Option<Uevent> {
     let mut devpath = None;
     let mut subsystem = None;
     let mut slot = None;
+    let mut seqnum = None;
     for f in fields {
         let Ok(f) = std::str::from_utf8(f) else {
             continue;
@@ -66,6 +69,7 @@ pub fn parse(msg: &[u8]) -> Option<Uevent> {
                 "DEVPATH" => devpath = Some(v),
                 "SUBSYSTEM" => subsystem = Some(v),
                 "PCI_SLOT_NAME" => slot = Some(v),
+                "SEQNUM" => seqnum = v.parse().ok(),
                 _ => {}
             }
         }
@@ -88,6 +92,7 @@ pub fn parse(msg: &[u8]) -> Option<Uevent> {
     let action = action?;
     Some(Uevent {
         removal: subsystem == Some("pci") && action == "remove",
+        seqnum,
         action: action.to_string(),
         devpath: devpath.to_string(),
         address,
@@ -210,6 +215,7 @@ mod tests {
         assert_eq!(ev.action, "add");
         assert_eq!(ev.address.to_string(), "0000:01:00.2");
         assert!(!ev.removal);
+        assert_eq!(ev.seqnum, Some(1234));
     }
 
     #[test]

@@ -26,6 +26,10 @@ pub enum RescanError {
 /// The latest inventory by address, shared with the API for names and SR-IOV details.
 pub type SharedInventory = Arc<RwLock<BTreeMap<PciAddress, PciDevice>>>;
 
+/// PCI functions the kernel said it removed, each with the highest sequence number of
+/// its `remove` events (`None`: one came without a number).
+pub type Removals = BTreeMap<PciAddress, Option<u64>>;
+
 /// Scans sysfs and applies what it finds to the ledger.
 #[derive(Debug)]
 pub struct Rescanner {
@@ -42,6 +46,11 @@ pub struct Rescanner {
     /// left to correct it. An async mutex: it is meant to be held across the awaits of
     /// the scan thread and the writer, and no other lock is taken while it is held.
     turn: tokio::sync::Mutex<()>,
+    /// For each device in the inventory, the kernel's uevent sequence number read just
+    /// before the scan that last found it (none where the kernel shows none): a removal
+    /// numbered at or below it happened before that scan, so the device found is the
+    /// one that came after it, and the removal is not its own.
+    seen_at: RwLock<BTreeMap<PciAddress, u64>>,
 }
 
 fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
@@ -74,6 +83,7 @@ impl Rescanner {
             inventory: Arc::new(RwLock::new(BTreeMap::new())),
             writer,
             turn: tokio::sync::Mutex::new(()),
+            seen_at: RwLock::new(BTreeMap::new()),
         }
     }
 
@@ -86,9 +96,12 @@ impl Rescanner {
             self.dev_root.clone(),
             self.names.clone(),
         );
-        let inv = tokio::task::spawn_blocking(move || sysfs::scan(&root, &dev, &names))
-            .await
-            .map_err(|e| RescanError::Thread(e.to_string()))??;
+        let (seq, inv) = tokio::task::spawn_blocking(move || {
+            let seq = sysfs::uevent_seqnum(&root);
+            sysfs::scan(&root, &dev, &names).map(|inv| (seq, inv))
+        })
+        .await
+        .map_err(|e| RescanError::Thread(e.to_string()))??;
         for e in &inv.errors {
             tracing::warn!(problem = %e, "sysfs entry skipped");
         }
@@ -102,21 +115,48 @@ impl Rescanner {
         // the retry finds the same differences again.
         self.writer.inventory(facts).await?;
         *write(&self.selection) = sel;
+        *write(&self.seen_at) = match seq {
+            Some(seq) => inv.devices.iter().map(|d| (d.address, seq)).collect(),
+            None => BTreeMap::new(),
+        };
         *write(&self.inventory) = inv.devices.into_iter().map(|d| (d.address, d)).collect();
         Ok(())
     }
 
+    /// The removals that are of the device the ledger has at their address now: each
+    /// numbered past the scan that last found that device, or of unknown order. One at
+    /// or below it is stale: the scan already found the device that came after it (the
+    /// kernel sends the removals of the VFs a count change destroys while the change's
+    /// own rescan finds the new ones), and applying it would take that new device, and
+    /// any claim made on it since, for a removed one.
+    fn own_removals(&self, removed: &Removals) -> Vec<PciAddress> {
+        let seen_at = read(&self.seen_at);
+        removed
+            .iter()
+            .filter(|(a, seq)| match (seq, seen_at.get(a)) {
+                (Some(seq), Some(seen)) => seen < seq,
+                _ => true,
+            })
+            .map(|(a, _)| *a)
+            .collect()
+    }
+
     /// A full scan (lost uevents) after `removed`, PCI functions the kernel said it
     /// removed, leave the ledger: a device at one of their addresses now is a new one.
-    pub async fn full_after(&self, removed: &BTreeSet<PciAddress>) -> Result<(), RescanError> {
+    pub async fn full_after(&self, removed: &Removals) -> Result<(), RescanError> {
         if !removed.is_empty() {
             let _turn = self.turn.lock().await;
-            self.writer
-                .devices(removed.iter().map(|a| (*a, None)).collect())
-                .await?;
-            let mut inv = write(&self.inventory);
-            for a in removed {
-                inv.remove(a);
+            let gone = self.own_removals(removed);
+            if !gone.is_empty() {
+                self.writer
+                    .devices(gone.iter().map(|a| (*a, None)).collect())
+                    .await?;
+                let mut inv = write(&self.inventory);
+                let mut seen_at = write(&self.seen_at);
+                for a in &gone {
+                    inv.remove(a);
+                    seen_at.remove(a);
+                }
             }
         }
         self.full(None).await
@@ -130,7 +170,7 @@ impl Rescanner {
     pub async fn devices(
         &self,
         addresses: BTreeSet<PciAddress>,
-        removed: &BTreeSet<PciAddress>,
+        removed: &Removals,
     ) -> Result<(), RescanError> {
         if addresses.is_empty() {
             return Ok(());
@@ -155,7 +195,7 @@ impl Rescanner {
         let rescanned = if addresses.is_empty() {
             Ok(())
         } else {
-            self.devices_in_turn(addresses, &BTreeSet::new()).await
+            self.devices_in_turn(addresses, &Removals::new()).await
         };
         (out, rescanned)
     }
@@ -164,7 +204,7 @@ impl Rescanner {
     async fn devices_in_turn(
         &self,
         addresses: BTreeSet<PciAddress>,
-        removed: &BTreeSet<PciAddress>,
+        removed: &Removals,
     ) -> Result<(), RescanError> {
         // One level of relatives only: a VF's event rescans its PF (whose VF list
         // changed), not all the PF's other VFs, which have events of their own.
@@ -181,7 +221,8 @@ impl Rescanner {
             self.dev_root.clone(),
             self.names.clone(),
         );
-        let scanned = tokio::task::spawn_blocking(move || {
+        let (seq, scanned) = tokio::task::spawn_blocking(move || {
+            let seq = sysfs::uevent_seqnum(&root);
             let mut out: BTreeMap<PciAddress, Option<PciDevice>> = BTreeMap::new();
             let mut queue: Vec<PciAddress> = wanted.into_iter().collect();
             while let Some(a) = queue.pop() {
@@ -196,12 +237,13 @@ impl Rescanner {
                 }
                 out.insert(a, d);
             }
-            Ok::<_, SysfsError>(out)
+            Ok::<_, SysfsError>((seq, out))
         })
         .await
         .map_err(|e| RescanError::Thread(e.to_string()))??;
+        let gone = self.own_removals(removed);
         let mut changes: Vec<(PciAddress, Option<DeviceFacts>)> =
-            removed.iter().map(|a| (*a, None)).collect();
+            gone.iter().map(|a| (*a, None)).collect();
         {
             let inv = read(&self.inventory);
             let sel = read(&self.selection);
@@ -226,19 +268,27 @@ impl Rescanner {
         }
         tracing::debug!(
             devices = changes.len(),
-            removed = removed.len(),
+            removed = gone.len(),
+            stale_removals = removed.len() - gone.len(),
             "partial rescan"
         );
         // As for a full scan: the inventory follows only once the ledger took it.
         self.writer.devices(changes).await?;
         let mut inv = write(&self.inventory);
+        let mut seen_at = write(&self.seen_at);
         for (a, d) in scanned {
-            match d {
-                Some(d) => {
+            match (d, seq) {
+                (Some(d), Some(seq)) => {
                     inv.insert(a, d);
+                    seen_at.insert(a, seq);
                 }
-                None => {
+                (Some(d), None) => {
+                    inv.insert(a, d);
+                    seen_at.remove(&a);
+                }
+                (None, _) => {
                     inv.remove(&a);
+                    seen_at.remove(&a);
                 }
             }
         }

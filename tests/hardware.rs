@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
 use hostdevd::config::Config;
 use hostdevd::simhost::{FakeSys, FakeTree};
-use support::fakekernel::{send_rename_uevent, send_uevent, FakeKernel};
+use support::fakekernel::{send_rename_uevent, send_uevent, send_uevent_numbered, FakeKernel};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 use tonic::Code;
@@ -700,6 +700,59 @@ async fn a_removal_seen_before_the_device_came_back_does_not_carry_its_claim_ove
         .expect("the new device");
     assert!(new.owner.is_none(), "the new device carries no claim");
     assert!(new.generation > claimed.generation);
+    s.stop().await;
+}
+
+/// The kernel numbers its uevents (`/sys/kernel/uevent_seqnum` is the last number sent),
+/// and the agent reads that number before each scan. A removal numbered past the scan
+/// that found the device at its address is that device's: the claim goes lost. One
+/// numbered at or before it is stale (the kernel sends the removals of the VFs a count
+/// change destroys while the change's own rescan already finds the new ones): the device
+/// found and the claim made on it since stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_older_than_the_scan_that_found_the_device_is_not_its_own() {
+    let _alone = alone().await;
+    let t = tree();
+    let seqnum = t.sysfs_root().join("kernel/uevent_seqnum");
+    std::fs::create_dir_all(seqnum.parent().expect("kernel dir")).expect("mkdir");
+    std::fs::write(&seqnum, "10\n").expect("seqnum");
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 1).await;
+    claim(&mut c, &a, 10, false).await.expect("claim");
+
+    // Removed (11) and back (12), after the scan at 10: the claim goes lost.
+    t.remove_device(&a);
+    t.replug_device(&a);
+    std::fs::write(&seqnum, "12\n").expect("seqnum");
+    send_uevent_numbered("remove", &a, 11);
+    send_uevent_numbered("add", &a, 12);
+    until(&mut c, "the claim lost and the new device free", |l| {
+        l.iter().any(|d| d.address == a && !d.present)
+            && l.iter().any(|d| {
+                d.address == a && d.present && d.state == proto::DeviceState::Free as i32
+            })
+    })
+    .await;
+    // The new device, found by a scan at 12, is claimed; then a removal numbered 11
+    // arrives again (late, or a duplicate): not this device's.
+    claim(&mut c, &a, 11, false).await.expect("claim the new device");
+    let claimed = device(&mut c, &a).await.expect("the new device");
+    send_uevent_numbered("remove", &a, 11);
+    // A later event on another device shows the stale one was handled before it.
+    let other = vf(&mut c, 2).await;
+    t.write_attr(&other, "numa_node", b"1\n");
+    send_uevent_numbered("change", &other, 13);
+    until(&mut c, "the later event handled", |l| {
+        l.iter().any(|d| d.address == other && d.numa_node == Some(1))
+    })
+    .await;
+    let now = device(&mut c, &a).await.expect("still present");
+    assert_eq!(
+        (now.generation, now.owner.clone(), now.present),
+        (claimed.generation, Some(owner(11)), true),
+        "a stale removal took the device found after it"
+    );
     s.stop().await;
 }
 

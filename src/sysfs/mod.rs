@@ -26,6 +26,17 @@ use crate::pci::{DeviceId, PciAddress, VendorId};
 pub use names::PciNames;
 pub use scan::{scan, scan_one};
 
+/// The kernel's uevent sequence number now (`<sysfs_root>/kernel/uevent_seqnum`): every
+/// uevent sent so far has a number at most this. Read before a scan, it tells an event
+/// the scan already saw the effect of from one it did not. `None` where the file is
+/// missing or unreadable (a test tree).
+pub fn uevent_seqnum(sysfs_root: &Path) -> Option<u64> {
+    attr::read_optional_text(&sysfs_root.join("kernel/uevent_seqnum"))
+        .ok()
+        .flatten()
+        .and_then(|v| v.parse().ok())
+}
+
 /// The default sysfs mount point. The only place this literal may appear; everything
 /// else receives the root as a parameter.
 pub const DEFAULT_SYSFS_ROOT: &str = "/sys";

@@ -22,9 +22,14 @@ use nix::sys::socket::{
 
 /// Sends one kernel-style PCI uevent to the uevent multicast group.
 pub fn send_uevent(action: &str, address: &str) {
+    send_uevent_numbered(action, address, 1);
+}
+
+/// [`send_uevent`] with the kernel's sequence number `seqnum`.
+pub fn send_uevent_numbered(action: &str, address: &str, seqnum: u64) {
     let devpath = format!("/devices/pci0000:00/{address}");
     send(&format!(
-        "{action}@{devpath}\0ACTION={action}\0DEVPATH={devpath}\0SUBSYSTEM=pci\0PCI_SLOT_NAME={address}\0SEQNUM=1\0"
+        "{action}@{devpath}\0ACTION={action}\0DEVPATH={devpath}\0SUBSYSTEM=pci\0PCI_SLOT_NAME={address}\0SEQNUM={seqnum}\0"
     ));
 }
 
