@@ -729,14 +729,15 @@ async fn a_removal_older_than_the_scan_that_found_the_device_is_not_its_own() {
     send_uevent_numbered("add", &a, 12);
     until(&mut c, "the claim lost and the new device free", |l| {
         l.iter().any(|d| d.address == a && !d.present)
-            && l.iter().any(|d| {
-                d.address == a && d.present && d.state == proto::DeviceState::Free as i32
-            })
+            && l.iter()
+                .any(|d| d.address == a && d.present && d.state == proto::DeviceState::Free as i32)
     })
     .await;
     // The new device, found by a scan at 12, is claimed; then a removal numbered 11
     // arrives again (late, or a duplicate): not this device's.
-    claim(&mut c, &a, 11, false).await.expect("claim the new device");
+    claim(&mut c, &a, 11, false)
+        .await
+        .expect("claim the new device");
     let claimed = device(&mut c, &a).await.expect("the new device");
     send_uevent_numbered("remove", &a, 11);
     // A later event on another device shows the stale one was handled before it.
@@ -744,7 +745,8 @@ async fn a_removal_older_than_the_scan_that_found_the_device_is_not_its_own() {
     t.write_attr(&other, "numa_node", b"1\n");
     send_uevent_numbered("change", &other, 13);
     until(&mut c, "the later event handled", |l| {
-        l.iter().any(|d| d.address == other && d.numa_node == Some(1))
+        l.iter()
+            .any(|d| d.address == other && d.numa_node == Some(1))
     })
     .await;
     let now = device(&mut c, &a).await.expect("still present");
