@@ -1048,9 +1048,8 @@ fn assert_cut_off(status: &Status, in_snapshot: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watcher_that_never_reads_is_cut_off_and_others_are_unaffected() {
     // The resume ring and broadcast channel hold 64 events; the per-stream queue has the
-    // default limits (1024 events, 256 KiB). Two watch streams at most: the slow one's
-    // slot must come back when it is cut off, though it never reads.
-    let mut a = start(16, "watch_buffer = 64\nmax_watch_streams = 2").await;
+    // default limits (1024 events, 256 KiB).
+    let mut a = start(16, "watch_buffer = 64").await;
     let mut c = a.client().await;
     let start_gen = listing(&mut c).await.host_generation;
     let watch = proto::WatchRequest {
@@ -1109,27 +1108,6 @@ async fn a_watcher_that_never_reads_is_cut_off_and_others_are_unaffected() {
     let rss_stuck = a.rss_kib();
     // Give the daemon time to notice, then read what the slow watcher was sent.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    // Both slots were taken; the slow watcher, cut off but still connected and unread,
-    // has given its slot back (an earlier version held it until the client read its
-    // stream to the end or disconnected).
-    let snapshot = proto::WatchRequest {
-        from_generation: 0,
-        snapshot: true,
-    };
-    let mut third = a
-        .client()
-        .await
-        .watch(snapshot)
-        .await
-        .expect("a third watch once the slow watcher is cut off")
-        .into_inner();
-    let mut again = a.client().await;
-    let over = again
-        .watch(snapshot)
-        .await
-        .expect_err("a fourth watch: both slots are taken again");
-    assert_eq!(over.code(), Code::ResourceExhausted, "{over:?}");
-    drop(again);
     let t = Instant::now();
     let mut delivered = 0usize;
     let cut_off = loop {
@@ -1158,11 +1136,6 @@ async fn a_watcher_that_never_reads_is_cut_off_and_others_are_unaffected() {
         cut_off.code(),
         cut_off.message()
     );
-    tokio::time::timeout(Duration::from_secs(10), third.next())
-        .await
-        .expect("the third watcher gets its snapshot")
-        .expect("the third watcher's stream is open")
-        .expect("an event, not a cut-off");
     let now = listing(&mut c).await;
     a.assert_unharmed("a slow watcher", &now).await;
 }

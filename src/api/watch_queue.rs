@@ -65,11 +65,6 @@ struct Inner {
     ended: bool,
     /// The client's stream was dropped: nothing more is wanted.
     reader_gone: bool,
-    /// The watcher's place among the open watch streams: given back when the reader
-    /// goes or when the feed cuts the watcher off, whichever comes first. A cut-off
-    /// client that stops reading keeps its HTTP/2 stream (and so the reader) until its
-    /// connection closes, but it takes no more events and needs no slot.
-    slot: Option<OwnedSemaphorePermit>,
 }
 
 #[derive(Debug)]
@@ -106,11 +101,11 @@ pub enum Refused {
 #[derive(Debug)]
 pub struct WatchSender(Arc<Shared>);
 
-/// The client's end; the slot in the stream limit is held until it is dropped or the
-/// watcher is cut off.
+/// The client's end; the slot in the stream limit is held until it is dropped.
 pub struct WatchReceiver {
     shared: Arc<Shared>,
     convert: Convert,
+    _slot: Option<OwnedSemaphorePermit>,
 }
 
 impl std::fmt::Debug for WatchReceiver {
@@ -129,17 +124,18 @@ pub fn queue(
     slot: Option<OwnedSemaphorePermit>,
 ) -> (WatchSender, WatchReceiver) {
     let shared = Arc::new(Shared {
-        inner: Mutex::new(Inner {
-            slot,
-            ..Inner::default()
-        }),
+        inner: Mutex::new(Inner::default()),
         readable: Notify::new(),
         writable: Notify::new(),
         limits,
     });
     (
         WatchSender(shared.clone()),
-        WatchReceiver { shared, convert },
+        WatchReceiver {
+            shared,
+            convert,
+            _slot: slot,
+        },
     )
 }
 
@@ -220,9 +216,7 @@ impl WatchSender {
         g.bytes = size;
         g.items.push_back((Err(status), size));
         g.ended = true;
-        let slot = g.slot.take();
         drop(g);
-        drop(slot);
         self.0.readable.notify_one();
     }
 
@@ -294,9 +288,7 @@ impl Drop for WatchReceiver {
         g.reader_gone = true;
         g.items.clear();
         g.bytes = 0;
-        let slot = g.slot.take();
         drop(g);
-        drop(slot);
         // Wake a waiting send and a waiting `closed` alike, and leave a permit for a
         // feed that is about to wait.
         self.shared.writable.notify_waiters();
@@ -451,22 +443,5 @@ mod tests {
         assert!(slots.clone().try_acquire_owned().is_err());
         drop(rx);
         assert!(slots.try_acquire_owned().is_ok());
-    }
-
-    #[tokio::test]
-    async fn a_cut_off_watcher_gives_its_slot_back_before_it_reads() {
-        let slots = Arc::new(tokio::sync::Semaphore::new(1));
-        let permit = slots.clone().try_acquire_owned().expect("one slot");
-        let (tx, rx) = queue(LIMITS, convert(), Some(permit));
-        assert!(slots.clone().try_acquire_owned().is_err());
-        tx.cut_off(Status::resource_exhausted("too slow"));
-        // The client has not read anything yet (its window is full): the slot is free
-        // all the same, and the status still waits for it.
-        assert!(slots.clone().try_acquire_owned().is_ok());
-        match rx.recv().await {
-            Some(Err(s)) => assert_eq!(s.message(), "too slow"),
-            other => panic!("expected the cut-off status, got {other:?}"),
-        }
-        assert!(rx.recv().await.is_none());
     }
 }
