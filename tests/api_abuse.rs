@@ -1048,8 +1048,8 @@ fn assert_cut_off(status: &Status, in_snapshot: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watcher_that_never_reads_is_cut_off_and_others_are_unaffected() {
     // The resume ring and broadcast channel hold 64 events; the per-stream queue has the
-    // default limits (1024 events, 256 KiB).
-    let mut a = start(16, "watch_buffer = 64").await;
+    // default limits (1024 events, 256 KiB). Two watch streams at most.
+    let mut a = start(16, "watch_buffer = 64\nmax_watch_streams = 2").await;
     let mut c = a.client().await;
     let start_gen = listing(&mut c).await.host_generation;
     let watch = proto::WatchRequest {
@@ -1108,6 +1108,20 @@ async fn a_watcher_that_never_reads_is_cut_off_and_others_are_unaffected() {
     let rss_stuck = a.rss_kib();
     // Give the daemon time to notice, then read what the slow watcher was sent.
     tokio::time::sleep(Duration::from_millis(500)).await;
+    // Cut off but unread, the slow watcher's stream is still open (its HTTP/2 buffers
+    // with it), so it keeps its slot: a client that never reads cannot pile up streams
+    // past the limit by being cut off again and again.
+    let snapshot = proto::WatchRequest {
+        from_generation: 0,
+        snapshot: true,
+    };
+    let over = a
+        .client()
+        .await
+        .watch(snapshot)
+        .await
+        .expect_err("both slots are held");
+    assert_eq!(over.code(), Code::ResourceExhausted, "{over:?}");
     let t = Instant::now();
     let mut delivered = 0usize;
     let cut_off = loop {
@@ -1136,6 +1150,24 @@ async fn a_watcher_that_never_reads_is_cut_off_and_others_are_unaffected() {
         cut_off.code(),
         cut_off.message()
     );
+    // Read to its end and dropped, it gives the slot back.
+    drop(slow);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut third = loop {
+        match a.client().await.watch(snapshot).await {
+            Ok(w) => break w.into_inner(),
+            Err(e) => {
+                assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+                assert!(Instant::now() < deadline, "the slot never came back");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), third.next())
+        .await
+        .expect("the new watcher gets its snapshot")
+        .expect("open")
+        .expect("an event");
     let now = listing(&mut c).await;
     a.assert_unharmed("a slow watcher", &now).await;
 }
