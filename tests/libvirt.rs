@@ -486,6 +486,77 @@ async fn unreachable_libvirt_refuses_frees_and_disabled_says_so() {
     s.stop().await;
 }
 
+/// Claims wait for libvirt's first answer since the start, but a retry of a claim made
+/// before a restart is answered as the first time (I7), not refused for that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_retried_after_a_restart_is_answered_while_libvirt_is_silent() {
+    let _lv = test_driver();
+    let h = host(0x3c, 120);
+    let dir = tempfile::tempdir().expect("dir");
+    std::fs::create_dir_all(dir.path().join("proc")).expect("proc");
+    let host_xml = dir.path().join("host.xml");
+    std::fs::write(
+        &host_xml,
+        "<node xmlns:test='http://libvirt.org/schemas/domain/test/1.0'></node>",
+    )
+    .expect("host.xml");
+    let libvirt = format!("[libvirt]\nuri = \"test://{}\"\n", host_xml.display());
+    let (vf, other) = (h.vfs[1].clone(), h.vfs[2].clone());
+    let request = |g: u64, id: &str, a: &str| proto::ClaimRequest {
+        vfio: false,
+        owner: Some(owner(0x3c01)),
+        request_id: id.into(),
+        target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+            address: a.into(),
+            expected_generation: g,
+        })),
+    };
+    let (child, socket, _log) = spawn_hostdevd(&h, dir.path(), &libvirt).await;
+    let mut child = KillOnDrop(child);
+    let mut c = hostdevd::client::connect(&socket).await.expect("connect");
+    let g = device(&mut c, &vf).await.generation;
+    let first = c
+        .claim(request(g, "boot-1", &vf))
+        .await
+        .expect("claim while libvirt answers")
+        .into_inner();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(child.0.id()).expect("pid")),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("stop");
+    assert!(child.0.wait().expect("wait").success());
+
+    // libvirt is gone when the agent starts again.
+    std::fs::remove_file(&host_xml).expect("libvirt goes");
+    let (child, socket, _log) = spawn_hostdevd(&h, dir.path(), &libvirt).await;
+    let _child = KillOnDrop(child);
+    let mut c = hostdevd::client::connect(&socket).await.expect("connect");
+    let again = c
+        .claim(request(g, "boot-1", &vf))
+        .await
+        .expect("the retry is answered")
+        .into_inner();
+    assert!(again.replayed, "{again:?}");
+    assert_eq!(again.generation, first.generation);
+    let g2 = device(&mut c, &other).await.generation;
+    let refused = c
+        .claim(request(g2, "boot-2", &other))
+        .await
+        .expect_err("a new claim waits for libvirt");
+    assert_eq!(info(&refused).0, "LIBVIRT_UNREACHABLE", "{refused:?}");
+}
+
+/// A spawned agent, killed when the test ends, failed or not.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A fake proc tree with a QEMU holding the VF's VFIO group: Release is refused naming
 /// the process, an audit protects it; once the process is gone the release succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

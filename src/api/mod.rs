@@ -23,7 +23,7 @@ use crate::ledger::{
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 use crate::rescan::{Rescanner, SharedInventory};
 use crate::sysfs::PciDevice;
-use crate::writer::{Event, OrphanFree, Writer};
+use crate::writer::{Event, OrphanFree, WriteError, Writer};
 use convert::device_to_proto;
 use guard::VfioCheck;
 use status::ApiError;
@@ -476,9 +476,17 @@ impl HostDev for HostDevService {
             }
         };
         // Until libvirt has answered once, a device a domain uses without a claim (a
-        // stray) would read as free: no device is handed out on that blind view.
+        // stray) would read as free: no device is handed out on that blind view. A retry
+        // of a claim already decided is answered as the first time (I7).
         if let Some(lv) = &self.guard.libvirt {
-            if !self.writer.domains_listed() {
+            if !self.writer.domains_listed()
+                && self
+                    .writer
+                    .lookup(owner.consumer, request_id.clone())
+                    .await
+                    .map_err(ApiError::from)?
+                    .is_none()
+            {
                 let what = match &target {
                     ClaimTarget::Address { address, .. } => address.to_string(),
                     ClaimTarget::Selector(_) => "a device matching the selector".to_string(),
@@ -607,7 +615,7 @@ impl HostDev for HostDevService {
         let result = if bound.is_empty() {
             self.writer.release(rel).await
         } else {
-            self.after_hardware(self.writer.release(rel), |_| bound)
+            self.after_hardware(|w| async move { w.release(rel).await }, |_| bound)
                 .await
         };
         let applied = result.map_err(ApiError::from)?;
@@ -1183,17 +1191,18 @@ impl HostDev for HostDevService {
             }
             .into());
         }
+        let change = crate::writer::SetVfCount {
+            pf,
+            generation: Generation(r.generation),
+            count: r.vf_count,
+            autoprobe: r.drivers_autoprobe,
+        };
         let result = self
             .after_hardware(
-                self.writer.set_vf_count(crate::writer::SetVfCount {
-                    pf,
-                    generation: Generation(r.generation),
-                    count: r.vf_count,
-                    autoprobe: r.drivers_autoprobe,
-                }),
+                move |w| async move { w.set_vf_count(change).await },
                 // Written or not, show what the kernel has now: the PF and its VFs, before
                 // and after (the rescan finds the new ones through the PF).
-                |result| {
+                move |result| {
                     if matches!(result, Err(crate::writer::WriteError::Ledger(_))) {
                         BTreeSet::new()
                     } else {
@@ -1228,12 +1237,15 @@ impl HostDevService {
     ) -> Result<(Generation, Vec<proto::BoundMember>), ApiError> {
         let result = self
             .after_hardware(
-                self.writer.bind_vfio(crate::writer::BindVfio {
-                    address,
-                    consumer,
-                    generation,
-                }),
-                |result| match result {
+                move |w| async move {
+                    w.bind_vfio(crate::writer::BindVfio {
+                        address,
+                        consumer,
+                        generation,
+                    })
+                    .await
+                },
+                move |result| match result {
                     Ok(b) => b.members.iter().map(|m| m.address).collect(),
                     Err(_) => [address].into(),
                 },
@@ -1257,18 +1269,34 @@ impl HostDevService {
         ))
     }
 
-    /// Runs a hardware action with the other rescans held off, then rescans the devices
-    /// `then` names from its result (a failed rescan is logged: the uevents that follow
-    /// rescan them again).
-    async fn after_hardware<T>(
+    /// Runs a hardware action (made by `action` from the writer) with the other rescans
+    /// held off, then rescans the devices `then` names from its result (a failed rescan
+    /// is logged: the uevents that follow rescan them again). On a task of its own: a
+    /// caller that goes away (it disconnects, or its deadline passes) drops its call,
+    /// and must not drop the held-off rescans and the rescan after the action with it
+    /// while the writer still acts on the hardware.
+    async fn after_hardware<X, F, Fut>(
         &self,
-        action: impl std::future::Future<Output = T>,
-        then: impl FnOnce(&T) -> BTreeSet<PciAddress>,
-    ) -> T {
-        let (out, rescanned) = self.rescanner.around(action, then).await;
-        if let Err(e) = rescanned {
-            tracing::warn!(error = %e, "rescan after a hardware action failed");
-        }
-        out
+        action: F,
+        then: impl FnOnce(&Result<X, WriteError>) -> BTreeSet<PciAddress> + Send + 'static,
+    ) -> Result<X, WriteError>
+    where
+        X: Send + 'static,
+        F: FnOnce(Writer) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<X, WriteError>> + Send + 'static,
+    {
+        let (rescanner, writer) = (self.rescanner.clone(), self.writer.clone());
+        tokio::spawn(async move {
+            let (out, rescanned) = rescanner.around(action(writer), then).await;
+            if let Err(e) = rescanned {
+                tracing::warn!(error = %e, "rescan after a hardware action failed");
+            }
+            out
+        })
+        .await
+        .unwrap_or_else(|e| {
+            tracing::error!(error = %e, "a hardware action's task failed");
+            Err(WriteError::ShuttingDown)
+        })
     }
 }

@@ -58,7 +58,7 @@ pub enum HardwareError {
         path: PathBuf,
         after: Duration,
     },
-    #[error("{address}: {step}: no answer from the kernel within {after:?} reading {path} (the kernel holds the device while it changes it: a VF count change or a driver probe still running?); nothing was changed")]
+    #[error("{address}: {step}: no answer from the kernel within {after:?} reading {path} (the kernel holds the device while it changes it: a VF count change or a driver probe still running?)")]
     ReadTimeout {
         address: PciAddress,
         step: &'static str,
@@ -339,7 +339,6 @@ mod tests {
             ),
             "{err}"
         );
-        assert!(err.to_string().contains("nothing was changed"), "{err}");
         assert!(started.elapsed() >= Duration::from_millis(100));
         drop(release);
         // An answer in time is passed on.
