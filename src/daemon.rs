@@ -291,21 +291,7 @@ impl Agent {
             let mut owed = Owed::default();
             let mut retry_in: Option<std::time::Duration> = None;
             loop {
-                // Wait for an event; with a rescan owed, at most until its retry is due.
-                let first = match retry_in {
-                    None => match rx.recv().await {
-                        Some(n) => Some(n),
-                        None => break,
-                    },
-                    Some(wait) => tokio::select! {
-                        n = rx.recv() => match n {
-                            Some(n) => Some(n),
-                            None => break,
-                        },
-                        _ = tokio::time::sleep(wait) => None,
-                    },
-                };
-                let mut take = |n: Notice| match n {
+                let take = |owed: &mut Owed, n: Notice| match n {
                     Notice::Device(ev) => {
                         metrics.uevent();
                         tracing::debug!(action = %ev.action, device = %ev.address, "uevent");
@@ -328,11 +314,30 @@ impl Agent {
                         owed.resync = Some(why);
                     }
                 };
-                if let Some(n) = first {
-                    take(n);
+                match retry_in {
+                    // Wait for an event.
+                    None => match rx.recv().await {
+                        Some(n) => take(&mut owed, n),
+                        None => break,
+                    },
+                    // A rescan is owed: gather what arrives meanwhile, and try again only
+                    // once the wait is over (a stream of events must not turn the wait
+                    // into a retry per event while the disk is full).
+                    Some(wait) => {
+                        let due = tokio::time::Instant::now() + wait;
+                        loop {
+                            tokio::select! {
+                                n = rx.recv() => match n {
+                                    Some(n) => take(&mut owed, n),
+                                    None => return,
+                                },
+                                _ = tokio::time::sleep_until(due) => break,
+                            }
+                        }
+                    }
                 }
                 while let Ok(n) = rx.try_recv() {
-                    take(n);
+                    take(&mut owed, n);
                 }
                 let result = match &owed.resync {
                     Some(_) => rescanner.full_after(&owed.removed).await,
