@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
 use crate::config::Selection;
-use crate::ledger::DeviceFacts;
+use crate::ledger::{DeviceFacts, RecordId};
 use crate::pci::PciAddress;
 use crate::sysfs::{self, PciDevice, PciNames, SysfsError};
 use crate::writer::{WriteError, Writer};
@@ -46,10 +46,12 @@ pub struct Rescanner {
     /// left to correct it. An async mutex: it is meant to be held across the awaits of
     /// the scan thread and the writer, and no other lock is taken while it is held.
     turn: tokio::sync::Mutex<()>,
-    /// For each device in the inventory, the kernel's uevent sequence number read just
-    /// before the scan that last found it (none where the kernel shows none): a removal
-    /// numbered at or below it happened before that scan, so the device found is the
-    /// one that came after it, and the removal is not its own.
+    /// For each present device whose ledger record a scan created, the kernel's uevent
+    /// sequence number read just before that scan (none where the kernel shows none, or
+    /// where the record was there before the scan): a removal numbered at or below it
+    /// happened before the record was made, so it is not that device's removal. A scan
+    /// that finds a device and keeps its record says nothing of which device it is (it
+    /// may be a new one whose removal is still to be read), so it does not count.
     seen_at: RwLock<BTreeMap<PciAddress, u64>>,
 }
 
@@ -113,14 +115,46 @@ impl Rescanner {
         // The inventory and the selection change only once the ledger took the scan: a
         // scan the ledger refused (a full disk) leaves both as the ledger has them, and
         // the retry finds the same differences again.
+        let before = self.present_records(inv.devices.iter().map(|d| d.address));
         self.writer.inventory(facts).await?;
         *write(&self.selection) = sel;
-        *write(&self.seen_at) = match seq {
-            Some(seq) => inv.devices.iter().map(|d| (d.address, seq)).collect(),
-            None => BTreeMap::new(),
-        };
+        let found: BTreeSet<PciAddress> = inv.devices.iter().map(|d| d.address).collect();
+        write(&self.seen_at).retain(|a, _| found.contains(a));
+        self.note_found(seq, found.into_iter(), &before);
         *write(&self.inventory) = inv.devices.into_iter().map(|d| (d.address, d)).collect();
         Ok(())
+    }
+
+    /// The present record at each of `addresses` in the ledger now.
+    fn present_records(
+        &self,
+        addresses: impl Iterator<Item = PciAddress>,
+    ) -> BTreeMap<PciAddress, RecordId> {
+        let view = self.writer.view();
+        addresses
+            .filter_map(|a| view.ledger.record_at(a).map(|r| (a, r.id)))
+            .collect()
+    }
+
+    /// After a scan read at sequence number `seq` was applied: each of `found` (present
+    /// in it) whose ledger record is new since `before` was made by this scan.
+    fn note_found(
+        &self,
+        seq: Option<u64>,
+        found: impl Iterator<Item = PciAddress>,
+        before: &BTreeMap<PciAddress, RecordId>,
+    ) {
+        let now = self.present_records(found);
+        let mut seen_at = write(&self.seen_at);
+        for (a, id) in now {
+            if before.get(&a) == Some(&id) {
+                continue;
+            }
+            match seq {
+                Some(seq) => seen_at.insert(a, seq),
+                None => seen_at.remove(&a),
+            };
+        }
     }
 
     /// The removals that are of the device the ledger has at their address now: each
@@ -273,22 +307,30 @@ impl Rescanner {
             "partial rescan"
         );
         // As for a full scan: the inventory follows only once the ledger took it.
+        let before = self.present_records(scanned.keys().copied());
         self.writer.devices(changes).await?;
+        let found: Vec<PciAddress> = scanned
+            .iter()
+            .filter(|(_, d)| d.is_some())
+            .map(|(a, _)| *a)
+            .collect();
+        {
+            let mut seen_at = write(&self.seen_at);
+            for (a, d) in &scanned {
+                if d.is_none() {
+                    seen_at.remove(a);
+                }
+            }
+        }
+        self.note_found(seq, found.into_iter(), &before);
         let mut inv = write(&self.inventory);
-        let mut seen_at = write(&self.seen_at);
         for (a, d) in scanned {
-            match (d, seq) {
-                (Some(d), Some(seq)) => {
+            match d {
+                Some(d) => {
                     inv.insert(a, d);
-                    seen_at.insert(a, seq);
                 }
-                (Some(d), None) => {
-                    inv.insert(a, d);
-                    seen_at.remove(&a);
-                }
-                (None, _) => {
+                None => {
                     inv.remove(&a);
-                    seen_at.remove(&a);
                 }
             }
         }

@@ -758,6 +758,51 @@ async fn a_removal_older_than_the_scan_that_found_the_device_is_not_its_own() {
     s.stop().await;
 }
 
+/// A scan that finds a device and keeps its ledger record (here the PF's rescan, which
+/// takes in its VFs) says nothing of which device it found: the VF may be a new one
+/// whose removal is still to be read. That removal, numbered after the scan that made
+/// the record, is still the claimed device's own, and the claim goes lost. An earlier
+/// version took any scan that found the device as its first sight, so the late removal
+/// looked stale and the claim stayed on the new device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rescan_that_keeps_a_record_does_not_make_its_removal_stale() {
+    let _alone = alone().await;
+    let t = tree();
+    let seqnum = t.sysfs_root().join("kernel/uevent_seqnum");
+    std::fs::create_dir_all(seqnum.parent().expect("kernel dir")).expect("mkdir");
+    std::fs::write(&seqnum, "10\n").expect("seqnum");
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 1).await;
+    claim(&mut c, &a, 10, false).await.expect("claim");
+
+    // Removed (11) and back (12); a PF event (13) is read first, and its rescan finds a
+    // VF at the address and keeps the claimed record.
+    t.remove_device(&a);
+    t.replug_device(&a);
+    std::fs::write(&seqnum, "13\n").expect("seqnum");
+    t.write_attr(PF, "numa_node", b"1\n");
+    send_uevent_numbered("change", PF, 13);
+    until(&mut c, "the PF's event handled", |l| {
+        l.iter().any(|d| d.address == PF && d.numa_node == Some(1))
+    })
+    .await;
+    assert_eq!(
+        device(&mut c, &a).await.expect("kept").owner,
+        Some(owner(10)),
+        "the PF's rescan kept the record"
+    );
+    send_uevent_numbered("remove", &a, 11);
+    send_uevent_numbered("add", &a, 12);
+    until(&mut c, "the claim lost and the new device free", |l| {
+        l.iter().any(|d| d.address == a && !d.present)
+            && l.iter()
+                .any(|d| d.address == a && d.present && d.state == proto::DeviceState::Free as i32)
+    })
+    .await;
+    s.stop().await;
+}
+
 // ---- sysfs write faults -------------------------------------------------------------
 //
 // The kernel's own errors on sysfs writes, returned through a FUSE file planted in the
