@@ -803,6 +803,56 @@ async fn a_rescan_that_keeps_a_record_does_not_make_its_removal_stale() {
     s.stop().await;
 }
 
+/// An acting audit frees a dead instance's VF that was bound to vfio-pci: its driver is
+/// given back, and the answer comes once the agent has rescanned it, so the listing
+/// right after shows the VF on its own driver again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_audit_gives_a_bound_orphan_its_driver_back() {
+    let _alone = alone().await;
+    let t = tree();
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 1).await;
+    claim(&mut c, &a, 7, true).await.expect("claim --vfio");
+    assert_eq!(device(&mut c, &a).await.expect("VF").driver, "vfio-pci");
+    let snapshot = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .host_generation;
+    let r = c
+        .reconcile(proto::ReconcileRequest {
+            expected_consumer_ids: vec![],
+            snapshot_generation: snapshot,
+            act: true,
+            request_id: "audit-1".into(),
+        })
+        .await
+        .expect("acting audit")
+        .into_inner();
+    let freed: Vec<(&str, bool)> = r
+        .orphans
+        .iter()
+        .map(|o| {
+            (
+                o.device.as_ref().expect("device").address.as_str(),
+                o.freed_generation > snapshot,
+            )
+        })
+        .collect();
+    assert_eq!(freed, vec![(a.as_str(), true)], "{r:?}");
+    let d = device(&mut c, &a).await.expect("VF");
+    assert_eq!(
+        (d.driver.as_str(), d.owner.clone()),
+        ("iavf", None),
+        "{d:?}"
+    );
+    assert!(d.vfio_binding.is_empty());
+    s.stop().await;
+}
+
 // ---- sysfs write faults -------------------------------------------------------------
 //
 // The kernel's own errors on sysfs writes, returned through a FUSE file planted in the

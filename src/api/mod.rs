@@ -743,11 +743,24 @@ impl HostDev for HostDevService {
                     });
                 }
             }
-            let freed = self
-                .writer
-                .free_orphans(request_id, frees)
+            // Orphans with a binding get their drivers back: as for a Release, with the
+            // other rescans held off, and the members rescanned after.
+            let bound: BTreeSet<PciAddress> = report
+                .orphans
+                .iter()
+                .filter_map(|rec| rec.claim.as_ref().and_then(|c| c.vfio.as_ref()))
+                .flat_map(|b| b.members.iter().map(|m| m.address))
+                .collect();
+            let freed = if bound.is_empty() {
+                self.writer.free_orphans(request_id, frees).await
+            } else {
+                self.after_hardware(
+                    move |w| async move { w.free_orphans(request_id, frees).await },
+                    |_| bound,
+                )
                 .await
-                .map_err(ApiError::from)?;
+            }
+            .map_err(ApiError::from)?;
             for (o, res) in orphans.iter_mut().zip(freed.results) {
                 match res {
                     Ok(a) => o.freed_generation = a.outcome.generation().0,
