@@ -675,17 +675,8 @@ async fn a_removal_seen_before_the_device_came_back_does_not_carry_its_claim_ove
     t.replug_device(&a);
     send_uevent("remove", &a);
     send_uevent("add", &a);
-    let l = until(&mut c, "the claim lost and the new device free", |l| {
-        let here: Vec<&proto::Device> = l.iter().filter(|d| d.address == a).collect();
-        here.len() == 2
-            && here
-                .iter()
-                .any(|d| !d.present && d.state == proto::DeviceState::Lost as i32)
-            && here
-                .iter()
-                .any(|d| d.present && d.state == proto::DeviceState::Free as i32)
-    })
-    .await;
+    let l = until_lost_and_replaced(&mut c, &a).await;
+    assert_eq!(l.iter().filter(|d| d.address == a).count(), 2, "{l:?}");
     let lost = l
         .iter()
         .find(|d| d.address == a && !d.present)
@@ -703,6 +694,26 @@ async fn a_removal_seen_before_the_device_came_back_does_not_carry_its_claim_ove
     s.stop().await;
 }
 
+/// Shows `n` as the kernel's last uevent sequence number in the fake tree.
+fn set_seqnum(t: &FakeTree, n: u64) {
+    let seqnum = t.sysfs_root().join("kernel/uevent_seqnum");
+    std::fs::create_dir_all(seqnum.parent().expect("kernel dir")).expect("mkdir");
+    std::fs::write(&seqnum, format!("{n}\n")).expect("seqnum");
+}
+
+/// Waits until the claim at `a` is lost and a new, free device is present there.
+async fn until_lost_and_replaced(c: &mut HostDevClient<Channel>, a: &str) -> Vec<proto::Device> {
+    until(c, "the claim lost and the new device free", |l| {
+        let here: Vec<&proto::Device> = l.iter().filter(|d| d.address == a).collect();
+        here.iter()
+            .any(|d| !d.present && d.state == proto::DeviceState::Lost as i32)
+            && here
+                .iter()
+                .any(|d| d.present && d.state == proto::DeviceState::Free as i32)
+    })
+    .await
+}
+
 /// The kernel numbers its uevents (`/sys/kernel/uevent_seqnum` is the last number sent),
 /// and the agent reads that number before each scan. A removal numbered past the scan
 /// that found the device at its address is that device's: the claim goes lost. One
@@ -713,9 +724,7 @@ async fn a_removal_seen_before_the_device_came_back_does_not_carry_its_claim_ove
 async fn a_removal_older_than_the_scan_that_found_the_device_is_not_its_own() {
     let _alone = alone().await;
     let t = tree();
-    let seqnum = t.sysfs_root().join("kernel/uevent_seqnum");
-    std::fs::create_dir_all(seqnum.parent().expect("kernel dir")).expect("mkdir");
-    std::fs::write(&seqnum, "10\n").expect("seqnum");
+    set_seqnum(&t, 10);
     let s = start(&t, 3000, 1 << 20).await;
     let mut c = s.client().await;
     let a = vf(&mut c, 1).await;
@@ -724,15 +733,10 @@ async fn a_removal_older_than_the_scan_that_found_the_device_is_not_its_own() {
     // Removed (11) and back (12), after the scan at 10: the claim goes lost.
     t.remove_device(&a);
     t.replug_device(&a);
-    std::fs::write(&seqnum, "12\n").expect("seqnum");
+    set_seqnum(&t, 12);
     send_uevent_numbered("remove", &a, 11);
     send_uevent_numbered("add", &a, 12);
-    until(&mut c, "the claim lost and the new device free", |l| {
-        l.iter().any(|d| d.address == a && !d.present)
-            && l.iter()
-                .any(|d| d.address == a && d.present && d.state == proto::DeviceState::Free as i32)
-    })
-    .await;
+    until_lost_and_replaced(&mut c, &a).await;
     // The new device, found by a scan at 12, is claimed; then a removal numbered 11
     // arrives again (late, or a duplicate): not this device's.
     claim(&mut c, &a, 11, false)
@@ -768,9 +772,7 @@ async fn a_removal_older_than_the_scan_that_found_the_device_is_not_its_own() {
 async fn a_rescan_that_keeps_a_record_does_not_make_its_removal_stale() {
     let _alone = alone().await;
     let t = tree();
-    let seqnum = t.sysfs_root().join("kernel/uevent_seqnum");
-    std::fs::create_dir_all(seqnum.parent().expect("kernel dir")).expect("mkdir");
-    std::fs::write(&seqnum, "10\n").expect("seqnum");
+    set_seqnum(&t, 10);
     let s = start(&t, 3000, 1 << 20).await;
     let mut c = s.client().await;
     let a = vf(&mut c, 1).await;
@@ -780,7 +782,7 @@ async fn a_rescan_that_keeps_a_record_does_not_make_its_removal_stale() {
     // VF at the address and keeps the claimed record.
     t.remove_device(&a);
     t.replug_device(&a);
-    std::fs::write(&seqnum, "13\n").expect("seqnum");
+    set_seqnum(&t, 13);
     t.write_attr(PF, "numa_node", b"1\n");
     send_uevent_numbered("change", PF, 13);
     until(&mut c, "the PF's event handled", |l| {
@@ -794,12 +796,7 @@ async fn a_rescan_that_keeps_a_record_does_not_make_its_removal_stale() {
     );
     send_uevent_numbered("remove", &a, 11);
     send_uevent_numbered("add", &a, 12);
-    until(&mut c, "the claim lost and the new device free", |l| {
-        l.iter().any(|d| d.address == a && !d.present)
-            && l.iter()
-                .any(|d| d.address == a && d.present && d.state == proto::DeviceState::Free as i32)
-    })
-    .await;
+    until_lost_and_replaced(&mut c, &a).await;
     s.stop().await;
 }
 

@@ -256,6 +256,23 @@ impl HostDevService {
         }
     }
 
+    /// The answer when a fresh check failed: the ledger's own refusal where it would
+    /// refuse anyway (it names what to do: detach, read the device again), else the
+    /// check's failure. Either is counted in the rejections metric.
+    fn refusal_first(
+        &self,
+        ledger: Option<crate::ledger::LedgerError>,
+        check: ApiError,
+    ) -> ApiError {
+        match ledger {
+            Some(le) => {
+                self.writer.metrics().rejected(le.reason());
+                ApiError::from(WriteError::from(le))
+            }
+            None => self.refused(check),
+        }
+    }
+
     /// Counts a refusal the service's own checks decided (the writer counts the
     /// ledger's), and passes it on.
     fn refused(&self, e: ApiError) -> ApiError {
@@ -593,14 +610,7 @@ impl HostDev for HostDevService {
         if checked {
             if let Err(e) = self.unused(&[rel.address], &rel.address.to_string()).await {
                 let refused = self.writer.view().ledger.check_release(&rel).err();
-                return Err(match refused {
-                    Some(le) => {
-                        self.writer.metrics().rejected(le.reason());
-                        ApiError::from(crate::writer::WriteError::from(le))
-                    }
-                    None => self.refused(e),
-                }
-                .into());
+                return Err(self.refusal_first(refused, e).into());
             }
         }
         let bound: BTreeSet<PciAddress> = self
@@ -1195,14 +1205,7 @@ impl HostDev for HostDevService {
                 .check_vf_change(pf, Generation(r.generation))
                 .err()
                 .filter(|e| !matches!(e, crate::ledger::LedgerError::VfCountInUse { .. }));
-            return Err(match refused {
-                Some(le) => {
-                    self.writer.metrics().rejected(le.reason());
-                    ApiError::from(crate::writer::WriteError::from(le))
-                }
-                None => self.refused(e),
-            }
-            .into());
+            return Err(self.refusal_first(refused, e).into());
         }
         let change = crate::writer::SetVfCount {
             pf,
