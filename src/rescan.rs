@@ -44,8 +44,10 @@ pub struct Rescanner {
     /// a hardware action's rescan could overlap, and the one that read sysfs first (a VF
     /// still there) could apply last, over the fresher one (the VF gone), with no event
     /// left to correct it. An async mutex: it is meant to be held across the awaits of
-    /// the scan thread and the writer, and no other lock is taken while it is held.
-    turn: tokio::sync::Mutex<()>,
+    /// the scan thread and the writer, and no other lock is taken while it is held (an
+    /// acting audit takes the domains' order lock first, then this one: never the other
+    /// way round).
+    turn: Arc<tokio::sync::Mutex<()>>,
     /// For each present device whose ledger record a scan created, the kernel's uevent
     /// sequence number read just before that scan (none where the kernel shows none, or
     /// where the record was there before the scan): a removal numbered at or below it
@@ -84,7 +86,7 @@ impl Rescanner {
             selection: RwLock::new(selection),
             inventory: Arc::new(RwLock::new(BTreeMap::new())),
             writer,
-            turn: tokio::sync::Mutex::new(()),
+            turn: Arc::new(tokio::sync::Mutex::new(())),
             seen_at: RwLock::new(BTreeMap::new()),
         }
     }
@@ -213,17 +215,25 @@ impl Rescanner {
         self.devices_in_turn(addresses, removed).await
     }
 
+    /// Holds every other rescan off until the guard is dropped: taken before a hardware
+    /// action, and handed to [`Self::around`].
+    pub async fn hold(&self) -> tokio::sync::OwnedMutexGuard<()> {
+        self.turn.clone().lock_owned().await
+    }
+
     /// Runs a hardware action (a VF count change, a vfio-pci binding) with every other
-    /// rescan held off, then rescans the devices `then` names from its result, before
-    /// any other rescan may apply. Without it, a hotplug rescan that read sysfs before
-    /// the action and applied after it would bring back, free and claimable, the VFs the
-    /// action destroyed (until their own events were read).
+    /// rescan held off (`held`, from [`Self::hold`]), then rescans the devices `then`
+    /// names from its result, before any other rescan may apply. Without it, a hotplug
+    /// rescan that read sysfs before the action and applied after it would bring back,
+    /// free and claimable, the VFs the action destroyed (until their own events were
+    /// read).
     pub async fn around<T>(
         &self,
+        held: tokio::sync::OwnedMutexGuard<()>,
         action: impl std::future::Future<Output = T>,
         then: impl FnOnce(&T) -> BTreeSet<PciAddress>,
     ) -> (T, Result<(), RescanError>) {
-        let _turn = self.turn.lock().await;
+        let _turn = held;
         let out = action.await;
         let addresses = then(&out);
         let rescanned = if addresses.is_empty() {

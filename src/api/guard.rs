@@ -51,7 +51,9 @@ pub struct FreeGuard {
     /// Where sysfs lists a device's VFIO device nodes
     /// (`<sysfs_root>/bus/pci/devices/<address>/vfio-dev`).
     pub sysfs_root: PathBuf,
-    /// Serializes "list domains, apply" of the poller with "list, apply, free" here.
+    /// Serializes "list domains, apply" of the poller with "list, apply, free" here. An
+    /// acting audit holds it while it takes the rescanner's turn (to give drivers back):
+    /// whoever holds the turn never takes this lock.
     pub order: Arc<tokio::sync::Mutex<()>>,
     /// The fresh listings begun and applied here, so that frees share them.
     lists: Listings,

@@ -1287,10 +1287,11 @@ impl HostDevService {
 
     /// Runs a hardware action (made by `action` from the writer) with the other rescans
     /// held off, then rescans the devices `then` names from its result (a failed rescan
-    /// is logged: the uevents that follow rescan them again). On a task of its own: a
-    /// caller that goes away (it disconnects, or its deadline passes) drops its call,
-    /// and must not drop the held-off rescans and the rescan after the action with it
-    /// while the writer still acts on the hardware.
+    /// is logged: the uevents that follow rescan them again). The hold is taken on the
+    /// caller's task, so a caller that goes away while it waits for it sends nothing;
+    /// the action and its rescan run on a task of their own, so a caller that goes away
+    /// (it disconnects, or its deadline passes) once the action is sent does not end
+    /// the hold while the writer still acts on the hardware.
     async fn after_hardware<X, F, Fut>(
         &self,
         action: F,
@@ -1302,8 +1303,9 @@ impl HostDevService {
         Fut: std::future::Future<Output = Result<X, WriteError>> + Send + 'static,
     {
         let (rescanner, writer) = (self.rescanner.clone(), self.writer.clone());
+        let held = rescanner.hold().await;
         tokio::spawn(async move {
-            let (out, rescanned) = rescanner.around(action(writer), then).await;
+            let (out, rescanned) = rescanner.around(held, action(writer), then).await;
             if let Err(e) = rescanned {
                 tracing::warn!(error = %e, "rescan after a hardware action failed");
             }
