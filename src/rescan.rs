@@ -160,8 +160,8 @@ impl Rescanner {
     }
 
     /// The removals that are of the device the ledger has at their address now: each
-    /// numbered past the scan that last found that device, or of unknown order. One at
-    /// or below it is stale: the scan already found the device that came after it (the
+    /// numbered past the scan that made that device's record, or of unknown order. One
+    /// at or below it is stale: that scan already found the device that came after it (the
     /// kernel sends the removals of the VFs a count change destroys while the change's
     /// own rescan finds the new ones), and applying it would take that new device, and
     /// any claim made on it since, for a removed one.
