@@ -177,29 +177,17 @@ impl Hardware {
         path: &Path,
         read: impl FnOnce() -> Result<T, crate::sysfs::SysfsError> + Send + 'static,
     ) -> Result<T, HardwareError> {
-        let (tx, rx) = mpsc::channel();
-        let spawned = std::thread::Builder::new()
-            .name("hostdevd-sysfs-read".into())
-            .spawn(move || {
-                let _ = tx.send(read());
-            });
-        if let Err(e) = spawned {
-            return Err(HardwareError::Read {
-                address,
-                step,
-                path: path.to_path_buf(),
-                detail: format!("cannot start a thread to read it: {e}"),
-            });
-        }
-        match rx.recv_timeout(self.step_timeout) {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(HardwareError::Read {
-                address,
-                step,
-                path: path.to_path_buf(),
-                detail: e.full_message(),
-            }),
-            Err(_) => Err(HardwareError::ReadTimeout {
+        let failed = |detail| HardwareError::Read {
+            address,
+            step,
+            path: path.to_path_buf(),
+            detail,
+        };
+        match on_thread("hostdevd-sysfs-read", self.step_timeout, read) {
+            Err(e) => Err(failed(format!("cannot start a thread to read it: {e}"))),
+            Ok(Some(Ok(v))) => Ok(v),
+            Ok(Some(Err(e))) => Err(failed(e.full_message())),
+            Ok(None) => Err(HardwareError::ReadTimeout {
                 address,
                 step,
                 path: path.to_path_buf(),
@@ -218,20 +206,16 @@ impl Hardware {
         value: &str,
         timeout: Duration,
     ) -> Result<(), HardwareError> {
-        let (tx, rx) = mpsc::channel();
         let (p, v) = (path.to_path_buf(), value.to_string());
-        let spawned = std::thread::Builder::new()
-            .name("hostdevd-sysfs-write".into())
-            .spawn(move || {
-                // O_TRUNC as a shell's `echo v > attr`: sysfs ignores it; a regular
-                // file (a test tree) then holds exactly the value.
-                let r = std::fs::OpenOptions::new()
-                    .write(true)
-                    .truncate(true)
-                    .open(&p)
-                    .and_then(|mut f| f.write_all(v.as_bytes()));
-                let _ = tx.send(r);
-            });
+        let written = on_thread("hostdevd-sysfs-write", timeout, move || {
+            // O_TRUNC as a shell's `echo v > attr`: sysfs ignores it; a regular file (a
+            // test tree) then holds exactly the value.
+            std::fs::OpenOptions::new()
+                .write(true)
+                .truncate(true)
+                .open(&p)
+                .and_then(|mut f| f.write_all(v.as_bytes()))
+        });
         let fail = |source| HardwareError::Write {
             address,
             step,
@@ -239,16 +223,14 @@ impl Hardware {
             value: value.to_string(),
             source,
         };
-        if let Err(e) = spawned {
-            return Err(fail(e));
-        }
-        match rx.recv_timeout(timeout) {
-            Ok(Ok(())) => {
+        match written {
+            Err(e) => Err(fail(e)),
+            Ok(Some(Ok(()))) => {
                 tracing::debug!(device = %address, step, path = %path.display(), value, "sysfs write");
                 Ok(())
             }
-            Ok(Err(e)) => Err(fail(e)),
-            Err(_) => Err(HardwareError::Timeout {
+            Ok(Some(Err(e))) => Err(fail(e)),
+            Ok(None) => Err(HardwareError::Timeout {
                 address,
                 step,
                 path: path.to_path_buf(),
@@ -297,6 +279,24 @@ impl Hardware {
             std::thread::sleep(Duration::from_millis(5));
         }
     }
+}
+
+/// Runs `work` (a sysfs call the kernel may hold for as long as a device is busy) on a
+/// thread of its own and waits at most `timeout` for it: `Ok(None)` when it did not
+/// answer in time (the thread is left to finish alone), `Err` when no thread could be
+/// started.
+fn on_thread<T: Send + 'static>(
+    name: &str,
+    timeout: Duration,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> std::io::Result<Option<T>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let _ = tx.send(work());
+        })?;
+    Ok(rx.recv_timeout(timeout).ok())
 }
 
 #[cfg(test)]
