@@ -617,18 +617,12 @@ impl HostDev for HostDevService {
             .writer
             .view()
             .device(rel.address)
-            .filter_map(|v| v.record.claim.as_ref().and_then(|c| c.vfio.clone()))
-            .flat_map(|b| b.members.into_iter().map(|m| m.address))
+            .flat_map(|v| v.record.bound_members().collect::<Vec<_>>())
             .collect();
-        // A device with a binding gets its drivers back (or a step fails): show what
-        // sysfs says now. Without one, nothing in sysfs changes.
-        let result = if bound.is_empty() {
-            self.writer.release(rel).await
-        } else {
-            self.after_hardware(|w| async move { w.release(rel).await }, |_| bound)
-                .await
-        };
-        let applied = result.map_err(ApiError::from)?;
+        let applied = self
+            .giving_back(bound, |w| async move { w.release(rel).await })
+            .await
+            .map_err(ApiError::from)?;
         Ok(Response::new(proto::ReleaseResponse {
             address: applied.outcome.address().to_string(),
             generation: applied.outcome.generation().0,
@@ -753,24 +747,18 @@ impl HostDev for HostDevService {
                     });
                 }
             }
-            // Orphans with a binding get their drivers back: as for a Release, with the
-            // other rescans held off, and the members rescanned after.
+            // Orphans with a binding get their drivers back, as in a Release.
             let bound: BTreeSet<PciAddress> = report
                 .orphans
                 .iter()
-                .filter_map(|rec| rec.claim.as_ref().and_then(|c| c.vfio.as_ref()))
-                .flat_map(|b| b.members.iter().map(|m| m.address))
+                .flat_map(|rec| rec.bound_members())
                 .collect();
-            let freed = if bound.is_empty() {
-                self.writer.free_orphans(request_id, frees).await
-            } else {
-                self.after_hardware(
-                    move |w| async move { w.free_orphans(request_id, frees).await },
-                    |_| bound,
-                )
+            let freed = self
+                .giving_back(bound, move |w| async move {
+                    w.free_orphans(request_id, frees).await
+                })
                 .await
-            }
-            .map_err(ApiError::from)?;
+                .map_err(ApiError::from)?;
             for (o, res) in orphans.iter_mut().zip(freed.results) {
                 match res {
                     Ok(a) => o.freed_generation = a.outcome.generation().0,
@@ -1283,6 +1271,27 @@ impl HostDevService {
                 .map(convert::bound_member_to_proto)
                 .collect(),
         ))
+    }
+
+    /// A free (made by `action` from the writer) that gives drivers back to `bound`: as a
+    /// hardware action, with the members rescanned after, so the answer comes once sysfs
+    /// shows them on their drivers. Without any, nothing in sysfs changes, and the free
+    /// takes no hold on the rescans.
+    async fn giving_back<X, F, Fut>(
+        &self,
+        bound: BTreeSet<PciAddress>,
+        action: F,
+    ) -> Result<X, WriteError>
+    where
+        X: Send + 'static,
+        F: FnOnce(Writer) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<X, WriteError>> + Send + 'static,
+    {
+        if bound.is_empty() {
+            action(self.writer.clone()).await
+        } else {
+            self.after_hardware(action, |_| bound).await
+        }
     }
 
     /// Runs a hardware action (made by `action` from the writer) with the other rescans

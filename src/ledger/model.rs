@@ -110,6 +110,14 @@ impl DeviceRecord {
     pub fn address(&self) -> PciAddress {
         self.facts.address
     }
+
+    /// The devices its claim bound to vfio-pci, which a free gives their drivers back.
+    pub fn bound_members(&self) -> impl Iterator<Item = PciAddress> + '_ {
+        self.claim
+            .iter()
+            .filter_map(|c| c.vfio.as_ref())
+            .flat_map(|b| b.members.iter().map(|m| m.address))
+    }
 }
 
 /// The externally visible state of a device, derived from its record and its relatives.

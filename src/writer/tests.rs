@@ -33,6 +33,31 @@ fn worker(dir: &std::path::Path, in_memory: usize) -> Worker {
     w
 }
 
+/// A worker over a fresh store in `dir` that acts on the hardware of `tree`, with
+/// `inventory` applied.
+fn hardware_worker(
+    dir: &std::path::Path,
+    tree: &crate::simhost::FakeTree,
+    inventory: Vec<DeviceFacts>,
+) -> Worker {
+    let hardware = Hardware {
+        sysfs_root: tree.sysfs_root().to_path_buf(),
+        step_timeout: std::time::Duration::from_secs(10),
+        vf_count_timeout: std::time::Duration::from_secs(10),
+    };
+    let store = Store::open(dir).expect("store");
+    let mut w = Worker::new(
+        Ledger::new(),
+        store,
+        EventBuffer::events(64),
+        Some(hardware),
+    );
+    let (reply, rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Inventory(inventory, reply)]);
+    answer(rx).expect("inventory");
+    w
+}
+
 type Answer = oneshot::Receiver<Result<Applied, WriteError>>;
 
 fn claim(who: u128, request_id: &str, target: ClaimTarget) -> (Command, Answer) {
@@ -399,21 +424,7 @@ fn a_claim_after_a_vf_count_write_and_before_the_rescan_finds_no_old_vf() {
         inventory.push(facts(&a.to_string(), Some(20 + i as u32), Some(pf)));
     }
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = Store::open(dir.path()).expect("store");
-    let hardware = Hardware {
-        sysfs_root: tree.sysfs_root().to_path_buf(),
-        step_timeout: std::time::Duration::from_secs(10),
-        vf_count_timeout: std::time::Duration::from_secs(10),
-    };
-    let mut w = Worker::new(
-        Ledger::new(),
-        store,
-        EventBuffer::events(64),
-        Some(hardware),
-    );
-    let (reply, rx) = oneshot::channel();
-    w.apply_batch(vec![Command::Inventory(inventory, reply)]);
-    answer(rx).expect("inventory");
+    let mut w = hardware_worker(dir.path(), &tree, inventory);
     let view = w.view_now();
     let generation = |a: PciAddress| view.device(a).next().expect("present").record.generation;
     let old_vf = generation(vfs[0]);
@@ -574,21 +585,7 @@ fn an_audit_stops_freeing_at_a_commit_whose_outcome_is_unknown() {
     sys.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 0);
     let tree = sys.build();
     let dir = tempfile::tempdir().expect("tempdir");
-    let hardware = Hardware {
-        sysfs_root: tree.sysfs_root().to_path_buf(),
-        step_timeout: std::time::Duration::from_secs(10),
-        vf_count_timeout: std::time::Duration::from_secs(10),
-    };
-    let store = Store::open(dir.path()).expect("store");
-    let mut w = Worker::new(
-        Ledger::new(),
-        store,
-        EventBuffer::events(64),
-        Some(hardware),
-    );
-    let (reply, rx) = oneshot::channel();
-    w.apply_batch(vec![Command::Inventory((0..4).map(vf).collect(), reply)]);
-    answer(rx).expect("inventory");
+    let mut w = hardware_worker(dir.path(), &tree, (0..4).map(vf).collect());
     let (x, y) = (vf(0).address, vf(1).address);
     let mut orphans = Vec::new();
     for (who, a) in [(1, x), (2, y)] {
