@@ -74,13 +74,52 @@ impl PciAddress {
     }
 }
 
+/// An address's text, on the stack: what [`PciAddress::text`] writes.
+#[derive(Debug, Clone, Copy)]
+pub struct AddressText {
+    bytes: [u8; 16],
+    len: usize,
+}
+
+impl AddressText {
+    pub fn as_str(&self) -> &str {
+        // Only ASCII hexadecimal digits and separators are ever written.
+        std::str::from_utf8(&self.bytes[..self.len]).unwrap_or_default()
+    }
+}
+
+impl PciAddress {
+    /// The canonical text, `dddd:bb:dd.f` (more domain digits where needed), written
+    /// without the formatting machinery or an allocation: the store writes one for every
+    /// record it commits, and the API one for every device it answers with.
+    pub fn text(&self) -> AddressText {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let hex = |nibble: u32| HEX[(nibble & 0xf) as usize];
+        let mut t = AddressText {
+            bytes: [0; 16],
+            len: 0,
+        };
+        let domain_digits = (8 - self.domain.leading_zeros() as usize / 4).max(4);
+        for i in (0..domain_digits).rev() {
+            t.bytes[t.len] = hex(self.domain >> (4 * i));
+            t.len += 1;
+        }
+        for (sep, byte) in [(b':', self.bus), (b':', self.device)] {
+            t.bytes[t.len] = sep;
+            t.bytes[t.len + 1] = hex(u32::from(byte) >> 4);
+            t.bytes[t.len + 2] = hex(u32::from(byte));
+            t.len += 3;
+        }
+        t.bytes[t.len] = b'.';
+        t.bytes[t.len + 1] = hex(u32::from(self.function));
+        t.len += 2;
+        t
+    }
+}
+
 impl fmt::Display for PciAddress {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{:04x}:{:02x}:{:02x}.{:x}",
-            self.domain, self.bus, self.device, self.function
-        )
+        f.write_str(self.text().as_str())
     }
 }
 
@@ -234,9 +273,16 @@ impl fmt::Display for Generation {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct ConsumerId(pub uuid::Uuid);
 
+impl ConsumerId {
+    /// The hyphenated lowercase text, written into `buf` (no allocation).
+    pub fn as_text<'b>(&self, buf: &'b mut [u8; uuid::fmt::Hyphenated::LENGTH]) -> &'b str {
+        self.0.hyphenated().encode_lower(buf)
+    }
+}
+
 impl fmt::Display for ConsumerId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0.hyphenated())
+        f.write_str(self.as_text(&mut [0; uuid::fmt::Hyphenated::LENGTH]))
     }
 }
 
@@ -449,6 +495,14 @@ mod tests {
             let a = PciAddress::new(d, b, dev, f).expect("in range");
             let back: PciAddress = a.to_string().parse().expect("round trip");
             prop_assert_eq!(a, back);
+            // The hand-written text is what the formatting machinery would print.
+            prop_assert_eq!(a.to_string(), format!("{d:04x}:{b:02x}:{dev:02x}.{f:x}"));
+        }
+
+        #[test]
+        fn a_consumer_reads_as_its_uuid(bits: u128) {
+            let c = ConsumerId(uuid::Uuid::from_u128(bits));
+            prop_assert_eq!(c.to_string(), c.0.hyphenated().to_string());
         }
 
         #[test]

@@ -264,10 +264,11 @@ impl Store {
     ) -> Result<Option<RequestEntry>, StoreError> {
         let path = &self.path;
         let sql = |e| StoreError::sqlite(path, "looking up a request", e);
-        let consumer_text = consumer.to_string();
+        let mut consumer_text = [0; uuid::fmt::Hyphenated::LENGTH];
+        let consumer_text = consumer.as_text(&mut consumer_text);
         let fingerprint = self
             .requests
-            .fingerprint(&consumer_text, request_id.as_str());
+            .fingerprint(consumer_text, request_id.as_str());
         // Usually none; where one matches, almost always the entry itself.
         for seq in self.requests.candidates(fingerprint) {
             if let Some((c, r, outcome, at)) = self.request_row(seq).map_err(sql)? {
@@ -468,9 +469,14 @@ impl Store {
                         reason: "JSON encoding failed".into(),
                         source: Some(e),
                     })?;
-                    let consumer = record.claim.as_ref().map(|c| c.owner.consumer.to_string());
+                    let mut consumer_text = [0; uuid::fmt::Hyphenated::LENGTH];
+                    let consumer = record
+                        .claim
+                        .as_ref()
+                        .map(|c| c.owner.consumer.as_text(&mut consumer_text));
                     let id = to_sql_int(path, "record id", record.id.0)?;
-                    let address = record.address().to_string();
+                    let address = record.address().text();
+                    let address = address.as_str();
                     upsert
                         .execute(params![
                             id,
@@ -501,7 +507,8 @@ impl Store {
                             reason: "JSON encoding failed".into(),
                             source: Some(e),
                         })?;
-                    let consumer = entry.consumer.to_string();
+                    let mut consumer_text = [0; uuid::fmt::Hyphenated::LENGTH];
+                    let consumer = entry.consumer.as_text(&mut consumer_text);
                     let seq = self.requests.next_seq() + logged.len() as i64;
                     log.execute(params![
                         seq,
@@ -513,7 +520,7 @@ impl Store {
                     .map_err(sql)?;
                     logged.push((
                         self.requests
-                            .fingerprint(&consumer, entry.request_id.as_str()),
+                            .fingerprint(consumer, entry.request_id.as_str()),
                         self.requests.part_fingerprint(entry.request_id.as_str()),
                         seq,
                     ));

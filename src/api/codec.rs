@@ -1,7 +1,8 @@
 //! The protobuf codec of the HostDev service: prost's, except that a request that cannot
 //! be decoded (non-UTF-8 strings, bad varints, wrong wire types, nesting past prost's
 //! limit) is INVALID_ARGUMENT, through the service's one error map, not tonic's INTERNAL:
-//! it is the caller's bad input, and an INTERNAL would invite a blind retry.
+//! it is the caller's bad input, and an INTERNAL would invite a blind retry. Its buffers
+//! start small (see [`buffers`]).
 
 use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
 use tonic::Status;
@@ -9,7 +10,21 @@ use tonic_prost::{ProstCodec, ProstDecoder, ProstEncoder};
 
 use super::status::{to_status, ApiError};
 
-/// [`ProstCodec`] with decode errors mapped by [`to_status`].
+/// The size each call's encode and decode buffer starts at (tonic's default is 8 KiB). A
+/// claim's or release's messages take a few hundred bytes, and glibc serves a request of
+/// at most 1,032 bytes from the thread's own cache; a larger one takes the allocator's
+/// shared lock (one arena, see `memory`), which every call took twice under load. A
+/// larger message grows its buffer as it needs.
+const BUFFER_BYTES: usize = 1000;
+/// How much a server stream (Watch) gathers before it yields: tonic's default.
+const YIELD_BYTES: usize = 32 << 10;
+
+/// The buffer settings of every encoder and decoder of the service.
+fn buffers() -> BufferSettings {
+    BufferSettings::new(BUFFER_BYTES, YIELD_BYTES)
+}
+
+/// [`ProstCodec`] with decode errors mapped by [`to_status`] and smaller buffers.
 #[derive(Debug, Clone, Default)]
 pub struct HostDevCodec<T, U>(ProstCodec<T, U>);
 
@@ -24,11 +39,11 @@ where
     type Decoder = HostDevDecoder<U>;
 
     fn encoder(&mut self) -> Self::Encoder {
-        self.0.encoder()
+        ProstCodec::<T, U>::raw_encoder(buffers())
     }
 
     fn decoder(&mut self) -> Self::Decoder {
-        HostDevDecoder(self.0.decoder())
+        HostDevDecoder(ProstCodec::<T, U>::raw_decoder(buffers()))
     }
 }
 

@@ -18,7 +18,7 @@ use tonic::transport::server::UdsConnectInfo;
 use tonic::{Request, Response, Status};
 
 use crate::ledger::{
-    ClaimRequest, ClaimTarget, DeviceState, Outcome, ReleaseRequest, TransferRequest,
+    ClaimRequest, ClaimTarget, DeviceRecord, DeviceState, Outcome, ReleaseRequest, TransferRequest,
 };
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 use crate::rescan::{Rescanner, SharedInventory};
@@ -595,11 +595,10 @@ impl HostDev for HostDevService {
         // owner), with their own status rather than a check's. A lost claim's device is
         // gone: the device at its address now is another one, and not this release's to
         // check.
-        let checked = self.writer.view().device(rel.address).any(|v| {
-            v.record.present
-                && v.record.generation == rel.generation
-                && v.record
-                    .claim
+        let checked = self.writer.view().ledger.records_at(rel.address).any(|r| {
+            r.present
+                && r.generation == rel.generation
+                && r.claim
                     .as_ref()
                     .is_some_and(|c| c.owner.consumer == rel.consumer)
         });
@@ -616,8 +615,9 @@ impl HostDev for HostDevService {
         let bound: BTreeSet<PciAddress> = self
             .writer
             .view()
-            .device(rel.address)
-            .flat_map(|v| v.record.bound_members().collect::<Vec<_>>())
+            .ledger
+            .records_at(rel.address)
+            .flat_map(DeviceRecord::bound_members)
             .collect();
         let applied = self
             .giving_back(bound, |w| async move { w.release(rel).await })

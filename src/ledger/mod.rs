@@ -23,6 +23,7 @@ mod proptests;
 mod selector;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 pub use error::LedgerError;
 pub use model::*;
@@ -143,7 +144,11 @@ pub struct Ledger {
     /// address, its physical function, its IOMMU group), so that a record's state, and
     /// re-deriving the states around a change, read the related records, not every
     /// device or every claim.
-    related: imbl::OrdSet<(Link, RecordId)>,
+    ///
+    /// Each list is in record-id order and never empty, and stays shared with the
+    /// published views until a record joins or leaves it (a claim or release changes
+    /// none): a lookup is one search of the map, with nothing allocated to walk it.
+    related: imbl::OrdMap<Link, Arc<Vec<RecordId>>>,
     request_log_limit: usize,
 }
 
@@ -173,6 +178,18 @@ impl Link {
 struct Tx {
     cs: ChangeSet,
     touched: BTreeSet<RecordId>,
+}
+
+/// Pushes onto one of a change set's lists of records, which a claim, release or transfer
+/// fills with one: the first push makes room for exactly one. Without it a Vec makes room
+/// for four, over 1 KiB for records, which glibc serves from the shared arena under its
+/// lock rather than from the thread's own cache (see `memory`). Later pushes grow as
+/// usual.
+fn push_one_more<T>(list: &mut Vec<T>, item: T) {
+    if list.capacity() == 0 {
+        list.reserve_exact(1);
+    }
+    list.push(item);
 }
 
 impl Tx {
@@ -1018,7 +1035,7 @@ impl Ledger {
 
     fn remember(&self, tx: &mut Tx, id: RecordId) {
         if tx.touched.insert(id) {
-            tx.cs.before.push((id, self.records.get(&id).cloned()));
+            push_one_more(&mut tx.cs.before, (id, self.records.get(&id).cloned()));
         }
     }
 
@@ -1042,14 +1059,14 @@ impl Ledger {
         updated.attached = self.attachment_for(&updated);
         self.store_record(updated.clone());
         tx.cs.upserts.retain(|r| r.id != id);
-        tx.cs.upserts.push(updated);
+        push_one_more(&mut tx.cs.upserts, updated);
         generation
     }
 
     fn put(&mut self, tx: &mut Tx, rec: DeviceRecord) {
         self.remember(tx, rec.id);
         tx.cs.upserts.retain(|r| r.id != rec.id);
-        tx.cs.upserts.push(rec.clone());
+        push_one_more(&mut tx.cs.upserts, rec.clone());
         self.store_record(rec);
     }
 
@@ -1059,10 +1076,10 @@ impl Ledger {
         let old = self.records.insert(id, rec).map(|old| Link::of(&old));
         if old != Some(links) {
             for key in old.iter().flatten().flatten() {
-                self.related.remove(&(*key, id));
+                self.unlink(*key, id);
             }
             for key in links.into_iter().flatten() {
-                self.related.insert((key, id));
+                self.link(key, id);
             }
         }
     }
@@ -1071,16 +1088,40 @@ impl Ledger {
     fn drop_record(&mut self, id: RecordId) -> Option<DeviceRecord> {
         let rec = self.records.remove(&id)?;
         for key in Link::of(&rec).into_iter().flatten() {
-            self.related.remove(&(key, id));
+            self.unlink(key, id);
         }
         Some(rec)
     }
 
-    /// The ids of the records under one key of the `related` index.
+    /// Puts a record under one key of the `related` index.
+    fn link(&mut self, key: Link, id: RecordId) {
+        let ids = Arc::make_mut(self.related.entry(key).or_default());
+        if let Err(at) = ids.binary_search(&id) {
+            ids.insert(at, id);
+        }
+    }
+
+    /// Takes a record from under one key of the `related` index; a key left with no
+    /// record goes.
+    fn unlink(&mut self, key: Link, id: RecordId) {
+        let Some(ids) = self.related.get_mut(&key) else {
+            return;
+        };
+        let ids = Arc::make_mut(ids);
+        if let Ok(at) = ids.binary_search(&id) {
+            ids.remove(at);
+        }
+        if ids.is_empty() {
+            self.related.remove(&key);
+        }
+    }
+
+    /// The ids of the records under one key of the `related` index, in id order.
     fn linked(&self, key: Link) -> impl Iterator<Item = RecordId> + '_ {
         self.related
-            .range((key, RecordId(0))..=(key, RecordId(u64::MAX)))
-            .map(|(_, id)| *id)
+            .get(&key)
+            .into_iter()
+            .flat_map(|ids| ids.iter().copied())
     }
 
     /// Deletes a record; the removal itself is a change with its own generation.
