@@ -947,19 +947,31 @@ impl Ledger {
     }
 
     /// Replaces the set of domains on the host and recomputes attachments. A device whose
-    /// domain goes away returns to claimed, never to free.
+    /// domain goes away returns to claimed, never to free. A listing the same as the
+    /// last (every poll and every free's fresh listing on a quiet host) is not indexed
+    /// again, and the change set then names no domains: the writer re-derives only
+    /// around the records whose attachment it fixed (usually none; a ledger loaded from
+    /// disk may hold attachments older than any listing), not every state.
     pub fn apply_domains(&mut self, domains: Vec<DomainDevices>) -> ChangeSet {
-        let refs = Self::index_domains(&domains);
         let mut tx = Tx::new(self.host_generation);
-        let before = std::mem::replace(&mut self.domains, Arc::new(domains));
-        tx.cs.before_domains = Some(Arc::unwrap_or_clone(before));
-        self.refs = Arc::new(refs);
-        let ids: Vec<RecordId> = self.records.keys().copied().collect();
-        for id in ids {
-            let want = self.attachment_for(&self.records[&id]);
-            if self.records[&id].attached != want {
-                self.modify(&mut tx, id, |r| r.attached = want);
-            }
+        if *self.domains != domains {
+            let refs = Self::index_domains(&domains);
+            let before = std::mem::replace(&mut self.domains, Arc::new(domains));
+            tx.cs.before_domains = Some(Arc::unwrap_or_clone(before));
+            self.refs = Arc::new(refs);
+        }
+        // An attachment reads only the domains and the record's own claim, so fixing one
+        // record changes no other's.
+        let stale: Vec<(RecordId, Option<DomainRef>)> = self
+            .records
+            .values()
+            .filter_map(|r| {
+                let want = self.attachment(r);
+                (r.attached.as_ref() != want).then(|| (r.id, want.cloned()))
+            })
+            .collect();
+        for (id, want) in stale {
+            self.modify(&mut tx, id, |r| r.attached = want);
         }
         tx.cs
     }
@@ -983,16 +995,20 @@ impl Ledger {
     /// The domain that makes a claimed record attached: one that references its address,
     /// else one whose UUID is the claim's owner.
     fn attachment_for(&self, rec: &DeviceRecord) -> Option<DomainRef> {
+        self.attachment(rec).cloned()
+    }
+
+    /// [`Self::attachment_for`], borrowed.
+    fn attachment(&self, rec: &DeviceRecord) -> Option<&DomainRef> {
         let claim = rec.claim.as_ref()?;
         if let Some(d) = self.refs.get(&rec.address()).and_then(|v| v.first()) {
-            return Some(d.clone());
+            return Some(d);
         }
         self.domains
             .iter()
             .map(|d| &d.domain)
             .filter(|d| d.uuid == claim.owner.consumer.0)
             .min()
-            .cloned()
     }
 
     /// Reverts a change set that this ledger applied last (its commit failed). Change sets

@@ -369,6 +369,45 @@ fn attached_device_is_never_released() {
 }
 
 #[test]
+fn a_listing_like_the_last_changes_nothing_yet_fixes_attachments_loaded_from_disk() {
+    let mut l = ledger();
+    let a = "0000:3b:02.1";
+    claim(&mut l, a, 1, "r1").expect("claim");
+    let listing = vec![domain(1, "instance-0000002a", &[a])];
+    let first = l.apply_domains(listing.clone());
+    assert!(first.before_domains.is_some() && first.upserts.len() == 1);
+    // The same listing again: no change set for the writer to re-derive every state from.
+    let before = l.clone();
+    let again = l.apply_domains(listing.clone());
+    assert!(
+        again.is_empty() && again.before_domains.is_none(),
+        "{again:?}"
+    );
+    assert_eq!(l, before);
+    // Loaded from disk, the record still says attached, though this agent has listed
+    // no domain yet; a first listing of none, the same as the (empty) domains it
+    // starts with, must still detach it.
+    let mut loaded = Ledger::from_snapshot(Snapshot {
+        host_generation: l.host_generation(),
+        records: l.records().map(|r| (r.id, r.clone())).collect(),
+        requests: l.request_log().collect(),
+    });
+    assert!(loaded
+        .record_at(addr(a))
+        .is_some_and(|r| r.attached.is_some()));
+    let cs = loaded.apply_domains(vec![]);
+    assert!(cs.before_domains.is_none());
+    assert_eq!(cs.upserts.len(), 1, "the stale attachment is a change");
+    assert!(loaded
+        .record_at(addr(a))
+        .is_some_and(|r| r.attached.is_none()));
+    assert_eq!(
+        loaded.state_of(loaded.record_at(addr(a)).expect("present")),
+        DeviceState::Claimed
+    );
+}
+
+#[test]
 fn check_release_names_the_refusal_release_would_answer() {
     let mut l = ledger();
     let a = "0000:3b:02.1";
