@@ -2,7 +2,7 @@
 //! be decoded (non-UTF-8 strings, bad varints, wrong wire types, nesting past prost's
 //! limit) is INVALID_ARGUMENT, through the service's one error map, not tonic's INTERNAL:
 //! it is the caller's bad input, and an INTERNAL would invite a blind retry. Its buffers
-//! start small (see [`buffers`]).
+//! start small (see `BUFFER_BYTES`).
 
 use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
 use tonic::Status;
