@@ -148,10 +148,10 @@ pub struct Ledger {
     /// re-deriving the states around a change, read the related records, not every
     /// device or every claim.
     ///
-    /// Each list is in record-id order and never empty, and stays shared with the
-    /// published views until a record joins or leaves it (a claim or release changes
-    /// none): a lookup is one search of the map, with nothing allocated to walk it.
-    related: imbl::OrdMap<Link, Arc<Vec<RecordId>>>,
+    /// Each key's records are in record-id order, and stay shared with the published
+    /// views until a record joins or leaves them (a claim or release changes none): a
+    /// lookup is one search of the map, with nothing allocated to walk it.
+    related: imbl::OrdMap<Link, Linked>,
     request_log_limit: usize,
 }
 
@@ -174,6 +174,50 @@ impl Link {
             r.facts.physfn.map(Link::VfOf),
             r.facts.iommu_group.map(Link::Group),
         ]
+    }
+}
+
+/// The records under one key of the `related` index, in record-id order, never none.
+/// Most keys (an address, a one-device IOMMU group) hold one, kept inline: an allocation
+/// for each would add about half a megabyte at 4,096 devices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Linked {
+    One(RecordId),
+    /// Two or more.
+    Many(Arc<[RecordId]>),
+}
+
+impl Linked {
+    fn ids(&self) -> &[RecordId] {
+        match self {
+            Linked::One(id) => std::slice::from_ref(id),
+            Linked::Many(ids) => ids,
+        }
+    }
+
+    /// These records and `id`, which is not among them.
+    fn and(&self, id: RecordId) -> Linked {
+        let ids = self.ids();
+        let at = ids.partition_point(|&other| other < id);
+        let mut all = Vec::with_capacity(ids.len() + 1);
+        all.extend_from_slice(&ids[..at]);
+        all.push(id);
+        all.extend_from_slice(&ids[at..]);
+        Linked::Many(all.into())
+    }
+
+    /// These records but the one at `at`; `None` when it was the only one.
+    fn but(&self, at: usize) -> Option<Linked> {
+        let ids = self.ids();
+        match ids.len() {
+            0 | 1 => None,
+            2 => Some(Linked::One(ids[1 - at])),
+            _ => {
+                let mut rest = ids.to_vec();
+                rest.remove(at);
+                Some(Linked::Many(rest.into()))
+            }
+        }
     }
 }
 
@@ -1115,24 +1159,30 @@ impl Ledger {
 
     /// Puts a record under one key of the `related` index.
     fn link(&mut self, key: Link, id: RecordId) {
-        let ids = Arc::make_mut(self.related.entry(key).or_default());
-        if let Err(at) = ids.binary_search(&id) {
-            ids.insert(at, id);
-        }
+        let now = match self.related.get(&key) {
+            None => Linked::One(id),
+            Some(l) if l.ids().binary_search(&id).is_ok() => return,
+            Some(l) => l.and(id),
+        };
+        self.related.insert(key, now);
     }
 
     /// Takes a record from under one key of the `related` index; a key left with no
     /// record goes.
     fn unlink(&mut self, key: Link, id: RecordId) {
-        let Some(ids) = self.related.get_mut(&key) else {
+        let Some(l) = self.related.get(&key) else {
             return;
         };
-        let ids = Arc::make_mut(ids);
-        if let Ok(at) = ids.binary_search(&id) {
-            ids.remove(at);
-        }
-        if ids.is_empty() {
-            self.related.remove(&key);
+        let Ok(at) = l.ids().binary_search(&id) else {
+            return;
+        };
+        match l.but(at) {
+            Some(rest) => {
+                self.related.insert(key, rest);
+            }
+            None => {
+                self.related.remove(&key);
+            }
         }
     }
 
@@ -1141,7 +1191,7 @@ impl Ledger {
         self.related
             .get(&key)
             .into_iter()
-            .flat_map(|ids| ids.iter().copied())
+            .flat_map(|l| l.ids().iter().copied())
     }
 
     /// Deletes a record; the removal itself is a change with its own generation.

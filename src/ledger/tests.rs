@@ -726,3 +726,18 @@ fn request_log_is_pruned_oldest_first_and_a_recalled_entry_is_replayed() {
     assert!(cs.is_empty());
     assert_eq!(l, before);
 }
+
+#[test]
+fn a_key_of_the_related_index_keeps_its_records_in_order_and_one_inline() {
+    let id = RecordId;
+    let one = Linked::One(id(5));
+    let two = one.and(id(3));
+    assert_eq!(two.ids(), &[id(3), id(5)]);
+    let three = two.and(id(9));
+    assert_eq!(three.ids(), &[id(3), id(5), id(9)]);
+    assert_eq!(three.but(1).expect("two left").ids(), &[id(3), id(9)]);
+    // One left is kept inline again, so equal ledgers hold equal indexes.
+    assert_eq!(two.but(0), Some(Linked::One(id(5))));
+    assert_eq!(two.but(1), Some(Linked::One(id(3))));
+    assert_eq!(one.but(0), None);
+}
