@@ -992,6 +992,14 @@ async fn a_device_vanishing_during_its_vfio_bind_turns_lost_and_is_released() {
         Some("set driver_override")
     );
     assert_eq!(errno_of(&e), Errno::ENODEV.to_string());
+    // The answer says the claim stands, though its device is gone, with the generation
+    // its owner releases it with (the address is rescanned before the answer goes).
+    let meta = reason(&e).1;
+    assert_eq!(
+        meta.get("claim_stands").map(String::as_str),
+        Some("true"),
+        "{e:?}"
+    );
     let list = until(&mut c, "the claimed VF lost", |l| {
         l.iter()
             .any(|d| d.address == a && d.state == proto::DeviceState::Lost as i32 && !d.present)
@@ -999,6 +1007,11 @@ async fn a_device_vanishing_during_its_vfio_bind_turns_lost_and_is_released() {
     .await;
     let lost = list.into_iter().find(|d| d.address == a).expect("lost VF");
     assert_eq!(lost.owner, Some(owner(11)), "the claim is kept");
+    assert_eq!(
+        meta.get("claim_generation").map(String::as_str),
+        Some(lost.generation.to_string().as_str()),
+        "the lost claim's generation"
+    );
     assert_eq!(
         lost.vfio_binding.len(),
         1,

@@ -219,6 +219,23 @@ impl HostDevService {
         Some((rec.generation, on_vfio))
     }
 
+    /// The generation of the claim that `consumer` made with `request_id` at `address`,
+    /// if it still stands, on the present device or as a lost claim (its device gone).
+    fn claim_standing(
+        &self,
+        address: PciAddress,
+        consumer: ConsumerId,
+        request_id: &RequestId,
+    ) -> Option<Generation> {
+        let view = self.writer.view();
+        let mine = view.ledger.records_at(address).find(|r| {
+            r.claim
+                .as_ref()
+                .is_some_and(|c| c.owner.consumer == consumer && c.request_id == *request_id)
+        });
+        mine.map(|r| r.generation)
+    }
+
     /// The present device at an address as a message, from the latest view.
     fn present_device(&self, address: PciAddress) -> Option<proto::Device> {
         let view = self.writer.view();
@@ -553,9 +570,11 @@ impl HostDev for HostDevService {
             generation = match bound.await {
                 Ok(g) => g,
                 // The claim is committed: say so, with its generation now (a binding
-                // recorded before a failed sysfs write moved it on).
-                Err(source) => match self.claim_now(address, consumer, &request_id) {
-                    Some((now, _)) => {
+                // recorded before a failed sysfs write moved it on). A device that vanished
+                // under the binding leaves its claim lost, and standing: its owner releases
+                // it with that generation.
+                Err(source) => match self.claim_standing(address, consumer, &request_id) {
+                    Some(now) => {
                         return Err(ApiError::ClaimedNotBound {
                             address,
                             generation: now.0,
