@@ -983,7 +983,9 @@ async fn a_device_vanishing_during_its_vfio_bind_turns_lost_and_is_released() {
         });
     }
     fs.fail_writes("driver_override", Some(Errno::ENODEV));
-    let e = claim(&mut c, &a, 11, true)
+    let g = device(&mut c, &a).await.expect("VF").generation;
+    let request_id = format!("claim-{a}-{g}");
+    let e = claim_as(&mut c, &a, 11, true, &request_id, g)
         .await
         .expect_err("the device went away under the bind");
     assert_eq!(e.code(), Code::Internal, "{e:?}");
@@ -1011,6 +1013,20 @@ async fn a_device_vanishing_during_its_vfio_bind_turns_lost_and_is_released() {
         meta.get("claim_generation").map(String::as_str),
         Some(lost.generation.to_string().as_str()),
         "the lost claim's generation"
+    );
+    // Asked later, the request's outcome names the claim's generation now, as for a
+    // claim whose device is still there.
+    let outcome = c
+        .get_request_outcome(proto::GetRequestOutcomeRequest {
+            consumer_id: owner(11).consumer_id,
+            request_id,
+        })
+        .await
+        .expect("the claim's outcome")
+        .into_inner();
+    assert_eq!(
+        (outcome.operation.as_str(), outcome.generation),
+        ("claimed", lost.generation)
     );
     assert_eq!(
         lost.vfio_binding.len(),

@@ -1071,11 +1071,12 @@ impl HostDev for HostDevService {
             Outcome::Transferred { .. } => "transferred",
         };
         // The log holds the generation the claim was made at; a binding recorded after it
-        // (a Claim with vfio, PrepareVfio) moved the claim on. While the claim stands, its
-        // generation now is the one its owner must present, as a retried Claim answers.
+        // (a Claim with vfio, PrepareVfio) moved the claim on, and so did its device
+        // vanishing (the claim lost). While the claim stands, its generation now is the
+        // one its owner must present.
         let mut generation = entry.outcome.generation();
         if let Outcome::Claimed { address, .. } = entry.outcome {
-            if let Some((now, _)) = self.claim_now(address, consumer, &request_id) {
+            if let Some(now) = self.claim_standing(address, consumer, &request_id) {
                 generation = now;
             }
         }
