@@ -324,9 +324,18 @@ fn check_text(what: &'static str, s: &str, max: usize, allow_empty: bool) -> Res
 macro_rules! text_id {
     ($name:ident, $what:literal, $max:expr, $allow_empty:expr) => {
         #[doc = concat!("A validated ", $what, " (at most ", stringify!($max), " bytes, no control characters).")]
-        #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-        #[serde(try_from = "String", into = "String")]
-        pub struct $name(String);
+        ///
+        /// Shared, not copied: records are cloned into every change set, view and event,
+        /// and a copy of each text cost an allocation every time.
+        #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
+        #[serde(try_from = "String")]
+        pub struct $name(std::sync::Arc<str>);
+
+        impl Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(&self.0)
+            }
+        }
 
         impl $name {
             pub const MAX_LEN: usize = $max;
@@ -339,13 +348,13 @@ macro_rules! text_id {
             type Error = IdError;
             fn try_from(s: String) -> Result<Self, IdError> {
                 check_text($what, &s, $max, $allow_empty)?;
-                Ok($name(s))
+                Ok($name(s.into()))
             }
         }
 
         impl From<$name> for String {
             fn from(v: $name) -> String {
-                v.0
+                v.0.to_string()
             }
         }
 
