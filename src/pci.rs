@@ -352,11 +352,6 @@ macro_rules! text_id {
             }
         }
 
-        impl From<$name> for String {
-            fn from(v: $name) -> String {
-                v.0.to_string()
-            }
-        }
 
         impl FromStr for $name {
             type Err = IdError;
