@@ -188,6 +188,24 @@ impl HostDevService {
         }
     }
 
+    /// The record holding the claim that `consumer` made with `request_id` at `address`,
+    /// if the claim still stands: the present device's, or a lost claim's (its device
+    /// gone), whose generation its owner releases it with.
+    fn claim_record(
+        &self,
+        address: PciAddress,
+        consumer: ConsumerId,
+        request_id: &RequestId,
+    ) -> Option<DeviceRecord> {
+        let view = self.writer.view();
+        let mine = view.ledger.records_at(address).find(|r| {
+            r.claim
+                .as_ref()
+                .is_some_and(|c| c.owner.consumer == consumer && c.request_id == *request_id)
+        });
+        mine.cloned()
+    }
+
     /// The claim that `consumer` made with `request_id` on the present device at
     /// `address`, if it still stands: its generation now, and whether it has a recorded
     /// binding whose every member the inventory shows on vfio-pci.
@@ -197,13 +215,9 @@ impl HostDevService {
         consumer: ConsumerId,
         request_id: &RequestId,
     ) -> Option<(Generation, bool)> {
-        let view = self.writer.view();
-        let rec = view.device(address).map(|v| v.record).find(|r| {
-            r.present
-                && r.claim
-                    .as_ref()
-                    .is_some_and(|c| c.owner.consumer == consumer && c.request_id == *request_id)
-        })?;
+        let rec = self
+            .claim_record(address, consumer, request_id)
+            .filter(|r| r.present)?;
         let inv = self.inv();
         let on_vfio = rec
             .claim
@@ -217,23 +231,6 @@ impl HostDevService {
                 })
             });
         Some((rec.generation, on_vfio))
-    }
-
-    /// The generation of the claim that `consumer` made with `request_id` at `address`,
-    /// if it still stands, on the present device or as a lost claim (its device gone).
-    fn claim_standing(
-        &self,
-        address: PciAddress,
-        consumer: ConsumerId,
-        request_id: &RequestId,
-    ) -> Option<Generation> {
-        let view = self.writer.view();
-        let mine = view.ledger.records_at(address).find(|r| {
-            r.claim
-                .as_ref()
-                .is_some_and(|c| c.owner.consumer == consumer && c.request_id == *request_id)
-        });
-        mine.map(|r| r.generation)
     }
 
     /// The present device at an address as a message, from the latest view.
@@ -573,11 +570,11 @@ impl HostDev for HostDevService {
                 // recorded before a failed sysfs write moved it on). A device that vanished
                 // under the binding leaves its claim lost, and standing: its owner releases
                 // it with that generation.
-                Err(source) => match self.claim_standing(address, consumer, &request_id) {
-                    Some(now) => {
+                Err(source) => match self.claim_record(address, consumer, &request_id) {
+                    Some(standing) => {
                         return Err(ApiError::ClaimedNotBound {
                             address,
-                            generation: now.0,
+                            generation: standing.generation.0,
                             source: Box::new(source),
                         }
                         .into())
@@ -1076,8 +1073,8 @@ impl HostDev for HostDevService {
         // one its owner must present.
         let mut generation = entry.outcome.generation();
         if let Outcome::Claimed { address, .. } = entry.outcome {
-            if let Some(now) = self.claim_standing(address, consumer, &request_id) {
-                generation = now;
+            if let Some(standing) = self.claim_record(address, consumer, &request_id) {
+                generation = standing.generation;
             }
         }
         Ok(Response::new(proto::RequestOutcome {
