@@ -51,9 +51,19 @@ pub const WITHIN: &[(&str, &str)] = &[
 
 /// Starts `perf record` on process `pid` for `seconds`, writing to `out`. Panics if perf
 /// cannot be run at all: a profile asked for must not quietly come back empty.
+///
+/// `HOSTDEVD_BENCH_PROFILE_EVENT` records another event than the CPU clock, for example a
+/// probe on the allocator's `malloc` (made with `perf probe`): the stages' shares are then
+/// shares of that event's count (see benches/README.md).
 pub fn record(pid: u32, seconds: f64, out: &Path) -> Child {
+    let sampling: Vec<String> = match std::env::var("HOSTDEVD_BENCH_PROFILE_EVENT") {
+        Ok(event) => vec!["-e".into(), event],
+        Err(_) => vec!["-F".into(), "999".into()],
+    };
     Command::new("perf")
-        .args(["record", "-q", "-F", "999", "--call-graph", "dwarf", "-p"])
+        .args(["record", "-q"])
+        .args(&sampling)
+        .args(["--call-graph", "dwarf", "-p"])
         .arg(pid.to_string())
         .arg("-o")
         .arg(out)
