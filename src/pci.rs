@@ -139,10 +139,10 @@ impl FromStr for PciAddress {
         let (head, func) = s
             .rsplit_once('.')
             .ok_or_else(|| err("missing '.function'"))?;
-        let parts: Vec<&str> = head.split(':').collect();
-        let (domain, bus, dev) = match parts.as_slice() {
-            [d, b, v] => (*d, *b, *v),
-            [b, v] => ("0", *b, *v),
+        let mut parts = head.split(':');
+        let (domain, bus, dev) = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+            (Some(d), Some(b), Some(v), None) => (d, b, v),
+            (Some(b), Some(v), None, None) => ("0", b, v),
             _ => return Err(err("expected domain:bus:device.function")),
         };
         let hex = |t: &str, max_len: usize, what| -> Result<u32, IdError> {
