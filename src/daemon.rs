@@ -19,7 +19,7 @@ use crate::hardware::Hardware;
 use crate::hotplug::{Notice, UeventSocket};
 use crate::ledger::Ledger;
 use crate::pci::Generation;
-use crate::rescan::{RescanError, Rescanner, SharedInventory};
+use crate::rescan::{RescanError, Rescanner};
 use crate::store::{Store, StoreError};
 use crate::sysfs::{PciNames, SysfsError};
 use crate::writer::{WriteError, Writer};
@@ -81,11 +81,10 @@ pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
-/// A running agent's core: the writer and the shared inventory.
+/// A running agent's core: the writer (whose views hold the inventory) and the rescanner.
 #[derive(Debug, Clone)]
 pub struct Agent {
     pub writer: Writer,
-    pub inventory: SharedInventory,
     pub info: Arc<AgentInfo>,
     pub rescanner: Arc<Rescanner>,
     guard: Arc<FreeGuard>,
@@ -233,7 +232,6 @@ impl Agent {
         ));
         let agent = Agent {
             writer,
-            inventory: rescanner.inventory.clone(),
             rescanner,
             info: Arc::new(AgentInfo {
                 started,

@@ -10,7 +10,7 @@ use crate::config::Selection;
 use crate::ledger::{DeviceFacts, RecordId};
 use crate::pci::PciAddress;
 use crate::sysfs::{self, PciDevice, PciNames, SysfsError};
-use crate::writer::{WriteError, Writer};
+use crate::writer::{SysfsDevices, WriteError, Writer};
 
 /// Why a rescan could not be applied.
 #[derive(Debug, thiserror::Error)]
@@ -23,9 +23,6 @@ pub enum RescanError {
     Thread(String),
 }
 
-/// The latest inventory by address, shared with the API for names and SR-IOV details.
-pub type SharedInventory = Arc<RwLock<BTreeMap<PciAddress, PciDevice>>>;
-
 /// PCI functions the kernel said it removed, each with the highest sequence number of
 /// its `remove` events (`None`: one came without a number).
 pub type Removals = BTreeMap<PciAddress, Option<u64>>;
@@ -37,7 +34,6 @@ pub struct Rescanner {
     dev_root: PathBuf,
     names: Arc<PciNames>,
     selection: RwLock<Selection>,
-    pub inventory: SharedInventory,
     writer: Writer,
     /// Taken by each rescan from before it reads sysfs until the ledger has applied what
     /// it read, so rescans apply in the order they read. Without it a hotplug rescan and
@@ -84,7 +80,6 @@ impl Rescanner {
             dev_root,
             names,
             selection: RwLock::new(selection),
-            inventory: Arc::new(RwLock::new(BTreeMap::new())),
             writer,
             turn: Arc::new(tokio::sync::Mutex::new(())),
             seen_at: RwLock::new(BTreeMap::new()),
@@ -114,16 +109,20 @@ impl Rescanner {
         }
         let sel = selection.unwrap_or_else(|| read(&self.selection).clone());
         let facts = sel.facts(&inv.devices);
-        // The inventory and the selection change only once the ledger took the scan: a
-        // scan the ledger refused (a full disk) leaves both as the ledger has them, and
-        // the retry finds the same differences again.
+        // The sysfs details go out with the facts, in the same view; the selection
+        // changes only once the ledger took the scan: a scan the ledger refused (a full
+        // disk) leaves both as they were, and the retry finds the same differences again.
         let before = self.present_records(inv.devices.iter().map(|d| d.address));
-        self.writer.inventory(facts).await?;
-        *write(&self.selection) = sel;
         let found: BTreeSet<PciAddress> = inv.devices.iter().map(|d| d.address).collect();
+        let details: SysfsDevices = inv
+            .devices
+            .into_iter()
+            .map(|d| (d.address, Arc::new(d)))
+            .collect();
+        self.writer.scanned(facts, details).await?;
+        *write(&self.selection) = sel;
         write(&self.seen_at).retain(|a, _| found.contains(a));
         self.note_found(seq, found.into_iter(), &before);
-        *write(&self.inventory) = inv.devices.into_iter().map(|d| (d.address, d)).collect();
         Ok(())
     }
 
@@ -184,13 +183,15 @@ impl Rescanner {
             let _turn = self.turn.lock().await;
             let gone = self.own_removals(removed);
             if !gone.is_empty() {
+                let mut details = self.writer.view().sysfs.clone();
+                for a in &gone {
+                    details.remove(a);
+                }
                 self.writer
-                    .devices(gone.iter().map(|a| (*a, None)).collect())
+                    .rescanned(gone.iter().map(|a| (*a, None)).collect(), details)
                     .await?;
-                let mut inv = write(&self.inventory);
                 let mut seen_at = write(&self.seen_at);
                 for a in &gone {
-                    inv.remove(a);
                     seen_at.remove(a);
                 }
             }
@@ -254,11 +255,11 @@ impl Rescanner {
         // changed), not all the PF's other VFs, which have events of their own.
         let named = addresses;
         let mut wanted = named.clone();
-        {
-            let inv = read(&self.inventory);
-            for a in &named {
-                relatives(inv.get(a), &mut wanted);
-            }
+        // Only rescans change the sysfs details, and they take turns: the published ones
+        // are the last rescan's.
+        let mut details = self.writer.view().sysfs.clone();
+        for a in &named {
+            relatives(details.get(a).map(|d| &**d), &mut wanted);
         }
         let (root, dev, names) = (
             self.sysfs_root.clone(),
@@ -289,7 +290,6 @@ impl Rescanner {
         let mut changes: Vec<(PciAddress, Option<DeviceFacts>)> =
             gone.iter().map(|a| (*a, None)).collect();
         {
-            let inv = read(&self.inventory);
             let sel = read(&self.selection);
             for (a, d) in &scanned {
                 let facts = d.as_ref().map(|d| {
@@ -301,7 +301,7 @@ impl Rescanner {
                         .physfn
                         .and_then(|pf| match scanned.get(&pf) {
                             Some(fresh) => fresh.as_ref(),
-                            None => inv.get(&pf),
+                            None => details.get(&pf).map(|d| &**d),
                         })
                         .map(|pf| pf.netdevs.as_slice())
                         .unwrap_or(&[]);
@@ -316,9 +316,19 @@ impl Rescanner {
             stale_removals = removed.len() - gone.len(),
             "partial rescan"
         );
-        // As for a full scan: the inventory follows only once the ledger took it.
+        // As for a full scan: the sysfs details go out with the facts.
         let before = self.present_records(scanned.keys().copied());
-        self.writer.devices(changes).await?;
+        for (a, d) in &scanned {
+            match d {
+                Some(d) => {
+                    details.insert(*a, Arc::new(d.clone()));
+                }
+                None => {
+                    details.remove(a);
+                }
+            }
+        }
+        self.writer.rescanned(changes, details).await?;
         let found: Vec<PciAddress> = scanned
             .iter()
             .filter(|(_, d)| d.is_some())
@@ -333,17 +343,6 @@ impl Rescanner {
             }
         }
         self.note_found(seq, found.into_iter(), &before);
-        let mut inv = write(&self.inventory);
-        for (a, d) in scanned {
-            match d {
-                Some(d) => {
-                    inv.insert(a, d);
-                }
-                None => {
-                    inv.remove(&a);
-                }
-            }
-        }
         Ok(())
     }
 }

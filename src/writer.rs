@@ -31,6 +31,7 @@ use crate::ledger::{
 use crate::metrics::{Metrics, Op};
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 use crate::store::{Store, StoreError};
+use crate::sysfs::PciDevice;
 
 mod closed;
 mod events;
@@ -108,16 +109,27 @@ pub struct OrphansFreed {
     pub earlier: Vec<RequestEntry>,
 }
 
+/// What sysfs showed of each present device (names, driver, netdevs, SR-IOV, IOMMU),
+/// as of the scan the ledger last took: published in every view with the ledger, so that
+/// an answer's hardware details and its claims come from the same moment.
+pub type SysfsDevices = OrdMap<PciAddress, Arc<PciDevice>>;
+
 /// A command for the writer.
 #[derive(Debug)]
 pub enum Command {
     Claim(ClaimRequest, Reply<Applied>),
     Release(ReleaseRequest, Reply<Applied>),
     Transfer(TransferRequest, Reply<Applied>),
-    /// A full inventory scan.
-    Inventory(Vec<DeviceFacts>, Reply<()>),
-    /// Some devices rescanned: `None` means gone.
-    Devices(Vec<(PciAddress, Option<DeviceFacts>)>, Reply<()>),
+    /// A full inventory scan, with what sysfs showed of every device after it (`None`:
+    /// left as it is).
+    Inventory(Vec<DeviceFacts>, Option<SysfsDevices>, Reply<()>),
+    /// Some devices rescanned (`None` means gone), with what sysfs showed of every device
+    /// after them (`None`: left as it is).
+    Devices(
+        Vec<(PciAddress, Option<DeviceFacts>)>,
+        Option<SysfsDevices>,
+        Reply<()>,
+    ),
     Domains(Vec<DomainDevices>, Reply<()>),
     /// Answered once every command queued before it is decided and committed.
     Sync(Reply<()>),
@@ -148,6 +160,8 @@ pub enum Command {
 #[derive(Debug, Default)]
 pub struct View {
     pub host_generation: Generation,
+    /// What sysfs showed of each present device, as of the scan this view's ledger took.
+    pub sysfs: SysfsDevices,
     /// The strays by address (only addresses that have one).
     strays: OrdMap<PciAddress, Vec<Stray>>,
     /// The committed ledger (records, request log), shared with the writer's copy.
@@ -159,21 +173,28 @@ pub struct View {
 impl View {
     fn new(ledger: &Ledger) -> View {
         let d = Derived::all(ledger);
-        View::with(ledger, d.states, d.strays)
+        View::with(ledger, d.states, d.strays, SysfsDevices::new())
     }
 
     fn with(
         ledger: &Ledger,
         states: OrdMap<RecordId, DeviceState>,
         strays: OrdMap<PciAddress, Vec<Stray>>,
+        sysfs: SysfsDevices,
     ) -> View {
         View {
             host_generation: ledger.host_generation(),
+            sysfs,
             strays,
             states,
             ledger: ledger.clone(),
             devices: std::sync::OnceLock::new(),
         }
+    }
+
+    /// What sysfs showed of the device at `address`, as of this view.
+    pub fn sysfs_device(&self, address: &PciAddress) -> Option<&PciDevice> {
+        self.sysfs.get(address).map(|d| &**d)
     }
 
     /// Every record with its derived state, by address (present first, then lost).
@@ -377,13 +398,32 @@ impl Writer {
         self.call(|r| Command::Transfer(req, r)).await
     }
     pub async fn inventory(&self, facts: Vec<DeviceFacts>) -> Result<(), WriteError> {
-        self.call(|r| Command::Inventory(facts, r)).await
+        self.call(|r| Command::Inventory(facts, None, r)).await
+    }
+    /// A full scan's facts and what sysfs showed of every device, published together.
+    pub async fn scanned(
+        &self,
+        facts: Vec<DeviceFacts>,
+        sysfs: SysfsDevices,
+    ) -> Result<(), WriteError> {
+        self.call(|r| Command::Inventory(facts, Some(sysfs), r))
+            .await
     }
     pub async fn devices(
         &self,
         changes: Vec<(PciAddress, Option<DeviceFacts>)>,
     ) -> Result<(), WriteError> {
-        self.call(|r| Command::Devices(changes, r)).await
+        self.call(|r| Command::Devices(changes, None, r)).await
+    }
+    /// Some devices' new facts (`None`: gone) and what sysfs showed of every device after
+    /// them, published together.
+    pub async fn rescanned(
+        &self,
+        changes: Vec<(PciAddress, Option<DeviceFacts>)>,
+        sysfs: SysfsDevices,
+    ) -> Result<(), WriteError> {
+        self.call(|r| Command::Devices(changes, Some(sysfs), r))
+            .await
     }
     /// Returns once every command sent before it has been decided and committed.
     pub async fn sync(&self) -> Result<(), WriteError> {
@@ -630,6 +670,10 @@ struct Worker {
     store_error: Arc<Mutex<Option<String>>>,
     metrics: Arc<Metrics>,
     hardware: Option<Hardware>,
+    /// What sysfs showed of every device, as the last committed scan left it.
+    sysfs: SysfsDevices,
+    /// What a scan in the batch being decided brings, published only once it commits.
+    next_sysfs: Option<SysfsDevices>,
     /// Hands the pages freed by bursts of work back to the kernel once the writer is
     /// idle (see `memory`).
     trimmer: crate::memory::Trimmer,
@@ -679,6 +723,8 @@ impl Worker {
             ledger,
             store,
             hardware,
+            sysfs: SysfsDevices::new(),
+            next_sysfs: None,
             trimmer: crate::memory::Trimmer::new(TRIM_INTERVAL),
             closed: closed::ClosedRequests::default(),
             failed: None,
@@ -698,8 +744,8 @@ impl Worker {
                 Command::Claim(_, r) | Command::Release(_, r) | Command::Transfer(_, r) => {
                     let _ = r.send(Err(e()));
                 }
-                Command::Inventory(_, r)
-                | Command::Devices(_, r)
+                Command::Inventory(_, _, r)
+                | Command::Devices(_, _, r)
                 | Command::Domains(_, r)
                 | Command::Sync(r) => {
                     let _ = r.send(Err(e()));
@@ -796,12 +842,18 @@ impl Worker {
                 }
                 Pending::Orphans(reply, OrphansFreed { results, earlier })
             }
-            Command::Inventory(facts, reply) => {
+            Command::Inventory(facts, sysfs, reply) => {
                 changes.push(self.ledger.apply_inventory(facts));
+                if sysfs.is_some() {
+                    self.next_sysfs = sysfs;
+                }
                 Pending::Unit(reply)
             }
-            Command::Devices(list, reply) => {
+            Command::Devices(list, sysfs, reply) => {
                 changes.push(self.ledger.apply_devices(list));
+                if sysfs.is_some() {
+                    self.next_sysfs = sysfs;
+                }
                 Pending::Unit(reply)
             }
             Command::Domains(domains, reply) => {
@@ -1063,7 +1115,13 @@ impl Worker {
     /// state change that touched no record is not below the generation of a watcher that
     /// started before it.
     fn commit_changes(&mut self, before: &View, changes: &[ChangeSet]) -> Result<(), StoreError> {
-        let prepared = (!changes.is_empty()).then(|| self.prepare(before, changes));
+        // A scan's sysfs details go out with the view of the commit that holds its facts,
+        // or not at all.
+        let next_sysfs = self.next_sysfs.take();
+        let prepared = (!changes.is_empty()).then(|| {
+            let sysfs = next_sysfs.clone().unwrap_or_else(|| self.sysfs.clone());
+            self.prepare(before, changes, sysfs)
+        });
         let durable: Vec<&ChangeSet> = changes.iter().filter(|c| !c.is_empty()).collect();
         let committed = if durable.is_empty() {
             Ok(())
@@ -1076,6 +1134,9 @@ impl Worker {
         self.set_store_error(committed.as_ref().err().map(|e| e.to_string()));
         match committed {
             Ok(()) => {
+                if let Some(sysfs) = next_sysfs {
+                    self.sysfs = sysfs;
+                }
                 if let Some(p) = prepared {
                     self.publish(p);
                 }
@@ -1152,7 +1213,7 @@ impl Worker {
     /// per changed or removed record, with the generation the change gave it, and one per
     /// device whose derived state changed because of a relative or a domain, with a
     /// generation of its own taken from the host counter now.
-    fn prepare(&mut self, before: &View, changes: &[ChangeSet]) -> Prepared {
+    fn prepare(&mut self, before: &View, changes: &[ChangeSet], sysfs: SysfsDevices) -> Prepared {
         let (derived, rederived) = self.next_states(before, changes);
         let mut written: BTreeSet<RecordId> = BTreeSet::new();
         let mut events = Vec::new();
@@ -1237,7 +1298,7 @@ impl Worker {
             .collect();
         events.sort_by_key(|e| e.generation());
         Prepared {
-            view: View::with(&self.ledger, derived.states, derived.strays),
+            view: View::with(&self.ledger, derived.states, derived.strays, sysfs),
             events,
             old_generations: changed,
             new_strays,

@@ -7,7 +7,7 @@ pub mod guard;
 pub mod status;
 pub mod watch_queue;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::pin::Pin;
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
@@ -21,8 +21,7 @@ use crate::ledger::{
     ClaimRequest, ClaimTarget, DeviceRecord, DeviceState, Outcome, ReleaseRequest, TransferRequest,
 };
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
-use crate::rescan::{Rescanner, SharedInventory};
-use crate::sysfs::PciDevice;
+use crate::rescan::Rescanner;
 use crate::writer::{Event, OrphanFree, WriteError, Writer};
 use convert::device_to_proto;
 use guard::VfioCheck;
@@ -100,8 +99,6 @@ pub struct AgentInfo {
 pub struct HostDevService {
     writer: Writer,
     access: Access,
-    /// The latest sysfs inventory, by address (names, netdevs, SR-IOV details).
-    inventory: SharedInventory,
     /// Rescans the devices a hardware action changed, so the answer shows the result.
     rescanner: Arc<Rescanner>,
     info: Arc<AgentInfo>,
@@ -161,7 +158,6 @@ impl HostDevService {
         HostDevService {
             writer,
             access,
-            inventory: rescanner.inventory.clone(),
             rescanner,
             info,
             guard,
@@ -179,13 +175,6 @@ impl HostDevService {
     /// Ends every open watch stream (with UNAVAILABLE, SHUTTING_DOWN) and refuses new ones.
     pub fn stop_streams(&self) {
         self.stopping.send_replace(true);
-    }
-
-    fn inv(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<PciAddress, PciDevice>> {
-        match self.inventory.read() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        }
     }
 
     /// The record holding the claim that `consumer` made with `request_id` at `address`,
@@ -218,14 +207,14 @@ impl HostDevService {
         let rec = self
             .claim_record(address, consumer, request_id)
             .filter(|r| r.present)?;
-        let inv = self.inv();
+        let view = self.writer.view();
         let on_vfio = rec
             .claim
             .as_ref()
             .and_then(|c| c.vfio.as_ref())
             .is_some_and(|b| {
                 b.members.iter().all(|m| {
-                    inv.get(&m.address).is_some_and(|d| {
+                    view.sysfs_device(&m.address).is_some_and(|d| {
                         d.driver.as_deref() == Some(crate::hardware::VFIO_PCI_DRIVER)
                     })
                 })
@@ -236,11 +225,10 @@ impl HostDevService {
     /// The present device at an address as a message, from the latest view.
     fn present_device(&self, address: PciAddress) -> Option<proto::Device> {
         let view = self.writer.view();
-        let inv = self.inv();
         let found = view
             .device(address)
             .find(|v| v.record.present)
-            .map(|v| device_to_proto(&v, inv.get(&address)));
+            .map(|v| device_to_proto(&v, view.sysfs_device(&address)));
         found
     }
 
@@ -249,8 +237,8 @@ impl HostDevService {
     /// holds costs nothing to check), and the members of that group, whose device nodes
     /// the group node would have covered. A device the inventory does not know has none.
     fn vfio_check(&self, address: PciAddress) -> VfioCheck {
-        let inv = self.inv();
-        let Some(dev) = inv.get(&address) else {
+        let view = self.writer.view();
+        let Some(dev) = view.sysfs_device(&address) else {
             return VfioCheck::default();
         };
         let mut group_nodes: Vec<std::path::PathBuf> = dev.vfio_group.iter().cloned().collect();
@@ -407,7 +395,7 @@ impl HostDevService {
                 address: view.record.address().to_string(),
                 device: Some(device_to_proto(
                     view,
-                    self.inv().get(&view.record.address()),
+                    self.writer.view().sysfs_device(&view.record.address()),
                 )),
             },
             Event::Removed {
@@ -440,13 +428,12 @@ impl HostDev for HostDevService {
         _req: Request<proto::ListDevicesRequest>,
     ) -> Result<Response<proto::ListDevicesResponse>, Status> {
         let view = self.writer.view();
-        let inv = self.inv();
         Ok(Response::new(proto::ListDevicesResponse {
             host_generation: view.host_generation.0,
             devices: view
                 .devices()
                 .iter()
-                .map(|v| device_to_proto(v, inv.get(&v.record.address())))
+                .map(|v| device_to_proto(v, view.sysfs_device(&v.record.address())))
                 .collect(),
             strays: view.strays().map(convert::stray_to_proto).collect(),
         }))
@@ -458,11 +445,10 @@ impl HostDev for HostDevService {
     ) -> Result<Response<proto::GetDeviceResponse>, Status> {
         let address = convert::address("address", &req.get_ref().address)?;
         let view = self.writer.view();
-        let inv = self.inv();
         let mut device = None;
         let mut lost = Vec::new();
         for v in view.device(address) {
-            let d = device_to_proto(&v, inv.get(&address));
+            let d = device_to_proto(&v, view.sysfs_device(&address));
             if v.record.present {
                 device = Some(d);
             } else {
@@ -726,7 +712,6 @@ impl HostDev for HostDevService {
             .audit(&expected, Generation(r.snapshot_generation));
         let protections = self.protect_held(&mut report).await?;
         let to_views = |recs: &[crate::ledger::DeviceRecord]| -> Vec<proto::Device> {
-            let inv = self.inv();
             recs.iter()
                 .map(|rec| {
                     let v = crate::ledger::DeviceView {
@@ -736,7 +721,7 @@ impl HostDev for HostDevService {
                             .unwrap_or_else(|| view.ledger.state_of(rec)),
                         record: rec.clone(),
                     };
-                    device_to_proto(&v, inv.get(&rec.address()))
+                    device_to_proto(&v, view.sysfs_device(&rec.address()))
                 })
                 .collect()
         };
@@ -784,7 +769,6 @@ impl HostDev for HostDevService {
             // A retry: what the earlier attempts freed is no orphan now, but the caller
             // may never have heard of it.
             let now = self.writer.view();
-            let inv = self.inv();
             for entry in freed.earlier {
                 let Outcome::Released {
                     address,
@@ -802,7 +786,7 @@ impl HostDev for HostDevService {
                 let device = now
                     .device(address)
                     .find(|v| v.record.id == record)
-                    .map(|v| device_to_proto(&v, inv.get(&address)))
+                    .map(|v| device_to_proto(&v, now.sysfs_device(&address)))
                     .unwrap_or_else(|| proto::Device {
                         address: address.to_string(),
                         ..Default::default()
@@ -878,7 +862,6 @@ impl HostDev for HostDevService {
             Box::new(move |e: &Event| this.event_to_proto(e))
         };
         let (tx, out) = watch_queue::queue(self.watch.queue, convert, Some(slot));
-        let this = self.clone();
         let mut stopping = self.stopping.subscribe();
         let tx = Arc::new(tx);
         let stop_tx = tx.clone();
@@ -907,11 +890,10 @@ impl HostDev for HostDevService {
                     address: String::new(),
                     device: None,
                 };
-                let this = this.clone();
                 (0..count)
                     .map(move |k| {
                         let v = &view.devices()[k];
-                        let device = device_to_proto(v, this.inv().get(&v.record.address()));
+                        let device = device_to_proto(v, view.sysfs_device(&v.record.address()));
                         Pending::Ready(Box::new(proto::WatchEvent {
                             kind: proto::WatchEventKind::Snapshot as i32,
                             // The generation the snapshot was read at (the device's own
@@ -1189,8 +1171,9 @@ impl HostDev for HostDevService {
         let r = req.get_ref();
         let pf = convert::address("address", &r.address)?;
         let old_vfs: BTreeSet<PciAddress> = self
-            .inv()
-            .get(&pf)
+            .writer
+            .view()
+            .sysfs_device(&pf)
             .and_then(|d| d.sriov.as_ref())
             .map(|s| s.vfs.iter().copied().collect())
             .unwrap_or_default();

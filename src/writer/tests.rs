@@ -29,7 +29,11 @@ fn worker(dir: &std::path::Path, in_memory: usize) -> Worker {
     let store = Store::open(dir).expect("store");
     let mut w = Worker::new(ledger, store, EventBuffer::events(64), None);
     let (reply, _rx) = oneshot::channel();
-    w.apply_batch(vec![Command::Inventory((0..4).map(vf).collect(), reply)]);
+    w.apply_batch(vec![Command::Inventory(
+        (0..4).map(vf).collect(),
+        None,
+        reply,
+    )]);
     w
 }
 
@@ -53,7 +57,7 @@ fn hardware_worker(
         Some(hardware),
     );
     let (reply, rx) = oneshot::channel();
-    w.apply_batch(vec![Command::Inventory(inventory, reply)]);
+    w.apply_batch(vec![Command::Inventory(inventory, None, reply)]);
     answer(rx).expect("inventory");
     w
 }
@@ -338,6 +342,7 @@ fn every_event_has_its_own_generation_and_resuming_from_any_misses_none() {
             addr("0000:3b:00.0"),
             Some(facts("0000:3b:00.0", Some(39), None)),
         )],
+        None,
         reply,
     )]);
     let start = w.view_now().host_generation;
@@ -650,4 +655,68 @@ fn an_audit_stops_freeing_at_a_commit_whose_outcome_is_unknown() {
         w.store_error.lock().expect("lock").is_some(),
         "the failure is still reported"
     );
+}
+
+/// A scan's sysfs details go out in the view of the commit that holds its facts, and
+/// stay in every later view; a commit that fails publishes neither, and later batches
+/// keep the details that went with the ledger as it is.
+#[test]
+fn a_scans_sysfs_details_go_out_with_its_facts_or_not_at_all() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 16);
+    let new_vf = addr("0000:3b:02.4");
+    let mut device = crate::sysfs::PciDevice::new(new_vf);
+    device.driver = Some("ixgbevf".into());
+    let details: SysfsDevices = [(new_vf, Arc::new(device))].into_iter().collect();
+    let (reply, rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Devices(
+        vec![(
+            new_vf,
+            Some(facts("0000:3b:02.4", Some(44), Some("0000:3b:00.0"))),
+        )],
+        Some(details),
+        reply,
+    )]);
+    answer(rx).expect("rescan committed");
+    let driver = |v: &View| v.sysfs_device(&new_vf).and_then(|d| d.driver.clone());
+    let view = w.view_now();
+    assert!(view.ledger.record_at(new_vf).is_some_and(|r| r.present));
+    assert_eq!(
+        driver(&view).as_deref(),
+        Some("ixgbevf"),
+        "published with the facts"
+    );
+
+    // The device goes, but the disk is full: neither its record nor its details change.
+    w.store.fail_next_commit(rusqlite::ffi::SQLITE_FULL);
+    let (reply, rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Devices(
+        vec![(new_vf, None)],
+        Some(SysfsDevices::new()),
+        reply,
+    )]);
+    assert!(matches!(answer(rx), Err(WriteError::Store(_))));
+    // A later batch that is not a scan publishes the details as they were.
+    let (c, rx) = claim_any(1, "after");
+    w.apply_batch(vec![c]);
+    answer(rx).expect("claimed");
+    let view = w.view_now();
+    assert!(view.ledger.record_at(new_vf).is_some_and(|r| r.present));
+    assert_eq!(
+        driver(&view).as_deref(),
+        Some("ixgbevf"),
+        "kept with the record"
+    );
+
+    // Once the removal commits, both go in the same view.
+    let (reply, rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Devices(
+        vec![(new_vf, None)],
+        Some(SysfsDevices::new()),
+        reply,
+    )]);
+    answer(rx).expect("removal committed");
+    let view = w.view_now();
+    assert!(view.ledger.record_at(new_vf).is_none());
+    assert_eq!(driver(&view), None);
 }
