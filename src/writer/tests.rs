@@ -668,54 +668,42 @@ fn a_scans_sysfs_details_go_out_with_its_facts_or_not_at_all() {
     let mut device = crate::sysfs::PciDevice::new(new_vf);
     device.driver = Some("ixgbevf".into());
     let details: SysfsDevices = [(new_vf, Arc::new(device))].into_iter().collect();
-    let (reply, rx) = oneshot::channel();
-    w.apply_batch(vec![Command::Devices(
-        vec![(
-            new_vf,
-            Some(facts("0000:3b:02.4", Some(44), Some("0000:3b:00.0"))),
-        )],
-        Some(details),
-        reply,
-    )]);
-    answer(rx).expect("rescan committed");
+    // A rescan of the new VF (`None`: gone) with the details after it.
+    let rescan = |w: &mut Worker, fact: Option<DeviceFacts>, details: SysfsDevices| {
+        let (reply, rx) = oneshot::channel();
+        w.apply_batch(vec![Command::Devices(
+            vec![(new_vf, fact)],
+            Some(details),
+            reply,
+        )]);
+        answer(rx)
+    };
+    let fact = facts("0000:3b:02.4", Some(44), Some("0000:3b:00.0"));
+    rescan(&mut w, Some(fact), details).expect("rescan committed");
     let driver = |v: &View| v.sysfs_device(&new_vf).and_then(|d| d.driver.clone());
-    let view = w.view_now();
-    assert!(view.ledger.record_at(new_vf).is_some_and(|r| r.present));
-    assert_eq!(
-        driver(&view).as_deref(),
-        Some("ixgbevf"),
-        "published with the facts"
-    );
+    // The VF present in the ledger, with its driver, in one view.
+    let present_with_driver = |w: &Worker, why: &str| {
+        let view = w.view_now();
+        assert!(
+            view.ledger.record_at(new_vf).is_some_and(|r| r.present),
+            "{why}"
+        );
+        assert_eq!(driver(&view).as_deref(), Some("ixgbevf"), "{why}");
+    };
+    present_with_driver(&w, "published with the facts");
 
     // The device goes, but the disk is full: neither its record nor its details change.
     w.store.fail_next_commit(rusqlite::ffi::SQLITE_FULL);
-    let (reply, rx) = oneshot::channel();
-    w.apply_batch(vec![Command::Devices(
-        vec![(new_vf, None)],
-        Some(SysfsDevices::new()),
-        reply,
-    )]);
-    assert!(matches!(answer(rx), Err(WriteError::Store(_))));
+    let failed = rescan(&mut w, None, SysfsDevices::new());
+    assert!(matches!(failed, Err(WriteError::Store(_))), "{failed:?}");
     // A later batch that is not a scan publishes the details as they were.
     let (c, rx) = claim_any(1, "after");
     w.apply_batch(vec![c]);
     answer(rx).expect("claimed");
-    let view = w.view_now();
-    assert!(view.ledger.record_at(new_vf).is_some_and(|r| r.present));
-    assert_eq!(
-        driver(&view).as_deref(),
-        Some("ixgbevf"),
-        "kept with the record"
-    );
+    present_with_driver(&w, "kept with the record");
 
     // Once the removal commits, both go in the same view.
-    let (reply, rx) = oneshot::channel();
-    w.apply_batch(vec![Command::Devices(
-        vec![(new_vf, None)],
-        Some(SysfsDevices::new()),
-        reply,
-    )]);
-    answer(rx).expect("removal committed");
+    rescan(&mut w, None, SysfsDevices::new()).expect("removal committed");
     let view = w.view_now();
     assert!(view.ledger.record_at(new_vf).is_none());
     assert_eq!(driver(&view), None);
