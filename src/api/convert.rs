@@ -142,9 +142,15 @@ pub fn device_to_proto(v: &DeviceView, inv: Option<&PciDevice>) -> proto::Device
         present: r.present,
         vendor_id: f.vendor_id.to_string(),
         device_id: f.device_id.to_string(),
-        vendor_name: inv.and_then(|d| d.vendor_name.clone()).unwrap_or_default(),
-        device_name: inv.and_then(|d| d.device_name.clone()).unwrap_or_default(),
-        driver: f.driver.clone().unwrap_or_default(),
+        vendor_name: inv
+            .and_then(|d| d.vendor_name.as_deref())
+            .unwrap_or_default()
+            .to_string(),
+        device_name: inv
+            .and_then(|d| d.device_name.as_deref())
+            .unwrap_or_default()
+            .to_string(),
+        driver: f.driver.as_deref().unwrap_or_default().to_string(),
         iommu_group: f.iommu_group,
         numa_node: f.numa_node,
         physfn: f.physfn.map(|a| a.to_string()).unwrap_or_default(),

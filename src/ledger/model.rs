@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 use crate::pci::{
     ConsumerId, DeviceId, Generation, OwnerLabel, PciAddress, PhysNet, RequestId, VendorId,
@@ -77,7 +78,7 @@ pub struct DeviceFacts {
     pub address: PciAddress,
     pub vendor_id: VendorId,
     pub device_id: DeviceId,
-    pub driver: Option<String>,
+    pub driver: Option<Arc<str>>,
     pub iommu_group: Option<u32>,
     pub numa_node: Option<u32>,
     /// The PF of a VF.

@@ -18,6 +18,7 @@ mod scan;
 use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::Serialize;
 
@@ -201,10 +202,11 @@ pub struct PciDevice {
     pub subsystem_device_id: Option<DeviceId>,
     pub class: Option<ClassCode>,
     pub revision: Option<Revision>,
-    pub vendor_name: Option<String>,
-    pub device_name: Option<String>,
+    /// Shared by every device with the same name (see [`PciNames`]).
+    pub vendor_name: Option<Arc<str>>,
+    pub device_name: Option<Arc<str>>,
     /// The bound driver's name; `None` when unbound.
-    pub driver: Option<String>,
+    pub driver: Option<Arc<str>>,
     pub iommu_group: Option<u32>,
     /// `None` when the kernel reports -1 (no affinity) or has no NUMA support.
     pub numa_node: Option<u32>,

@@ -5,11 +5,11 @@
 //! the `# Version: YYYY.MM.DD` header and the newer wins. Only the header is read when
 //! choosing; the system file is parsed once, on the first lookup.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use pci_ids::FromId;
 
@@ -69,6 +69,10 @@ pub struct PciNames {
     /// The parsed system file; `None` inside when it could not be read after all, in
     /// which case lookups fall back to the built-in copy.
     system: OnceLock<Option<SystemDb>>,
+    /// Every name handed to a scanned device (vendor, device, driver), one shared copy
+    /// each: a host's thousands of VFs carry the same three names, which would otherwise
+    /// be three strings per VF in the inventory and the ledger the agent keeps.
+    shared: Mutex<HashSet<Arc<str>>>,
 }
 
 impl PciNames {
@@ -77,6 +81,7 @@ impl PciNames {
         Self {
             source: NamesSource::Builtin,
             system: OnceLock::new(),
+            shared: Mutex::default(),
         }
     }
 
@@ -93,6 +98,7 @@ impl PciNames {
                 Self {
                     source: NamesSource::System { path, date },
                     system: OnceLock::new(),
+                    shared: Mutex::default(),
                 }
             }
             _ => Self::builtin(),
@@ -143,6 +149,28 @@ impl PciNames {
                 .map(String::as_str),
             None => pci_ids::Device::from_vid_pid(vendor.0, device.0).map(|d| d.name()),
         }
+    }
+
+    /// [`Self::vendor_name`], as the one copy every device with it shares.
+    pub fn shared_vendor_name(&self, vendor: VendorId) -> Option<Arc<str>> {
+        self.vendor_name(vendor).map(|n| self.share(n))
+    }
+
+    /// [`Self::device_name`], as the one copy every device with it shares.
+    pub fn shared_device_name(&self, vendor: VendorId, device: DeviceId) -> Option<Arc<str>> {
+        self.device_name(vendor, device).map(|n| self.share(n))
+    }
+
+    /// The one shared copy of `name` (see [`Self::shared_vendor_name`]); for names a scan
+    /// reads from sysfs, such as a driver's.
+    pub fn share(&self, name: &str) -> Arc<str> {
+        let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = shared.get(name) {
+            return n.clone();
+        }
+        let n: Arc<str> = Arc::from(name);
+        shared.insert(n.clone());
+        n
     }
 }
 
@@ -268,6 +296,27 @@ mod tests {
             Some("Intel Corporation")
         );
         assert_eq!(names.device_name(VendorId(0x8086), DeviceId(0xfffe)), None);
+    }
+
+    #[test]
+    fn devices_share_one_copy_of_each_name() {
+        let names = PciNames::builtin();
+        let a = names.shared_vendor_name(VendorId(0x8086)).expect("Intel");
+        let b = names.shared_vendor_name(VendorId(0x8086)).expect("Intel");
+        assert_eq!(&*a, "Intel Corporation");
+        assert!(Arc::ptr_eq(&a, &b), "one copy");
+        let d = names
+            .shared_device_name(VendorId(0x8086), DeviceId(0x10fb))
+            .expect("82599");
+        assert_eq!(
+            Some(&*d),
+            names.device_name(VendorId(0x8086), DeviceId(0x10fb))
+        );
+        assert!(!Arc::ptr_eq(&a, &d));
+        assert_eq!(
+            names.shared_device_name(VendorId(0x8086), DeviceId(0xfffe)),
+            None
+        );
     }
 
     #[test]

@@ -171,14 +171,14 @@ fn read_device(ctx: &mut Ctx<'_>, address: PciAddress) -> (PciDevice, Option<VfL
     dev.revision = read_parsed(&mut dev, &dir, "revision", attr::parse_revision);
 
     if let Some(v) = dev.vendor_id {
-        dev.vendor_name = ctx.names.vendor_name(v).map(str::to_string);
+        dev.vendor_name = ctx.names.shared_vendor_name(v);
         if let Some(d) = dev.device_id {
-            dev.device_name = ctx.names.device_name(v, d).map(str::to_string);
+            dev.device_name = ctx.names.shared_device_name(v, d);
         }
     }
 
     match read_link_name(&dir.join("driver")) {
-        Ok(d) => dev.driver = d,
+        Ok(d) => dev.driver = d.map(|d| ctx.names.share(&d)),
         Err(e) => dev.problem("driver", &e),
     }
     // Not `driver_override`: the kernel shows it under the device's lock, so reading it

@@ -71,13 +71,13 @@ fn event_bytes(ev: &Event) -> usize {
             (n + 8).div_ceil(16).max(2) * 16
         }
     }
-    let text = |s: &Option<String>| s.as_ref().map_or(0, |s| alloc(s.len()));
+    let text = |s: Option<&str>| s.map_or(0, |s| alloc(s.len()));
     let Event::Changed { view, .. } = ev else {
         return size_of::<Event>();
     };
     let r = &view.record;
     let mut n = size_of::<Event>() + alloc(size_of::<DeviceView>() + 2 * size_of::<usize>());
-    n += text(&r.facts.driver);
+    n += text(r.facts.driver.as_deref());
     n += alloc(r.facts.physnets.len() * size_of::<crate::pci::PhysNet>());
     n += r
         .facts
@@ -92,7 +92,7 @@ fn event_bytes(ev: &Event) -> usize {
             n += b
                 .members
                 .iter()
-                .map(|m| text(&m.original_driver))
+                .map(|m| text(m.original_driver.as_deref()))
                 .sum::<usize>();
         }
     }
@@ -189,7 +189,7 @@ mod tests {
 
     fn changed(g: u64, driver_len: usize) -> Event {
         let mut f = facts("0000:3b:02.0", Some(7), Some("0000:3b:00.0"));
-        f.driver = Some("d".repeat(driver_len));
+        f.driver = Some("d".repeat(driver_len).into());
         Event::Changed {
             generation: Generation(g),
             view: Arc::new(DeviceView {
