@@ -281,7 +281,14 @@ fn host(vfs: u32) -> FakeTree {
             .vf_iommu_groups(&pf, 1000 + p * 64)
             .vf_driver(&pf, "iavf");
     }
-    f.build()
+    let tree = f.build();
+    // As a real kernel shows it: with a sequence number, the agent remembers for every
+    // device its first scan found the number read before that scan (to order removals
+    // against it), and the memory rows count that too.
+    let seqnum = tree.sysfs_root().join("kernel/uevent_seqnum");
+    std::fs::create_dir_all(seqnum.parent().expect("kernel dir")).expect("mkdir kernel");
+    std::fs::write(&seqnum, "1000\n").expect("write uevent_seqnum");
+    tree
 }
 
 fn median_spread(mut v: Vec<f64>) -> (f64, f64, f64) {
