@@ -62,6 +62,8 @@ const LIVE_SLOTS: usize = 8192;
 /// The memory one event holds on to, as glibc's allocator hands it out: its shared view
 /// (one allocation with the reference counts) and each string and list it owns, each
 /// rounded up to the allocator's 16-byte chunks with their 8-byte header (32 at least).
+/// Text shared with other records (the driver's name, physnet tags, an owner's label) is
+/// counted as if the event held it alone: an upper bound.
 fn event_bytes(ev: &Event) -> usize {
     use std::mem::size_of;
     fn alloc(n: usize) -> usize {
