@@ -347,16 +347,16 @@ macro_rules! text_id {
         impl TryFrom<String> for $name {
             type Error = IdError;
             fn try_from(s: String) -> Result<Self, IdError> {
-                check_text($what, &s, $max, $allow_empty)?;
-                Ok($name(s.into()))
+                s.parse()
             }
         }
 
-
         impl FromStr for $name {
             type Err = IdError;
+            /// Checked as it is, then copied once into the shared text.
             fn from_str(s: &str) -> Result<Self, IdError> {
-                Self::try_from(s.to_string())
+                check_text($what, s, $max, $allow_empty)?;
+                Ok($name(s.into()))
             }
         }
 
