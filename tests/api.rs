@@ -155,14 +155,7 @@ async fn list_claim_release_round_trip() {
     assert_eq!(again.generation, claimed.generation);
     assert!(again.replayed);
 
-    let out = c
-        .get_request_outcome(proto::GetRequestOutcomeRequest {
-            consumer_id: owner(1).consumer_id,
-            request_id: "boot-1".into(),
-        })
-        .await
-        .expect("outcome")
-        .into_inner();
+    let out = support::request_outcome(&mut c, owner(1).consumer_id, "boot-1".into()).await;
     assert_eq!(out.operation, "claimed");
     assert_eq!(out.generation, claimed.generation);
 
@@ -344,14 +337,7 @@ async fn retries_older_than_memory_holds_are_answered_from_disk() {
     let again = claim(&mut c, vf, 1, "boot", g).await.expect("retry");
     assert!(again.replayed, "the claim is replayed from disk");
     assert_eq!(again.generation, first.generation);
-    let out = c
-        .get_request_outcome(proto::GetRequestOutcomeRequest {
-            consumer_id: owner(1).consumer_id,
-            request_id: "boot".into(),
-        })
-        .await
-        .expect("outcome from disk")
-        .into_inner();
+    let out = support::request_outcome(&mut c, owner(1).consumer_id, "boot".into()).await;
     assert_eq!(
         (out.operation.as_str(), out.generation),
         ("claimed", first.generation)
@@ -749,14 +735,13 @@ async fn reconcile_frees_every_orphan_of_one_owner() {
             proto::DeviceState::Free as i32
         );
     }
-    let out = c
-        .get_request_outcome(proto::GetRequestOutcomeRequest {
-            consumer_id: owner(dead).consumer_id,
-            request_id: format!("{}@0000:3b:10.3", "a".repeat(111)),
-        })
-        .await
-        .expect("each free is logged under its own id")
-        .into_inner();
+    // Each free is logged under its own id.
+    let out = support::request_outcome(
+        &mut c,
+        owner(dead).consumer_id,
+        format!("{}@0000:3b:10.3", "a".repeat(111)),
+    )
+    .await;
     assert_eq!(out.operation, "released");
 
     // The retry of a caller that lost that answer: nothing is freed again, and the

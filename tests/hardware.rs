@@ -1016,14 +1016,7 @@ async fn a_device_vanishing_during_its_vfio_bind_turns_lost_and_is_released() {
     );
     // Asked later, the request's outcome names the claim's generation now, as for a
     // claim whose device is still there.
-    let outcome = c
-        .get_request_outcome(proto::GetRequestOutcomeRequest {
-            consumer_id: owner(11).consumer_id,
-            request_id,
-        })
-        .await
-        .expect("the claim's outcome")
-        .into_inner();
+    let outcome = support::request_outcome(&mut c, owner(11).consumer_id, request_id).await;
     assert_eq!(
         (outcome.operation.as_str(), outcome.generation),
         ("claimed", lost.generation)
@@ -1238,14 +1231,8 @@ async fn the_outcome_of_a_vfio_claim_is_the_generation_after_its_binding() {
     let claimed = claim_as(&mut c, &a, 7, true, "lost-answer", g)
         .await
         .expect("claim --vfio");
-    let outcome = c
-        .get_request_outcome(proto::GetRequestOutcomeRequest {
-            consumer_id: owner(7).consumer_id,
-            request_id: "lost-answer".into(),
-        })
-        .await
-        .expect("outcome")
-        .into_inner();
+    let outcome =
+        support::request_outcome(&mut c, owner(7).consumer_id, "lost-answer".into()).await;
     assert_eq!(
         (outcome.operation.as_str(), outcome.address.as_str()),
         ("claimed", a.as_str())

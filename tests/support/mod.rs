@@ -123,6 +123,24 @@ pub fn owner(n: u128) -> hostdevd::api::proto::Owner {
     }
 }
 
+/// The recorded outcome of request `request_id` of consumer `consumer_id`, which must
+/// have one.
+pub async fn request_outcome(
+    c: &mut hostdevd::api::proto::host_dev_client::HostDevClient<tonic::transport::Channel>,
+    consumer_id: String,
+    request_id: String,
+) -> hostdevd::api::proto::RequestOutcome {
+    let asked = hostdevd::api::proto::GetRequestOutcomeRequest {
+        consumer_id,
+        request_id,
+    };
+    let what = format!("the outcome of {asked:?}");
+    c.get_request_outcome(asked)
+        .await
+        .expect(&what)
+        .into_inner()
+}
+
 /// The present device at `a`.
 pub async fn device(
     c: &mut hostdevd::api::proto::host_dev_client::HostDevClient<tonic::transport::Channel>,
