@@ -670,9 +670,8 @@ struct Worker {
     store_error: Arc<Mutex<Option<String>>>,
     metrics: Arc<Metrics>,
     hardware: Option<Hardware>,
-    /// What sysfs showed of every device, as the last committed scan left it.
-    sysfs: SysfsDevices,
-    /// What a scan in the batch being decided brings, published only once it commits.
+    /// What a scan in the batch being decided brings, published only once it commits
+    /// (until then, every view carries the last view's).
     next_sysfs: Option<SysfsDevices>,
     /// Hands the pages freed by bursts of work back to the kernel once the writer is
     /// idle (see `memory`).
@@ -723,7 +722,6 @@ impl Worker {
             ledger,
             store,
             hardware,
-            sysfs: SysfsDevices::new(),
             next_sysfs: None,
             trimmer: crate::memory::Trimmer::new(TRIM_INTERVAL),
             closed: closed::ClosedRequests::default(),
@@ -1117,11 +1115,11 @@ impl Worker {
     fn commit_changes(&mut self, before: &View, changes: &[ChangeSet]) -> Result<(), StoreError> {
         // A scan's sysfs details go out with the view of the commit that holds its facts,
         // or not at all.
-        let next_sysfs = self.next_sysfs.take();
-        let prepared = (!changes.is_empty()).then(|| {
-            let sysfs = next_sysfs.clone().unwrap_or_else(|| self.sysfs.clone());
-            self.prepare(before, changes, sysfs)
-        });
+        let sysfs = self
+            .next_sysfs
+            .take()
+            .unwrap_or_else(|| before.sysfs.clone());
+        let prepared = (!changes.is_empty()).then(|| self.prepare(before, changes, sysfs));
         let durable: Vec<&ChangeSet> = changes.iter().filter(|c| !c.is_empty()).collect();
         let committed = if durable.is_empty() {
             Ok(())
@@ -1134,9 +1132,6 @@ impl Worker {
         self.set_store_error(committed.as_ref().err().map(|e| e.to_string()));
         match committed {
             Ok(()) => {
-                if let Some(sysfs) = next_sysfs {
-                    self.sysfs = sysfs;
-                }
                 if let Some(p) = prepared {
                     self.publish(p);
                 }
