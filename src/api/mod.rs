@@ -22,7 +22,7 @@ use crate::ledger::{
 };
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 use crate::rescan::Rescanner;
-use crate::writer::{Event, OrphanFree, WriteError, Writer};
+use crate::writer::{Event, OrphanFree, View, WriteError, Writer};
 use convert::device_to_proto;
 use guard::VfioCheck;
 use status::ApiError;
@@ -180,19 +180,17 @@ impl HostDevService {
     /// The record holding the claim that `consumer` made with `request_id` at `address`,
     /// if the claim still stands: the present device's, or a lost claim's (its device
     /// gone), whose generation its owner releases it with.
-    fn claim_record(
-        &self,
+    fn claim_record<'v>(
+        view: &'v View,
         address: PciAddress,
         consumer: ConsumerId,
         request_id: &RequestId,
-    ) -> Option<DeviceRecord> {
-        let view = self.writer.view();
-        let mine = view.ledger.records_at(address).find(|r| {
+    ) -> Option<&'v DeviceRecord> {
+        view.ledger.records_at(address).find(|r| {
             r.claim
                 .as_ref()
                 .is_some_and(|c| c.owner.consumer == consumer && c.request_id == *request_id)
-        });
-        mine.cloned()
+        })
     }
 
     /// The claim that `consumer` made with `request_id` on the present device at
@@ -204,10 +202,9 @@ impl HostDevService {
         consumer: ConsumerId,
         request_id: &RequestId,
     ) -> Option<(Generation, bool)> {
-        let rec = self
-            .claim_record(address, consumer, request_id)
-            .filter(|r| r.present)?;
+        // The record and its members' drivers from one view.
         let view = self.writer.view();
+        let rec = Self::claim_record(&view, address, consumer, request_id).filter(|r| r.present)?;
         let on_vfio = rec
             .claim
             .as_ref()
@@ -556,17 +553,19 @@ impl HostDev for HostDevService {
                 // recorded before a failed sysfs write moved it on). A device that vanished
                 // under the binding leaves its claim lost, and standing: its owner releases
                 // it with that generation.
-                Err(source) => match self.claim_record(address, consumer, &request_id) {
-                    Some(standing) => {
-                        return Err(ApiError::ClaimedNotBound {
-                            address,
-                            generation: standing.generation.0,
-                            source: Box::new(source),
+                Err(source) => {
+                    match Self::claim_record(&self.writer.view(), address, consumer, &request_id) {
+                        Some(standing) => {
+                            return Err(ApiError::ClaimedNotBound {
+                                address,
+                                generation: standing.generation.0,
+                                source: Box::new(source),
+                            }
+                            .into())
                         }
-                        .into())
+                        None => return Err(source.into()),
                     }
-                    None => return Err(source.into()),
-                },
+                }
             };
         }
         Ok(Response::new(proto::ClaimResponse {
@@ -1055,7 +1054,8 @@ impl HostDev for HostDevService {
         // one its owner must present.
         let mut generation = entry.outcome.generation();
         if let Outcome::Claimed { address, .. } = entry.outcome {
-            if let Some(standing) = self.claim_record(address, consumer, &request_id) {
+            let view = self.writer.view();
+            if let Some(standing) = Self::claim_record(&view, address, consumer, &request_id) {
                 generation = standing.generation;
             }
         }
