@@ -154,7 +154,7 @@ impl RequestIndex {
         }
         self.newest = self.newest.max(seq);
         let packed = pack(fingerprint, seq);
-        let at = self.recent.partition_point(|&p| p < packed);
+        let at = lower_bound(&self.recent, packed);
         self.recent.insert(at, packed);
         if self.recent.len() >= RECENT_MAX {
             self.merge();
@@ -167,7 +167,7 @@ impl RequestIndex {
         let to = from | (LOW - 1);
         let mut found = Vec::new();
         for list in [&self.long, &self.recent] {
-            let start = list.partition_point(|&p| p < from);
+            let start = lower_bound(list, from);
             for &p in list[start..].iter().take_while(|&&p| p <= to) {
                 self.unpack_into(p, &mut found);
             }
@@ -226,6 +226,47 @@ impl RequestIndex {
             }
         }
         self.recent.clear();
+    }
+}
+
+/// The first place in the sorted `list` whose entry is not below `key`, as
+/// `list.partition_point(|&p| p < key)` gives it, found from where a uniform spread of
+/// fingerprints puts it: a fingerprint is a keyed hash, so an entry's place is close to
+/// its fingerprint's share of 2^32 times the list's length. A lookup then reads one or
+/// two cache lines of a list of 100,000 entries (800 KB) where a binary search from the
+/// middle read about seventeen, most of them cold (about 1 µs a lookup, the writer's
+/// largest own cost under load). Galloping out from the guess keeps the worst case,
+/// whatever the spread, to twice a binary search's reads.
+fn lower_bound(list: &[Packed], key: Packed) -> usize {
+    let n = list.len();
+    if n == 0 {
+        return 0;
+    }
+    // (key's high half) × n / 2^32 < n, since the high half is below 2^32.
+    let guess = ((u128::from(key >> 32) * n as u128) >> 32) as usize;
+    if list[guess] < key {
+        // The place is after the guess: widen the step until an entry is not below key.
+        let (mut below, mut step) = (guess, 1);
+        loop {
+            let probe = below.saturating_add(step);
+            if probe >= n || list[probe] >= key {
+                let end = probe.min(n);
+                return below + 1 + list[below + 1..end].partition_point(|&p| p < key);
+            }
+            below = probe;
+            step *= 2;
+        }
+    } else {
+        // The place is at the guess or before it.
+        let (mut at_or_after, mut step) = (guess, 1);
+        loop {
+            if at_or_after < step || list[at_or_after - step] < key {
+                let start = at_or_after.saturating_sub(step);
+                return start + list[start..at_or_after].partition_point(|&p| p < key);
+            }
+            at_or_after -= step;
+            step *= 2;
+        }
     }
 }
 
@@ -330,6 +371,25 @@ mod tests {
     }
 
     proptest! {
+        /// The guessed search finds what a binary search finds, on any sorted list: the
+        /// uniform spread it guesses from is not needed for a right answer.
+        #[test]
+        fn the_guessed_place_is_the_binary_searchs(
+            mut list in prop_oneof![
+                // Spread as fingerprints are; bunched low; few distinct; all high.
+                proptest::collection::vec(any::<u64>(), 0..300),
+                proptest::collection::vec(0u64..64, 0..300),
+                proptest::collection::vec((0u64..8).prop_map(|n| n << 60), 0..300),
+                proptest::collection::vec(any::<u64>().prop_map(|n| n | 1 << 63), 0..300),
+            ],
+            probes in proptest::collection::vec(any::<u64>(), 1..20),
+        ) {
+            list.sort_unstable();
+            for key in probes.into_iter().chain(list.iter().copied()).chain([0, u64::MAX]) {
+                prop_assert_eq!(lower_bound(&list, key), list.partition_point(|&p| p < key));
+            }
+        }
+
         /// Against a map of every entry: adds (with merges), prunes and rebuilds keep
         /// every held entry a candidate of its fingerprint, and hold nothing pruned.
         #[test]
