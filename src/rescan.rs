@@ -9,7 +9,7 @@ use std::sync::{Arc, RwLock};
 use crate::config::Selection;
 use crate::ledger::{DeviceFacts, RecordId};
 use crate::pci::PciAddress;
-use crate::sysfs::{self, PciDevice, PciNames, SysfsError};
+use crate::sysfs::{self, PciDevice, PciNames, Settled, SysfsError};
 use crate::writer::{SysfsDevices, WriteError, Writer};
 
 /// Why a rescan could not be applied.
@@ -95,9 +95,20 @@ impl Rescanner {
             self.dev_root.clone(),
             self.names.clone(),
         );
-        let (seq, inv) = tokio::task::spawn_blocking(move || {
+        let (seq, mut inv, unsettled) = tokio::task::spawn_blocking(move || {
             let seq = sysfs::uevent_seqnum(&root);
-            sysfs::scan(&root, &dev, &names).map(|inv| (seq, inv))
+            let mut inv = sysfs::scan(&root, &dev, &names)?;
+            let mut unsettled = Vec::new();
+            let mut devices = Vec::with_capacity(inv.devices.len());
+            for d in std::mem::take(&mut inv.devices) {
+                match sysfs::settle(&root, &dev, &names, d)? {
+                    Settled::Read(d) => devices.push(d),
+                    Settled::Gone => {}
+                    Settled::Unsettled(d) => unsettled.push(d),
+                }
+            }
+            inv.devices = devices;
+            Ok::<_, SysfsError>((seq, inv, unsettled))
         })
         .await
         .map_err(|e| RescanError::Thread(e.to_string()))??;
@@ -108,12 +119,25 @@ impl Rescanner {
             tracing::warn!(device = %d.address, problems = ?d.errors, "device read with problems");
         }
         let sel = selection.unwrap_or_else(|| read(&self.selection).clone());
-        let facts = sel.facts(&inv.devices);
+        let mut facts = sel.facts(&inv.devices);
+        // A device that kept changing while it was read stays as the ledger has it, with
+        // the details last published for it; one the ledger lacks waits for its next read.
+        let view = self.writer.view();
+        for d in unsettled {
+            tracing::warn!(device = %d.address, problems = ?d.errors, "device changed while it was read; kept as it was");
+            if let Some(r) = view.ledger.record_at(d.address) {
+                facts.push(r.facts.clone());
+                if let Some(last) = view.sysfs_device(&d.address) {
+                    inv.devices.push(last.clone());
+                }
+            }
+        }
+        drop(view);
         // The sysfs details go out with the facts, in the same view; the selection
         // changes only once the ledger took the scan: a scan the ledger refused (a full
         // disk) leaves both as they were, and the retry finds the same differences again.
         let before = self.present_records(inv.devices.iter().map(|d| d.address));
-        let found: BTreeSet<PciAddress> = inv.devices.iter().map(|d| d.address).collect();
+        let found: BTreeSet<PciAddress> = facts.iter().map(|f| f.address).collect();
         let details: SysfsDevices = inv
             .devices
             .into_iter()
@@ -282,7 +306,23 @@ impl Rescanner {
                 }
                 out.insert(a, d);
             }
-            Ok::<_, SysfsError>((seq, out))
+            // As in a full scan: a device removed while it was read is gone, and one that
+            // kept changing is left as it was (no change for it at all).
+            let mut settled = BTreeMap::new();
+            for (a, d) in out {
+                match d.map(|d| sysfs::settle(&root, &dev, &names, d)).transpose()? {
+                    None | Some(Settled::Gone) => {
+                        settled.insert(a, None);
+                    }
+                    Some(Settled::Read(d)) => {
+                        settled.insert(a, Some(d));
+                    }
+                    Some(Settled::Unsettled(d)) => {
+                        tracing::warn!(device = %a, problems = ?d.errors, "device changed while it was read; kept as it was");
+                    }
+                }
+            }
+            Ok::<_, SysfsError>((seq, settled))
         })
         .await
         .map_err(|e| RescanError::Thread(e.to_string()))??;

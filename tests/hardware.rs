@@ -609,6 +609,56 @@ async fn hotplug_removal_marks_a_claim_lost_and_an_overflow_rescans_everything()
     s.stop().await;
 }
 
+/// A rescan that catches a claimed VF in the middle of its removal (its entry still on
+/// the bus, its directory already gone) takes it for gone: lost, its claim kept. An
+/// earlier version took it for a present device whose identity, PF and IOMMU group
+/// could not be read, replaced what the ledger knew of it with those unknowns and gave
+/// it a new generation. And a device whose odd attribute stays odd is read as it is,
+/// each time: its other facts still follow the hardware.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_caught_mid_removal_is_gone_and_an_odd_file_that_stays_odd_is_read() {
+    let _alone = alone().await;
+    let t = tree();
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let (a, b) = (vf(&mut c, 1).await, vf(&mut c, 2).await);
+    claim(&mut c, &a, 11, false).await.expect("claim");
+    let claimed = device(&mut c, &a).await.expect("claimed VF");
+
+    let dir = std::fs::canonicalize(t.bus_link(&a)).expect("VF directory");
+    std::fs::remove_dir_all(&dir).expect("remove the directory, keep the bus link");
+    send_uevent("change", &a);
+    let l = until(&mut c, "the VF caught mid-removal lost", |l| {
+        l.iter().any(|d| d.address == a && !d.present)
+    })
+    .await;
+    let lost = l.iter().find(|d| d.address == a).expect("still listed");
+    assert_eq!(lost.state, proto::DeviceState::Lost as i32, "{lost:?}");
+    assert_eq!(lost.owner, claimed.owner, "the claim is kept");
+    assert_eq!(
+        (&lost.vendor_id, &lost.device_id, &lost.physfn),
+        (&claimed.vendor_id, &claimed.device_id, &claimed.physfn),
+        "what the ledger knew of it is kept"
+    );
+
+    // An odd NUMA node that stays odd, and a driver change read with it.
+    let link = t.bus_link(&b);
+    std::fs::write(link.join("numa_node"), "seven\n").expect("odd numa_node");
+    let driver = std::fs::canonicalize(link.join("driver")).expect("driver");
+    let other = driver.with_file_name("vfio-pci");
+    std::fs::create_dir_all(&other).expect("driver directory");
+    std::fs::remove_file(link.join("driver")).expect("unlink driver");
+    std::os::unix::fs::symlink(&other, link.join("driver")).expect("link driver");
+    send_uevent("change", &b);
+    let l = until(&mut c, "the odd VF read again", |l| {
+        l.iter().any(|d| d.address == b && d.driver == "vfio-pci")
+    })
+    .await;
+    let odd = l.iter().find(|d| d.address == b).expect("listed");
+    assert!(odd.present && odd.numa_node.is_none(), "{odd:?}");
+    s.stop().await;
+}
+
 /// A VF count change that writes nothing changes nothing: the count asked for is the
 /// count the PF has (and no autoprobe setting), or the kernel refuses the first write
 /// (here `sriov_drivers_autoprobe` is missing, as before Linux 4.12). The PF keeps its

@@ -25,7 +25,7 @@ use serde::Serialize;
 use crate::pci::{DeviceId, PciAddress, VendorId};
 
 pub use names::PciNames;
-pub use scan::{scan, scan_one};
+pub use scan::{scan, scan_one, settle, Settled};
 
 /// The kernel's uevent sequence number now (`<sysfs_root>/kernel/uevent_seqnum`): every
 /// uevent sent so far has a number at most this. Read before a scan, it tells an event
@@ -232,6 +232,11 @@ pub struct PciDevice {
     /// Whether `vfio_group` exists as a node under the dev root.
     #[serde(skip)]
     pub vfio_group_exists: bool,
+    /// Whether its entry on the bus was there but its directory was not (a device removed
+    /// while the scan read it): listed, with the problem in `errors`, but not a device
+    /// the host has (see [`scan::settle`]).
+    #[serde(skip)]
+    pub vanished: bool,
 }
 
 impl PciDevice {
@@ -259,6 +264,7 @@ impl PciDevice {
             errors: Vec::new(),
             iommu_group_peers: Vec::new(),
             vfio_group_exists: false,
+            vanished: false,
         }
     }
 

@@ -126,6 +126,64 @@ pub fn scan_one(
     Ok(Some(dev))
 }
 
+/// How many times [`settle`] reads a device again before it gives up.
+const SETTLE_READS: usize = 3;
+
+/// What a device read with problems turned out to be (see [`settle`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Settled {
+    /// The device as it is: read without problems, or with the same problems twice
+    /// running (an odd file that stays odd).
+    Read(PciDevice),
+    /// Not on the host: removed while it was read.
+    Gone,
+    /// Every read found other problems than the one before: something under it kept
+    /// changing. The last read, for its details.
+    Unsettled(PciDevice),
+}
+
+/// Tells a device whose read found problems from one that changed while it was read, by
+/// reading it again: a device removed in the middle of its read (a VF count change, a
+/// hot-unplug) would otherwise be taken for a present device whose identity, driver,
+/// PF and IOMMU group are unknown, and those unknowns would replace what the ledger knew
+/// of it. A device read without problems is returned as it is, at no cost.
+pub fn settle(
+    sysfs_root: &Path,
+    dev_root: &Path,
+    names: &PciNames,
+    dev: PciDevice,
+) -> Result<Settled, SysfsError> {
+    settle_with(dev, |a| scan_one(sysfs_root, dev_root, names, a))
+}
+
+/// [`settle`], reading the device again with `read_again`.
+fn settle_with(
+    dev: PciDevice,
+    mut read_again: impl FnMut(PciAddress) -> Result<Option<PciDevice>, SysfsError>,
+) -> Result<Settled, SysfsError> {
+    if dev.errors.is_empty() {
+        return Ok(Settled::Read(dev));
+    }
+    let mut last = dev;
+    for _ in 0..SETTLE_READS {
+        if last.vanished {
+            return Ok(Settled::Gone);
+        }
+        let Some(again) = read_again(last.address)? else {
+            return Ok(Settled::Gone);
+        };
+        if !again.vanished && (again.errors.is_empty() || again.errors == last.errors) {
+            return Ok(Settled::Read(again));
+        }
+        last = again;
+    }
+    Ok(if last.vanished {
+        Settled::Gone
+    } else {
+        Settled::Unsettled(last)
+    })
+}
+
 /// Reads every attribute of one device; also returns a PF's VF list for the VF-index pass.
 fn read_device(ctx: &mut Ctx<'_>, address: PciAddress) -> (PciDevice, Option<VfList>) {
     let mut dev = PciDevice::new(address);
@@ -145,6 +203,7 @@ fn read_device(ctx: &mut Ctx<'_>, address: PciAddress) -> (PciDevice, Option<VfL
             return (dev, None);
         }
         Err(source) => {
+            dev.vanished = source.kind() == io::ErrorKind::NotFound;
             let err = SysfsError::DeviceGone {
                 address,
                 path: dir.clone(),
@@ -402,4 +461,82 @@ fn resolve_vf_index(sysfs_root: &Path, dev: &mut PciDevice) {
     let vfs = list_virtfns(&mut pf_rec, &pf_dir);
     // Problems with the PF's other links belong to the PF, not to this VF.
     set_vf_index(dev, pf, &vfs);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(errors: &[&str], vanished: bool) -> PciDevice {
+        let mut d = PciDevice::new("0000:3b:02.1".parse().expect("address"));
+        d.errors = errors.iter().map(|e| e.to_string()).collect();
+        d.vanished = vanished;
+        d
+    }
+
+    /// `first` settled with the reads of `then` in turn; also how many were asked for.
+    fn settled(first: PciDevice, then: Vec<Option<PciDevice>>) -> (Settled, usize) {
+        let mut reads = then.into_iter();
+        let mut asked = 0;
+        let out = settle_with(first, |_| {
+            asked += 1;
+            Ok(reads.next().expect("no more reads than given"))
+        })
+        .expect("settle");
+        (out, asked)
+    }
+
+    #[test]
+    fn a_clean_read_stands_unread_again() {
+        let clean = read(&[], false);
+        assert_eq!(settled(clean.clone(), vec![]), (Settled::Read(clean), 0));
+    }
+
+    #[test]
+    fn a_device_removed_while_read_is_gone() {
+        // Its directory gone with its bus entry still there.
+        assert_eq!(
+            settled(read(&["device: gone"], true), vec![]).0,
+            Settled::Gone
+        );
+        // Its entry gone by the next read.
+        assert_eq!(
+            settled(read(&["vendor: gone"], false), vec![None]),
+            (Settled::Gone, 1)
+        );
+        assert_eq!(
+            settled(
+                read(&["vendor: gone"], false),
+                vec![Some(read(&["device: gone"], true))]
+            )
+            .0,
+            Settled::Gone
+        );
+    }
+
+    #[test]
+    fn problems_seen_twice_are_the_devices_and_a_clean_second_read_stands() {
+        let odd = read(&["numa_node: holds \"seven\""], false);
+        assert_eq!(
+            settled(odd.clone(), vec![Some(odd.clone())]),
+            (Settled::Read(odd.clone()), 1)
+        );
+        let clean = read(&[], false);
+        assert_eq!(
+            settled(odd, vec![Some(clean.clone())]),
+            (Settled::Read(clean), 1)
+        );
+    }
+
+    #[test]
+    fn problems_that_keep_changing_leave_it_unsettled() {
+        let reads: Vec<Option<PciDevice>> = (0..SETTLE_READS)
+            .map(|n| Some(read(&[&format!("driver: read {n}")], false)))
+            .collect();
+        let last = reads.last().cloned().flatten().expect("a read");
+        assert_eq!(
+            settled(read(&["driver: first"], false), reads),
+            (Settled::Unsettled(last), SETTLE_READS)
+        );
+    }
 }
