@@ -159,7 +159,12 @@ pub fn holders_of(
         path: proc_root.to_path_buf(),
         source,
     })?;
-    for entry in entries.flatten() {
+    for entry in entries {
+        // A listing cut short would leave every process after the cut unchecked.
+        let entry = entry.map_err(|source| VfioError::ProcRoot {
+            path: proc_root.to_path_buf(),
+            source,
+        })?;
         let name = entry.file_name();
         let Some(pid) = name.to_str().and_then(|s| s.parse::<u32>().ok()) else {
             continue;
@@ -217,11 +222,25 @@ fn gone(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(nix::libc::ESRCH)
 }
 
+/// The most of a process's `comm` or `cmdline` read for its description: a command line
+/// can be megabytes long, and the description only names the process.
+const DESCRIBE_MAX: u64 = 64 * 1024;
+
+/// At most [`DESCRIBE_MAX`] bytes of a file.
+fn read_start(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    std::fs::File::open(path)?
+        .take(DESCRIBE_MAX)
+        .read_to_end(&mut out)?;
+    Ok(out)
+}
+
 fn describe_process(pid: u32, dir: &Path) -> Holder {
-    let command = std::fs::read(dir.join("comm"))
+    let command = read_start(&dir.join("comm"))
         .map(|b| String::from_utf8_lossy(&b).trim_end().to_string())
         .unwrap_or_default();
-    let cmdline: Vec<String> = std::fs::read(dir.join("cmdline"))
+    let cmdline: Vec<String> = read_start(&dir.join("cmdline"))
         .map(|b| {
             b.split(|c| *c == 0)
                 .filter(|a| !a.is_empty())
@@ -365,6 +384,21 @@ mod tests {
         assert_eq!(many.len(), 2);
         let err = holders(&t.path().join("no-proc"), &node).expect_err("missing root");
         assert!(err.to_string().contains("no-proc"), "{err}");
+    }
+
+    /// A holder's description reads the start of a huge command line, not all of it.
+    #[test]
+    fn a_huge_command_line_is_read_only_in_part() {
+        let t = tempfile::tempdir().expect("tmp");
+        let dir = t.path().join("600");
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        std::fs::write(dir.join("comm"), "x".repeat(200_000)).expect("comm");
+        std::fs::write(dir.join("cmdline"), b"qemu\0".repeat(100_000)).expect("cmdline");
+        let h = describe_process(600, &dir);
+        assert_eq!(h.command.len() as u64, DESCRIBE_MAX);
+        // Arguments and the NULs between them.
+        let read: usize = h.cmdline.iter().map(|a| a.len() + 1).sum::<usize>() - 1;
+        assert!(read as u64 <= DESCRIBE_MAX && read > 60_000, "{read}");
     }
 
     /// A live process whose open files cannot be read may hold the node: the scan says

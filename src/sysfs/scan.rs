@@ -346,11 +346,21 @@ fn list_group(sysfs_root: &Path, group: u32) -> Result<Vec<PciAddress>, String> 
         }
         .full_message()
     })?;
-    let mut members: Vec<PciAddress> = entries
-        .filter_map(|e| e.ok())
+    let mut members: Vec<PciAddress> = Vec::new();
+    for entry in entries {
+        // A listing cut short would hide members, whose VFIO nodes a free must check.
+        let entry = entry.map_err(|source| {
+            SysfsError::ListDir {
+                path: path.clone(),
+                source,
+            }
+            .full_message()
+        })?;
         // Non-PCI members (rare: platform devices) are not ours to report.
-        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok()))
-        .collect();
+        if let Some(a) = entry.file_name().to_str().and_then(|n| n.parse().ok()) {
+            members.push(a);
+        }
+    }
     members.sort_unstable();
     Ok(members)
 }
@@ -427,7 +437,21 @@ fn list_virtfns(dev: &mut PciDevice, dir: &Path) -> VfList {
         }
     };
     let mut vfs = Vec::new();
-    for entry in entries.filter_map(|e| e.ok()) {
+    for entry in entries {
+        let entry = match entry {
+            Ok(e) => e,
+            Err(source) => {
+                // Named, as a link that cannot be read is: the list is short.
+                dev.problem(
+                    "virtfn",
+                    &SysfsError::ListDir {
+                        path: dir.to_path_buf(),
+                        source,
+                    },
+                );
+                break;
+            }
+        };
         let name = entry.file_name();
         let Some(index) = name.to_str().and_then(attr::virtfn_index) else {
             continue;
