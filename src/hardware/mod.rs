@@ -245,13 +245,25 @@ impl Hardware {
         address: PciAddress,
         step: &'static str,
     ) -> Result<Option<String>, HardwareError> {
-        let link = self.device_dir(address).join("driver");
-        crate::sysfs::attr::read_link_name(&link).map_err(|e| HardwareError::Read {
+        let dir = self.device_dir(address);
+        let link = dir.join("driver");
+        let failed = |path, detail| HardwareError::Read {
             address,
             step,
-            path: link,
-            detail: e.full_message(),
-        })
+            path,
+            detail,
+        };
+        let driver = crate::sysfs::attr::read_link_name(&link)
+            .map_err(|e| failed(link, e.full_message()))?;
+        // No link is no driver only while the device is there: a removed device has no
+        // link either, and taking it for unbound would record "no driver" as the one to
+        // give it back to, or end a wait for the unbind.
+        if driver.is_none() {
+            if let Err(e) = std::fs::metadata(&dir) {
+                return Err(failed(dir, format!("the device is gone: {e}")));
+            }
+        }
+        Ok(driver)
     }
 
     /// Polls until the device's driver is `want`, up to the step timeout (the kernel's

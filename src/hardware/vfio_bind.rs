@@ -45,20 +45,15 @@ impl Hardware {
         Ok(original)
     }
 
-    /// The device's `driver_override` now (`None`: unset, shown as "(null)").
+    /// The device's `driver_override` now (`None`: unset, shown as "(null)"). Read on a
+    /// thread of its own within the step timeout: the kernel shows the file under the
+    /// device's lock, so the read waits out any bind, unbind or probe of the device, and
+    /// one that hangs must not hold the caller (the writer) with it.
     pub fn driver_override(&self, address: PciAddress) -> Result<Option<String>, HardwareError> {
         let path = self.device_dir(address).join("driver_override");
-        match crate::sysfs::attr::read_optional_text(&path) {
-            Ok(v) => Ok(v
-                .as_deref()
-                .and_then(crate::sysfs::attr::parse_driver_override)),
-            Err(e) => Err(HardwareError::Read {
-                address,
-                step: "read driver_override",
-                path,
-                detail: e.full_message(),
-            }),
-        }
+        let v = self.read_within(address, "read driver_override", &path)?;
+        Ok(v.as_deref()
+            .and_then(crate::sysfs::attr::parse_driver_override))
     }
 
     /// Gives `address` back to `original` (or leaves it unbound for `None`): unbinds
@@ -188,5 +183,27 @@ mod tests {
             hw.driver(addr(VF), "check").expect("driver").as_deref(),
             Some(VFIO_PCI_DRIVER)
         );
+    }
+
+    /// A device removed in the middle of a binding has no `driver` link, as an unbound
+    /// one has: it is reported gone, never taken for unbound (which would record "no
+    /// driver" as the one to give back, or end a wait for an unbind).
+    #[test]
+    fn a_removed_device_is_not_taken_for_an_unbound_one() {
+        let mut f = FakeSys::new();
+        f.device(VF, 0x8086, 0x10ed);
+        let tree = f.build();
+        let hw = Hardware {
+            sysfs_root: tree.sysfs_root().to_path_buf(),
+            step_timeout: Duration::from_millis(50),
+            vf_count_timeout: Duration::from_millis(50),
+        };
+        assert_eq!(hw.driver(addr(VF), "check").expect("unbound"), None);
+        let dir = std::fs::canonicalize(hw.device_dir(addr(VF))).expect("directory");
+        std::fs::remove_dir_all(dir).expect("remove, the bus link left dangling");
+        let err = hw.driver(addr(VF), "check").expect_err("gone");
+        assert!(err.to_string().contains("the device is gone"), "{err}");
+        let err = hw.bind_vfio(addr(VF)).expect_err("nothing to bind");
+        assert!(err.to_string().contains("the device is gone"), "{err}");
     }
 }
