@@ -861,18 +861,24 @@ impl HostDev for HostDevService {
             Box::new(move |e: &Event| this.event_to_proto(e))
         };
         let (tx, out) = watch_queue::queue(self.watch.queue, convert, Some(slot));
+        if snapshot.is_some() {
+            tx.snapshot_asked();
+        }
         let mut stopping = self.stopping.subscribe();
         let tx = Arc::new(tx);
         let stop_tx = tx.clone();
         let limits = self.watch.queue;
         let feed = async move {
-            // A client cut off before its snapshot's end holds part of a snapshot only: it
-            // must start again with one, not resume.
-            let behind = |behind: String, in_snapshot: bool| {
-                Status::from(ApiError::WatchCutOff {
-                    behind,
-                    in_snapshot,
-                })
+            // A client cut off before it took its snapshot's end holds part of a snapshot
+            // only: it must start again with one, not resume. The queue knows whether it
+            // took it (the end may be queued and unread, and dropped by the cut-off).
+            let behind = |behind: String| {
+                move |in_snapshot: bool| {
+                    Status::from(ApiError::WatchCutOff {
+                        behind,
+                        in_snapshot,
+                    })
+                }
             };
             // The snapshot and the backlog the client asked for go at its pace, built one
             // event at a time (a client that does not read holds at most its queue's
@@ -929,18 +935,15 @@ impl HostDev for HostDevService {
                                 early.push_back(e);
                                 if early.len() > limits.events {
                                     let waited = if in_snapshot { "snapshot" } else { "backlog" };
-                                    tx.cut_off(behind(
-                                        format!(
-                                            "more than {} events while its {waited} waited",
-                                            limits.events
-                                        ),
-                                        in_snapshot,
-                                    ));
+                                    tx.cut_off(behind(format!(
+                                        "more than {} events while its {waited} waited",
+                                        limits.events
+                                    )));
                                     return;
                                 }
                             }
                             Err(broadcast::error::RecvError::Lagged(n)) => {
-                                tx.cut_off(behind(format!("{n} events"), in_snapshot));
+                                tx.cut_off(behind(format!("{n} events")));
                                 return;
                             }
                             Err(broadcast::error::RecvError::Closed) => return,
@@ -965,19 +968,16 @@ impl HostDev for HostDevService {
                             Ok(()) => {}
                             Err(watch_queue::Refused::Gone) => return,
                             Err(watch_queue::Refused::Full) => {
-                                tx.cut_off(behind(
-                                    format!(
-                                        "more than {} events or {} bytes",
-                                        limits.events, limits.bytes
-                                    ),
-                                    false,
-                                ));
+                                tx.cut_off(behind(format!(
+                                    "more than {} events or {} bytes",
+                                    limits.events, limits.bytes
+                                )));
                                 return;
                             }
                         }
                     }
                     Err(broadcast::error::RecvError::Lagged(n)) => {
-                        tx.cut_off(behind(format!("{n} events"), false));
+                        tx.cut_off(behind(format!("{n} events")));
                         return;
                     }
                     Err(broadcast::error::RecvError::Closed) => return,
@@ -999,12 +999,16 @@ impl HostDev for HostDevService {
             tokio::select! {
                 _ = feed => {}
                 _ = stopped => {
-                    stop_tx.cut_off(
+                    stop_tx.cut_off(|in_snapshot| {
                         ApiError::ShuttingDown {
-                            advice: "resume with Watch from the last generation received",
+                            advice: if in_snapshot {
+                                "start Watch again with a snapshot: this one did not end"
+                            } else {
+                                "resume with Watch from the last generation received"
+                            },
                         }
-                        .into(),
-                    );
+                        .into()
+                    });
                 }
             }
         });

@@ -65,6 +65,9 @@ struct Inner {
     ended: bool,
     /// The client's stream was dropped: nothing more is wanted.
     reader_gone: bool,
+    /// The client asked for a snapshot and has not yet taken its end: cut off now, it
+    /// holds part of a snapshot at most, and must start again with one.
+    snapshot_unfinished: bool,
 }
 
 #[derive(Debug)]
@@ -140,6 +143,12 @@ pub fn queue(
 }
 
 impl WatchSender {
+    /// The client asked for a snapshot: until it takes the snapshot's end (an event of
+    /// kind `SNAPSHOT_END`), a cut-off says it holds part of one only.
+    pub fn snapshot_asked(&self) {
+        self.0.lock().snapshot_unfinished = true;
+    }
+
     fn push(&self, item: Item) -> Result<(), (Refused, Item)> {
         let mut g = self.0.lock();
         if g.reader_gone || g.ended {
@@ -203,13 +212,17 @@ impl WatchSender {
         }
     }
 
-    /// Ends the stream with `status` as its last item, dropping every event still
-    /// queued: the client resumes from the last generation it received.
-    pub fn cut_off(&self, status: Status) {
+    /// Ends the stream with the status `status` makes as its last item, dropping every
+    /// event still queued. `status` is told whether the client is still in its snapshot
+    /// (it asked for one and has not taken its end, which may be among the events
+    /// dropped): such a client must start again with a snapshot; any other resumes from
+    /// the last generation it received.
+    pub fn cut_off(&self, status: impl FnOnce(bool) -> Status) {
         let mut g = self.0.lock();
         if g.ended || g.reader_gone {
             return;
         }
+        let status = status(g.snapshot_unfinished);
         g.items.clear();
         g.items.shrink_to_fit();
         let size = status.message().len();
@@ -254,6 +267,11 @@ impl WatchReceiver {
                 match g.items.pop_front() {
                     Some((item, size)) => {
                         g.bytes -= size;
+                        if matches!(&item, Ok(Pending::Ready(e))
+                            if e.kind == super::proto::WatchEventKind::SnapshotEnd as i32)
+                        {
+                            g.snapshot_unfinished = false;
+                        }
                         Some(item)
                     }
                     None if g.ended => return None,
@@ -387,13 +405,55 @@ mod tests {
         assert_eq!((e.generation, e.address.as_str()), (1, "converted"));
     }
 
+    /// A snapshot is unfinished until the client takes its end: queued is not enough,
+    /// since a cut-off drops what is queued. Before, the feed counted the end as sent
+    /// once it was queued, and a client cut off with it still waiting was told to resume
+    /// from a generation, holding part of a snapshot.
+    #[tokio::test]
+    async fn a_snapshot_is_unfinished_until_its_end_is_taken() {
+        let end = || {
+            Pending::Ready(Box::new(WatchEvent {
+                kind: super::super::proto::WatchEventKind::SnapshotEnd as i32,
+                generation: 7,
+                address: String::new(),
+                device: None,
+            }))
+        };
+        let in_snapshot_at_cut_off = |tx: &WatchSender| {
+            let mut told = None;
+            tx.cut_off(|in_snapshot| {
+                told = Some(in_snapshot);
+                Status::resource_exhausted("behind")
+            });
+            told.expect("a cut-off asks")
+        };
+        // Its end queued, not taken.
+        let (tx, rx) = queue(LIMITS, convert(), None);
+        tx.snapshot_asked();
+        tx.try_send(ev(1, 1)).expect("room");
+        tx.try_send(end()).expect("room");
+        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 1);
+        assert!(in_snapshot_at_cut_off(&tx));
+        // Its end taken, then changes queued.
+        let (tx, rx) = queue(LIMITS, convert(), None);
+        tx.snapshot_asked();
+        tx.try_send(end()).expect("room");
+        tx.try_send(ev(8, 1)).expect("room");
+        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 7);
+        assert!(!in_snapshot_at_cut_off(&tx));
+        // No snapshot asked for.
+        let (tx, _rx) = queue(LIMITS, convert(), None);
+        tx.try_send(ev(1, 1)).expect("room");
+        assert!(!in_snapshot_at_cut_off(&tx));
+    }
+
     #[tokio::test]
     async fn a_cut_off_empties_the_queue_and_ends_with_the_status() {
         let (tx, rx) = queue(LIMITS, convert(), None);
         for g in 1..=4 {
             tx.try_send(ev(g, 100)).expect("room");
         }
-        tx.cut_off(Status::resource_exhausted("behind"));
+        tx.cut_off(|_| Status::resource_exhausted("behind"));
         assert_eq!(tx.queued().0, 1, "only the status is kept");
         assert_eq!(tx.queued().1, "behind".len());
         assert_eq!(tx.try_send(ev(9, 1)), Err(Refused::Gone));
