@@ -790,6 +790,39 @@ async fn reconcile_frees_every_orphan_of_one_owner() {
         .expect("another audit")
         .into_inner();
     assert!(other.orphans.is_empty(), "{other:?}");
+
+    // The audit's id used again, by a later audit that finds the device orphaned once
+    // more: the free logged under that id is not this one. The orphan is kept, saying
+    // why; before, the earlier free was replayed and reported as this one's, with its
+    // old generation, while the device stayed claimed.
+    let g = device(&mut c, "0000:3b:10.1").await.generation;
+    claim(&mut c, "0000:3b:10.1", dead, "b3", g)
+        .await
+        .expect("claimed again");
+    let later = listing(&mut c).await.host_generation;
+    let reused = c
+        .reconcile(proto::ReconcileRequest {
+            snapshot_generation: later,
+            ..req(&"a".repeat(111))
+        })
+        .await
+        .expect("an audit id used again")
+        .into_inner();
+    let orphan = reused
+        .orphans
+        .iter()
+        .find(|o| !o.earlier_attempt)
+        .expect("the orphan");
+    assert_eq!(
+        orphan.device.as_ref().expect("device").address,
+        "0000:3b:10.1"
+    );
+    assert_eq!(orphan.freed_generation, 0, "{orphan:?}");
+    assert!(orphan.kept_because.contains("used before"), "{orphan:?}");
+    assert_eq!(
+        device(&mut c, "0000:3b:10.1").await.state,
+        proto::DeviceState::Claimed as i32
+    );
     s.stop().await;
 }
 

@@ -761,6 +761,16 @@ impl HostDev for HostDevService {
                 .map_err(ApiError::from)?;
             for (o, res) in orphans.iter_mut().zip(freed.results) {
                 match res {
+                    // A free logged under this orphan's id already, yet the device is an
+                    // orphan now: the audit's id was used before, by an audit that freed
+                    // the device's earlier claim (a retry of that audit finds the device
+                    // free, not orphaned). That free is not this one.
+                    Ok(a) if a.replayed => {
+                        o.kept_because = format!(
+                            "this audit's request id was used before, by an audit that freed the device's earlier claim (generation {}): an audit needs a new request id",
+                            a.outcome.generation().0
+                        )
+                    }
                     Ok(a) => o.freed_generation = a.outcome.generation().0,
                     Err(e) => o.kept_because = e.to_string(),
                 }
