@@ -1697,7 +1697,7 @@ async fn reconcile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: us
     // the same URI, by the code the agent lists them with, on a connection kept open.
     // Each iteration measures it beside the two audits, so that a slow spell of the
     // shared machine weighs on both sides of the ratio.
-    let lv = hostdevd::domains::Libvirt::new(uri);
+    let lv = hostdevd::domains::Libvirt::new(uri, big_tree.sysfs_root());
     let list_alone = || {
         tokio::task::block_in_place(|| {
             let t0 = Instant::now();

@@ -512,9 +512,15 @@ impl FakeSys {
                 link(&root, &grel.join("devices"), &bdf, &rel);
             }
             if !d.netdevs.is_empty() {
+                mkdir(&root.join("class/net"));
                 for n in &d.netdevs {
-                    mkdir(&dir.join("net").join(n));
-                    write(&dir.join("net").join(n).join("operstate"), "up\n");
+                    let nrel = rel.join("net").join(n);
+                    mkdir(&root.join(&nrel));
+                    write(&root.join(&nrel).join("operstate"), "up\n");
+                    // As the kernel links them: the interface to its device, and the
+                    // class directory to the interface.
+                    link(&root, &nrel, "device", &rel);
+                    link(&root, Path::new("class/net"), n, &nrel);
                 }
             }
             if let Some(s) = &d.sriov {

@@ -257,6 +257,76 @@ async fn release_queries_libvirt_afresh_attach_and_detach() {
     s.stop().await;
 }
 
+/// A domain that uses a VF through macvtap (`<interface type='direct'>` in passthrough
+/// mode on the VF's interface, as a `macvtap` port is plugged) names the VF only by its
+/// interface's name: the agent finds the VF through sysfs, so the claim attaches and a
+/// free is refused, and an unclaimed VF used that way is a stray. Before, such a VF read
+/// as unused: an audit could free it under a running VM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vf_used_through_macvtap_is_attached() {
+    let lv = test_driver();
+    let pf = "0000:45:00.0";
+    let mut f = FakeSys::new();
+    f.pf(pf, 0x8086, 0x1572, 64, 4)
+        .driver(pf, "i40e")
+        .netdev(pf, "ens45f0")
+        .iommu_group(pf, 149)
+        .vf_iommu_groups(pf, 150)
+        .vf_driver(pf, "iavf");
+    let vfs: Vec<String> = f.vfs(pf).iter().map(|a| a.to_string()).collect();
+    for (i, vf) in vfs.iter().enumerate() {
+        f.netdev(vf, &format!("ens45f0v{i}"));
+    }
+    let h = Host {
+        tree: f.build(),
+        vfs,
+        pf: pf.into(),
+    };
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let s = start(&h, proc_dir.path(), "test:///default", 3_600_000).await;
+    let mut c = s.client().await;
+    let (vf1, vf2) = (h.vfs[1].as_str(), h.vfs[2].as_str());
+    let claimed = claim(&mut c, vf1, 0x4501).await;
+    let xml = format!(
+        "<domain type='test'><name>instance-4501</name><uuid>{}</uuid><memory>1048576</memory><os><type>hvm</type></os><devices>\
+         <interface type='direct'><mac address='52:54:00:45:01:01'/><source dev='ens45f0v1' mode='passthrough'/></interface>\
+         <interface type='direct'><mac address='52:54:00:45:01:02'/><source dev='ens45f0v2' mode='passthrough'/></interface>\
+         <interface type='direct'><mac address='52:54:00:45:01:03'/><source dev='eth-none' mode='bridge'/></interface>\
+         </devices></domain>",
+        uuid(0x4501)
+    );
+    let dom = lv.define_domain_xml(&xml).expect("define");
+    let err = release(&mut c, vf1, 0x4501, claimed.generation)
+        .await
+        .expect_err("the fresh listing attaches it");
+    assert_eq!(err.code(), Code::Aborted, "{err:?}");
+    let d = device(&mut c, vf1).await;
+    assert_eq!(d.state, ATTACHED, "{d:?}");
+    assert_eq!(
+        d.attached_domain.as_ref().map(|d| d.name.as_str()),
+        Some("instance-4501")
+    );
+    let err = release(&mut c, vf1, 0x4501, d.generation)
+        .await
+        .expect_err("attached");
+    assert_eq!(info(&err).0, "ATTACHED", "{err:?}");
+    let list = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner();
+    assert!(
+        list.strays.iter().any(|s| s.address == vf2),
+        "the unclaimed VF it uses is a stray: {:?}",
+        list.strays
+    );
+    let rep = reconcile(&mut c, &[], true).await.expect("audit");
+    assert!(rep.orphans.is_empty(), "{rep:?}");
+    assert_eq!(device(&mut c, vf1).await.state, ATTACHED);
+    dom.undefine().expect("undefine");
+    s.stop().await;
+}
+
 /// Releases sent at once share fresh listings of the domains, and each still decides
 /// with a listing that began after it was sent: a domain started just before them
 /// protects its VF from all of them, and the other VFs are freed.

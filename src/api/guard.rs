@@ -99,10 +99,12 @@ pub type OrderGuard = tokio::sync::OwnedMutexGuard<()>;
 impl FreeGuard {
     pub fn from_config(cfg: &Config) -> FreeGuard {
         FreeGuard {
-            libvirt: cfg
-                .libvirt
-                .enabled
-                .then(|| Arc::new(Libvirt::new(cfg.libvirt.uri.clone()))),
+            libvirt: cfg.libvirt.enabled.then(|| {
+                Arc::new(Libvirt::new(
+                    cfg.libvirt.uri.clone(),
+                    cfg.sysfs_root.clone(),
+                ))
+            }),
             timeout: Duration::from_millis(cfg.libvirt.timeout_ms),
             proc_root: cfg.proc_root.clone(),
             dev_root: cfg.dev_root.clone(),

@@ -1,5 +1,6 @@
 //! libvirt: the domains defined on this host (running or not) and the host PCI
-//! addresses each references, read through libvirt's client library (loaded on first use,
+//! addresses each references (a `direct` interface's by the PCI function of the host
+//! interface it names, looked up in sysfs), read through libvirt's client library (loaded on first use,
 //! see [`ffi`]), and the background poller
 //! that keeps the writer's domain set current and reports libvirt's health.
 //!
@@ -14,6 +15,7 @@
 pub mod ffi;
 pub mod xml;
 
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -22,7 +24,7 @@ use ffi::Connection;
 use crate::api::HealthInfo;
 use crate::ledger::{DomainDevices, DomainRef};
 use crate::writer::{WriteError, Writer};
-pub use xml::{pci_addresses, XmlError};
+pub use xml::{pci_addresses, references, References, XmlError};
 
 /// Why the domains could not be listed.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +52,15 @@ pub enum DomainsError {
         #[source]
         source: Box<XmlError>,
     },
+    #[error("cannot tell which device the interface {ifname} of domain {name} ({uuid}) from libvirt at {uri} is on: {source}")]
+    Netdev {
+        uri: String,
+        name: String,
+        uuid: uuid::Uuid,
+        ifname: String,
+        #[source]
+        source: Box<crate::sysfs::SysfsError>,
+    },
     #[error("the libvirt query thread failed: {0}")]
     Thread(String),
     #[error("libvirt at {uri} has not answered since this agent started, so a domain that uses a device without a claim would not be seen; claims wait for its first answer")]
@@ -59,6 +70,8 @@ pub enum DomainsError {
 /// A libvirt connection by URI, opened on first use and reopened after a failure.
 pub struct Libvirt {
     uri: String,
+    /// Where a `direct` interface's name is looked up to find its PCI function.
+    sysfs_root: PathBuf,
     conn: Mutex<Option<Arc<Connection>>>,
 }
 
@@ -69,9 +82,12 @@ impl std::fmt::Debug for Libvirt {
 }
 
 impl Libvirt {
-    pub fn new(uri: impl Into<String>) -> Libvirt {
+    /// A connection to `uri`, whose domains' `direct` interfaces are looked up under
+    /// `sysfs_root`.
+    pub fn new(uri: impl Into<String>, sysfs_root: impl Into<PathBuf>) -> Libvirt {
         Libvirt {
             uri: uri.into(),
+            sysfs_root: sysfs_root.into(),
             conn: Mutex::new(None),
         }
     }
@@ -100,9 +116,9 @@ impl Libvirt {
     /// libvirtd restart between two calls costs no refusal.
     pub fn list(&self) -> Result<Vec<DomainDevices>, DomainsError> {
         if let Some(c) = self.cached() {
-            match list_on(&c, &self.uri) {
+            match list_on(&c, &self.uri, &self.sysfs_root) {
                 Ok(v) => return Ok(v),
-                Err(e @ DomainsError::Xml { .. }) => return Err(e),
+                Err(e @ (DomainsError::Xml { .. } | DomainsError::Netdev { .. })) => return Err(e),
                 Err(e) => {
                     tracing::debug!(error = %e, "libvirt connection failed; reconnecting");
                     self.set(None);
@@ -115,7 +131,7 @@ impl Libvirt {
                 uri: self.uri.clone(),
                 source,
             })?;
-        let v = list_on(&c, &self.uri)?;
+        let v = list_on(&c, &self.uri, &self.sysfs_root)?;
         self.set(Some(c));
         Ok(v)
     }
@@ -139,7 +155,11 @@ impl Libvirt {
     }
 }
 
-fn list_on(c: &Connection, uri: &str) -> Result<Vec<DomainDevices>, DomainsError> {
+fn list_on(
+    c: &Connection,
+    uri: &str,
+    sysfs_root: &Path,
+) -> Result<Vec<DomainDevices>, DomainsError> {
     let call = |what| {
         move |source| DomainsError::Call {
             uri: uri.to_string(),
@@ -151,7 +171,7 @@ fn list_on(c: &Connection, uri: &str) -> Result<Vec<DomainDevices>, DomainsError
     let doms = c.list_all_domains(0).map_err(call("listing domains"))?;
     let mut out = Vec::with_capacity(doms.len());
     for d in doms {
-        match describe(&d, uri) {
+        match describe(&d, uri, sysfs_root) {
             Ok(dd) => out.push(dd),
             // Undefined between the list and this call: it no longer references anything.
             Err(DomainsError::Call { source, .. }) if is_no_domain(&source) => continue,
@@ -166,7 +186,7 @@ fn is_no_domain(e: &ffi::Error) -> bool {
     e.code == ffi::ERR_NO_DOMAIN
 }
 
-fn describe(d: &ffi::Domain, uri: &str) -> Result<DomainDevices, DomainsError> {
+fn describe(d: &ffi::Domain, uri: &str, sysfs_root: &Path) -> Result<DomainDevices, DomainsError> {
     let call = |what| {
         move |source| DomainsError::Call {
             uri: uri.to_string(),
@@ -184,17 +204,39 @@ fn describe(d: &ffi::Domain, uri: &str) -> Result<DomainDevices, DomainsError> {
         source: Box::new(source),
     };
     let live = d.xml_desc(0).map_err(call("reading a domain's XML"))?;
-    let mut addresses = pci_addresses(&live).map_err(xml_err)?;
+    let mut refs = references(&live).map_err(xml_err)?;
     if running {
         // A running domain's next boot may use devices its live definition does not
         // (edited config), and either one makes the device referenced (I3).
         let persistent = d
             .xml_desc(ffi::XML_INACTIVE)
             .map_err(call("reading a domain's persistent XML"))?;
-        addresses.extend(pci_addresses(&persistent).map_err(xml_err)?);
-        addresses.sort();
-        addresses.dedup();
+        let more = references(&persistent).map_err(xml_err)?;
+        refs.addresses.extend(more.addresses);
+        refs.netdevs.extend(more.netdevs);
     }
+    let mut addresses = refs.addresses;
+    // A `direct` interface uses the PCI function whose interface it names; one that
+    // names no PCI function's interface (a bridge, a name no interface has now) uses
+    // none. An interface that cannot be read fails the listing: the device behind it
+    // would otherwise read as unused.
+    for ifname in refs.netdevs {
+        match crate::sysfs::netdev_device(sysfs_root, &ifname) {
+            Ok(Some(a)) => addresses.push(a),
+            Ok(None) => {}
+            Err(source) => {
+                return Err(DomainsError::Netdev {
+                    uri: uri.to_string(),
+                    name: name.clone(),
+                    uuid,
+                    ifname,
+                    source: Box::new(source),
+                })
+            }
+        }
+    }
+    addresses.sort();
+    addresses.dedup();
     Ok(DomainDevices {
         domain: DomainRef {
             uuid,

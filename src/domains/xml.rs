@@ -1,6 +1,9 @@
 //! Domain XML → the host PCI addresses a domain references: `<hostdev mode='subsystem'
 //! type='pci'>` sources and `<interface type='hostdev'>` sources (also an interface's
-//! `<actual type='hostdev'>`, which is how a network of hostdev pool forwards shows up).
+//! `<actual type='hostdev'>`, which is how a network of hostdev pool forwards shows up);
+//! and the host network interfaces it uses by name, `<interface type='direct'>` sources
+//! (macvtap, in passthrough mode on a VF's interface; also as an `<actual
+//! type='direct'>`), which name a PCI function only through sysfs.
 //!
 //! Pure: text in, addresses out. The guest-side `<address type='pci'>` that is a direct
 //! child of `<hostdev>` or `<interface>` is where the device appears *inside* the VM and
@@ -25,16 +28,44 @@ pub enum XmlError {
     },
 }
 
+/// What a domain's XML references on the host.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct References {
+    /// Host PCI addresses, sorted, without duplicates.
+    pub addresses: Vec<PciAddress>,
+    /// Host network interfaces of `direct` interfaces, by name, sorted, without
+    /// duplicates.
+    pub netdevs: Vec<String>,
+}
+
 /// Every host PCI address the domain XML references, sorted, without duplicates.
 pub fn pci_addresses(xml: &str) -> Result<Vec<PciAddress>, XmlError> {
+    references(xml).map(|r| r.addresses)
+}
+
+/// Every host PCI address and host network interface the domain XML references.
+pub fn references(xml: &str) -> Result<References, XmlError> {
     let doc = Document::parse(xml)?;
     let root = doc.root_element();
     if root.tag_name().name() != "domain" {
         return Err(XmlError::NotDomain(root.tag_name().name().to_string()));
     }
     let mut out = Vec::new();
+    let mut netdevs = Vec::new();
     for devices in root.children().filter(|n| is(n, "devices")) {
         for dev in devices.children().filter(Node::is_element) {
+            if dev.tag_name().name() == "interface" {
+                let direct = std::iter::once(dev)
+                    .chain(children(&dev, "actual"))
+                    .filter(|i| attr(i, "type") == Some("direct"));
+                for i in direct {
+                    for source in children(&i, "source") {
+                        if let Some(name) = attr(&source, "dev") {
+                            netdevs.push(name.to_string());
+                        }
+                    }
+                }
+            }
             let sources: Vec<Node> = match dev.tag_name().name() {
                 "hostdev" if attr(&dev, "mode") != Some("capabilities") => {
                     // mode defaults to subsystem; only type pci names a PCI function.
@@ -72,7 +103,12 @@ pub fn pci_addresses(xml: &str) -> Result<Vec<PciAddress>, XmlError> {
     }
     out.sort();
     out.dedup();
-    Ok(out)
+    netdevs.sort();
+    netdevs.dedup();
+    Ok(References {
+        addresses: out,
+        netdevs,
+    })
 }
 
 fn is(n: &Node, name: &str) -> bool {
@@ -182,6 +218,30 @@ mod tests {
             pci_addresses(xml).expect("parse"),
             vec![a("0000:3b:02.1"), a("0000:86:10.2"), a("0000:86:10.3")]
         );
+    }
+
+    /// macvtap on a host interface, directly or as a network's actual interface: the
+    /// interface's name, which sysfs turns into the PCI function it is on. A bridge, a
+    /// network without a direct actual interface and a guest-side address name none.
+    #[test]
+    fn direct_interfaces_name_host_interfaces() {
+        let xml = r#"<domain type='kvm'><devices>
+    <interface type='direct'>
+      <mac address='52:54:00:6d:90:04'/>
+      <source dev='ens1f0v3' mode='passthrough'/>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x07' function='0x0'/>
+    </interface>
+    <interface type='network'>
+      <source network='macvtap-pool'/>
+      <actual type='direct'><source dev='ens1f0v5' mode='passthrough'/></actual>
+    </interface>
+    <interface type='direct'><source dev='ens1f0v3' mode='vepa'/></interface>
+    <interface type='network'><source network='default'/></interface>
+    <interface type='bridge'><source bridge='br0'/></interface>
+  </devices></domain>"#;
+        let r = references(xml).expect("parse");
+        assert_eq!(r.netdevs, vec!["ens1f0v3", "ens1f0v5"]);
+        assert!(r.addresses.is_empty(), "{r:?}");
     }
 
     #[test]

@@ -38,6 +38,24 @@ pub fn uevent_seqnum(sysfs_root: &Path) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// The PCI function behind network interface `name` (`<sysfs_root>/class/net/<name>/device`,
+/// the link the kernel makes for an interface of a device): how a domain's `<interface
+/// type='direct'>` (macvtap on a VF's interface) names the VF it uses. `None` for a name
+/// no interface has, or one that could not be a name (a path), for an interface without
+/// a device (a bridge, a bond) or whose device is gone, and for one on another bus (USB).
+pub fn netdev_device(sysfs_root: &Path, name: &str) -> Result<Option<PciAddress>, SysfsError> {
+    // IFNAMSIZ is 16 with its NUL; a slash or a dot name would leave class/net.
+    if name.is_empty() || name.len() > 15 || name.contains('/') || name == "." || name == ".." {
+        return Ok(None);
+    }
+    let link = sysfs_root.join("class/net").join(name).join("device");
+    match attr::read_link_name(&link) {
+        Ok(target) => Ok(target.and_then(|t| t.parse().ok())),
+        Err(SysfsError::DanglingLink { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// The default sysfs mount point. The only place this literal may appear; everything
 /// else receives the root as a parameter.
 pub const DEFAULT_SYSFS_ROOT: &str = "/sys";
@@ -308,5 +326,50 @@ impl Inventory {
             .binary_search_by_key(&address, |d| d.address)
             .ok()
             .and_then(|i| self.devices.get(i))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::simhost::{addr, FakeSys};
+
+    #[test]
+    fn an_interface_names_the_pci_function_it_is_on() {
+        let mut f = FakeSys::new();
+        f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
+            .netdev("0000:3b:00.0", "ens1f0");
+        let vf = f.vfs("0000:3b:00.0")[1].to_string();
+        f.netdev(&vf, "ens1f0v1");
+        let t = f.build();
+        let root = t.sysfs_root();
+        assert_eq!(
+            netdev_device(root, "ens1f0v1").expect("read"),
+            Some(addr(&vf))
+        );
+        assert_eq!(
+            netdev_device(root, "ens1f0").expect("read"),
+            Some(addr("0000:3b:00.0"))
+        );
+        // No such interface, names that are paths or too long, an interface without a
+        // device (a bridge), one on another bus, one whose device is gone.
+        for name in ["eth9", "", ".", "..", "../net/ens1f0", "ens1f0v1ens1f0v1"] {
+            assert_eq!(netdev_device(root, name).expect(name), None, "{name}");
+        }
+        let net = root.join("class/net");
+        std::fs::create_dir_all(net.join("br0")).expect("bridge");
+        std::fs::create_dir_all(root.join("devices/usb1/1-1:1.0")).expect("usb device");
+        std::fs::create_dir_all(net.join("usb0")).expect("usb interface");
+        std::os::unix::fs::symlink("../../../devices/usb1/1-1:1.0", net.join("usb0/device"))
+            .expect("link");
+        std::fs::create_dir_all(net.join("gone0")).expect("interface");
+        std::os::unix::fs::symlink(
+            "../../../devices/pci0000:00/0000:00:09.0",
+            net.join("gone0/device"),
+        )
+        .expect("link");
+        for name in ["br0", "usb0", "gone0"] {
+            assert_eq!(netdev_device(root, name).expect(name), None, "{name}");
+        }
     }
 }
