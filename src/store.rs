@@ -753,6 +753,32 @@ fn prepare_connection(conn: &Connection, path: &Path) -> Result<(), StoreError> 
                 "it has tables but no schema version, so it is not a hostdevd database",
             ));
         }
+    } else {
+        // Another program's database with a schema version of its own must be refused
+        // before it is switched to WAL mode or migrated: every version has these tables
+        // and the host generation.
+        let ours: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_schema WHERE type = 'table'
+                    AND name IN ('meta', 'records', 'requests')",
+                [],
+                |r| r.get(0),
+            )
+            .map_err(sql)?;
+        let generation = ours == 3
+            && conn
+                .query_row(schema::SELECT_HOST_GENERATION, [], |_| Ok(()))
+                .optional()
+                .map_err(sql)?
+                .is_some();
+        if !generation {
+            return Err(StoreError::corrupt(
+                path,
+                format!(
+                    "it has schema version {version} but not the tables of a hostdevd database (meta with the host generation, records, requests), so it is not one"
+                ),
+            ));
+        }
     }
     // Writes begin here, on a database that passed the checks.
     let sql = |e| StoreError::sqlite(path, "configuring the database", e);

@@ -887,6 +887,29 @@ fn foreign_database_is_refused() {
     assert!(err.to_string().contains("not a hostdevd database"), "{err}");
 }
 
+/// Another program's database with a schema version of its own is refused before
+/// anything is written to it (an earlier version switched it to WAL mode and tried to
+/// migrate it, and failed on a missing table).
+#[test]
+fn a_foreign_database_with_a_schema_version_is_refused_untouched() {
+    for (version, tables) in [
+        (1, "CREATE TABLE other (x); INSERT INTO other VALUES (1);"),
+        (2, "CREATE TABLE meta (key TEXT PRIMARY KEY, value ANY); CREATE TABLE records (id); CREATE TABLE requests (x);"),
+        (3, ""),
+    ] {
+        let tmp = TempDir::new().expect("tempdir");
+        let conn = Connection::open(tmp.path().join(DB_FILE)).expect("sqlite");
+        conn.execute_batch(&format!("{tables} PRAGMA user_version = {version};"))
+            .expect("foreign db");
+        drop(conn);
+        let err = assert_refused_untouched(tmp.path(), StoreError::is_corrupt);
+        assert!(
+            err.to_string().contains("not the tables of a hostdevd database"),
+            "version {version}: {err}"
+        );
+    }
+}
+
 #[test]
 fn missing_database_with_a_wal_is_refused() {
     let tmp = TempDir::new().expect("tempdir");
