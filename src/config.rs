@@ -173,7 +173,8 @@ pub struct ApiConfig {
     #[serde(default = "d_request_log")]
     pub request_log_entries: usize,
     /// The newest of them also kept in memory; a retry of an older one is looked up on
-    /// disk. At most `request_log_entries`. Default 1024.
+    /// disk. At most what a prune leaves on disk, `request_log_entries` less a tenth.
+    /// Default 1024.
     #[serde(default = "d_request_log_memory")]
     pub request_log_in_memory: usize,
     /// Watch streams open at once; one more gets RESOURCE_EXHAUSTED. Default 1024.
@@ -441,10 +442,12 @@ impl Config {
             }
         }
         // A retry is answered from memory first: an entry kept there but already pruned
-        // from disk would be answered before a restart and claimed afresh after it.
-        if api.request_log_in_memory > api.request_log_entries {
+        // from disk would be answered before a restart and claimed afresh after it. A
+        // prune leaves the newest `request_log_entries` less a tenth on disk.
+        let after_prune = api.request_log_entries - api.request_log_entries / 10;
+        if api.request_log_in_memory > after_prune {
             return Err(ConfigError::Invalid(format!(
-                "api.request_log_in_memory = {} is more than api.request_log_entries = {}: the entries kept in memory must also be kept on disk",
+                "api.request_log_in_memory = {} is more than the {after_prune} entries a prune of api.request_log_entries = {} leaves on disk: the entries kept in memory must also be kept on disk",
                 api.request_log_in_memory, api.request_log_entries
             )));
         }
@@ -724,7 +727,11 @@ mod tests {
             ("[metrics]\nlisten = \"0.0.0.0:9464\"", "allow_remote"),
             (
                 "[api]\nrequest_log_entries = 100\nrequest_log_in_memory = 101",
-                "api.request_log_in_memory = 101 is more than api.request_log_entries = 100",
+                "api.request_log_in_memory = 101 is more than the 90 entries a prune of api.request_log_entries = 100 leaves on disk",
+            ),
+            (
+                "[api]\nrequest_log_entries = 100\nrequest_log_in_memory = 91",
+                "the 90 entries",
             ),
             (
                 "[hardware]\nstep_timeout_ms = 0",
