@@ -18,7 +18,6 @@ use crate::config::{Config, ConfigError, Selection};
 use crate::hardware::Hardware;
 use crate::hotplug::{Notice, UeventSocket};
 use crate::ledger::Ledger;
-use crate::pci::Generation;
 use crate::rescan::{RescanError, Rescanner};
 use crate::store::{Store, StoreError};
 use crate::sysfs::{PciNames, SysfsError};
@@ -168,12 +167,12 @@ impl Agent {
         let since_epoch = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
-        if let Some(raised) = ledger.raise_host_generation(Generation::clock_floor(since_epoch)) {
+        if let Some(raised) = ledger.raise_host_generation(ledger.start_floor(since_epoch)) {
             match store.commit(&[raised]) {
                 Ok(()) => tracing::info!(
                     stored = %stored,
                     host_generation = %ledger.host_generation(),
-                    "host generation raised to the clock's floor"
+                    "host generation raised to the clock's floor, or past what the last run may have published"
                 ),
                 // A full disk must not stop a restart: the agent would loop, and even
                 // listing would be lost. The raised value stays in the ledger's memory

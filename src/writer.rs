@@ -1275,8 +1275,9 @@ impl Worker {
         // must not hand out again, and every later change's generation is above `next`,
         // so the next commit stores a host generation past it. Storing it now would
         // write the meta row's page in most commits (a claim changes its PF's state)
-        // for nothing: a restart raises the counter to the clock's floor anyway (I5). A
-        // failed commit undoes the raise with the batch.
+        // for nothing: a restart raises the counter past the stored one by one a record
+        // at least (`Ledger::start_floor`), more than these events can take, whatever
+        // the clock says (I5). A failed commit undoes the raise with the batch.
         let _ = self.ledger.raise_host_generation(next);
         // Only the strays at re-derived addresses can be new.
         let addresses: Box<dyn Iterator<Item = &PciAddress>> = match &rederived {

@@ -282,6 +282,22 @@ impl Ledger {
         ledger
     }
 
+    /// The floor the host generation is raised to at start: the clock's (see
+    /// [`Generation::clock_floor`]), and in any case past every generation the last run
+    /// may have published without storing it. A batch's events for the records whose
+    /// derived state changed around it (a VF's claim changes its PF's state) take one
+    /// generation each above the counter its commit stored, and are stored only with the
+    /// next commit: a stop in between leaves up to one per record unstored, which a
+    /// clock behind the stored counter would hand out again (to a watcher resuming from
+    /// one, or an audit whose snapshot is one, a later change would read as older).
+    pub fn start_floor(&self, since_epoch: std::time::Duration) -> Generation {
+        let unstored = u64::try_from(self.records.len())
+            .unwrap_or(u64::MAX)
+            .saturating_add(1);
+        Generation::clock_floor(since_epoch)
+            .max(Generation(self.host_generation.0.saturating_add(unstored)))
+    }
+
     /// Raises the host generation to `floor` if it is below it (see
     /// [`Generation::clock_floor`]): the change to commit, which touches no record, or
     /// `None` when the counter is at or past the floor already.

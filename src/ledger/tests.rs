@@ -116,6 +116,24 @@ fn inventory_gives_each_device_its_own_generation() {
     assert!(l.views().iter().all(|v| v.state == DeviceState::Free));
 }
 
+/// At start the counter goes past the stored one by one a record, and past the clock:
+/// a clock behind the stored counter does not hand out again the generations the last
+/// run published for derived-state events without storing them.
+#[test]
+fn the_start_floor_is_past_every_unstored_generation_whatever_the_clock() {
+    let l = ledger();
+    let records = l.records().count() as u64;
+    assert_eq!(l.host_generation(), Generation(7));
+    let behind = std::time::Duration::from_micros(3);
+    assert_eq!(l.start_floor(behind), Generation(7 + records + 1));
+    let ahead = std::time::Duration::from_secs(1_800_000_000);
+    assert_eq!(
+        l.start_floor(ahead),
+        Generation::clock_floor(ahead),
+        "the clock's floor when it is the higher"
+    );
+}
+
 #[test]
 fn claim_then_release_with_fresh_generation() {
     let mut l = ledger();
