@@ -268,8 +268,14 @@ impl Ledger {
         ledger.host_generation = snapshot.host_generation;
         for (id, rec) in snapshot.records {
             // A record newer than the stored host generation would break I5; trust the
-            // larger of the two so the counter never goes backwards.
-            ledger.host_generation = ledger.host_generation.max(rec.generation);
+            // larger of the two so the counter never goes backwards. Likewise its id
+            // (the generation it was made at, so never above its generation unless a
+            // row was damaged): the next record made takes the next generation as its
+            // id, which must be no stored record's.
+            ledger.host_generation = ledger
+                .host_generation
+                .max(rec.generation)
+                .max(Generation(id.0));
             if rec.present {
                 ledger.present.insert(rec.address(), id);
             }

@@ -116,6 +116,34 @@ fn inventory_gives_each_device_its_own_generation() {
     assert!(l.views().iter().all(|v| v.state == DeviceState::Free));
 }
 
+/// A damaged row whose id is past every stored generation: the counter goes past the id
+/// too, so the next device found gets an id of its own rather than that record's (which
+/// the ledger would have overwritten, claim and all).
+#[test]
+fn a_stored_id_past_the_counter_is_never_given_again() {
+    let l = ledger();
+    let mut records: BTreeMap<RecordId, DeviceRecord> =
+        l.records().map(|r| (r.id, r.clone())).collect();
+    let (_, mut odd) = records.pop_first().expect("a record");
+    odd.id = RecordId(l.host_generation().0 + 5);
+    records.insert(odd.id, odd.clone());
+    let mut loaded = Ledger::from_snapshot(Snapshot {
+        host_generation: l.host_generation(),
+        records,
+        requests: Vec::new(),
+    });
+    assert!(loaded.host_generation().0 >= odd.id.0);
+    let f = facts("0000:5f:00.0", Some(40), None);
+    let cs = loaded.apply_devices(vec![(f.address, Some(f))]);
+    let new = &cs.upserts[0];
+    assert!(new.id.0 > odd.id.0, "{new:?}");
+    assert_eq!(
+        loaded.records().filter(|r| r.id == odd.id).count(),
+        1,
+        "the damaged record is kept"
+    );
+}
+
 /// At start the counter goes past the stored one by one a record, and past the clock:
 /// a clock behind the stored counter does not hand out again the generations the last
 /// run published for derived-state events without storing them.
