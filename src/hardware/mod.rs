@@ -361,4 +361,28 @@ mod tests {
             .expect("answered");
         assert_eq!(v.as_deref(), Some("4"));
     }
+
+    /// A PF's counts are plain decimal numbers, as the scan reads them ("+4" is not
+    /// one), and a PF that is gone is gone, not "no PF".
+    #[test]
+    fn sriov_counts_are_plain_numbers_and_a_gone_pf_is_not_a_non_pf() {
+        let pf = "0000:3b:00.0";
+        let mut f = crate::simhost::FakeSys::new();
+        f.pf(pf, 0x8086, 0x1572, 8, 2);
+        let tree = f.build();
+        let hw = Hardware {
+            sysfs_root: tree.sysfs_root().to_path_buf(),
+            step_timeout: Duration::from_millis(500),
+            vf_count_timeout: Duration::from_millis(500),
+        };
+        let a = crate::simhost::addr(pf);
+        assert_eq!(hw.total_vfs(a).expect("total"), 8);
+        let dir = std::fs::canonicalize(hw.device_dir(a)).expect("directory");
+        std::fs::write(dir.join("sriov_totalvfs"), "+8\n").expect("write");
+        let err = hw.total_vfs(a).expect_err("not a plain number");
+        assert!(err.to_string().contains("+8"), "{err}");
+        std::fs::remove_dir_all(&dir).expect("remove the PF, its bus link left");
+        let err = hw.total_vfs(a).expect_err("gone");
+        assert!(err.to_string().contains("the device is gone"), "{err}");
+    }
 }

@@ -29,13 +29,24 @@ impl Hardware {
     ) -> Result<u32, HardwareError> {
         let path = self.device_dir(pf).join(name);
         match self.read_within(pf, step, &path)? {
-            Some(v) => v.trim().parse::<u32>().map_err(|e| HardwareError::Read {
-                address: pf,
-                step,
-                path,
-                detail: format!("{v:?} is not a count: {e}"),
-            }),
-            None => Err(HardwareError::NotPhysicalFunction { address: pf }),
+            Some(v) => {
+                crate::sysfs::attr::parse_u32(&path, v.trim()).map_err(|e| HardwareError::Read {
+                    address: pf,
+                    step,
+                    path: path.clone(),
+                    detail: e.full_message(),
+                })
+            }
+            // No such file: not a PF, unless the device itself is gone.
+            None => match std::fs::metadata(self.device_dir(pf)) {
+                Ok(_) => Err(HardwareError::NotPhysicalFunction { address: pf }),
+                Err(e) => Err(HardwareError::Read {
+                    address: pf,
+                    step,
+                    path,
+                    detail: format!("the device is gone: {e}"),
+                }),
+            },
         }
     }
 
