@@ -158,6 +158,17 @@ fn rss_of(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+async fn device(c: &mut HostDevClient<Channel>, address: &str) -> proto::Device {
+    c.get_device(proto::GetDeviceRequest {
+        address: address.into(),
+    })
+    .await
+    .expect("get device")
+    .into_inner()
+    .device
+    .expect("present")
+}
+
 async fn listing(c: &mut HostDevClient<Channel>) -> proto::ListDevicesResponse {
     c.list_devices(proto::ListDevicesRequest {})
         .await
@@ -1255,6 +1266,115 @@ async fn a_client_vanishing_mid_claim_retrieves_the_outcome() {
         late, 0,
         "{late} requests were NOT_FOUND at first and applied afterwards"
     );
+}
+
+/// Releases dropped mid-call, at varying moments (before the request leaves, in the
+/// checks before a free, waiting for the commit, after the answer): each is applied
+/// whole or not at all, GetRequestOutcome says which, and the device agrees. Applied, a
+/// retry with the same id replays it; not applied, that id is closed and a new one
+/// frees the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_vanishing_mid_release_retrieves_the_outcome() {
+    const ATTEMPTS: usize = 40;
+    let mut a = start_in(&std::env::temp_dir(), 8, "").await;
+    let mut c = a.client().await;
+    let before = listing(&mut c).await;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let churner = tokio::spawn(churn(a.socket.clone(), 300, stop_rx));
+    let (mut applied, mut not_applied) = (0, 0);
+    for i in 0..ATTEMPTS {
+        let who = 2000 + i as u128;
+        let claimed = c
+            .claim(proto::ClaimRequest {
+                owner: Some(owner(who)),
+                request_id: format!("hold-{i}"),
+                target: Some(proto::claim_request::Target::Selector(proto::Selector {
+                    pf_address: PF.into(),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            })
+            .await
+            .expect("claim")
+            .into_inner();
+        let address = claimed.device.expect("device").address;
+        let request_id = format!("let-go-{i}");
+        let release = proto::ReleaseRequest {
+            address: address.clone(),
+            owner: Some(owner(who)),
+            request_id: request_id.clone(),
+            generation: claimed.generation,
+        };
+        let mut doomed = a.client().await;
+        let call = release.clone();
+        let task = tokio::spawn(async move { doomed.release(call).await });
+        for _ in 0..(i * 7) % 60 {
+            tokio::task::yield_now().await;
+        }
+        if i % 3 == 1 {
+            tokio::time::sleep(Duration::from_millis(1 + (i as u64 / 3) % 4)).await;
+        }
+        task.abort();
+        let _ = task.await;
+        let outcome = c
+            .get_request_outcome(proto::GetRequestOutcomeRequest {
+                consumer_id: owner(who).consumer_id,
+                request_id: request_id.clone(),
+            })
+            .await;
+        let state = device(&mut c, &address).await;
+        match outcome {
+            Ok(o) => {
+                applied += 1;
+                let o = o.into_inner();
+                assert_eq!(o.operation, "released", "{request_id}: {o:?}");
+                // Free, or already claimed again by the churning client.
+                assert_ne!(
+                    state.owner.as_ref().map(|o| o.consumer_id.clone()),
+                    Some(owner(who).consumer_id),
+                    "{request_id}: released, yet still the owner's"
+                );
+                let retry = c.release(release).await.expect("retry").into_inner();
+                assert!(retry.replayed, "{request_id}: the retry was not a replay");
+                assert_eq!(retry.generation, o.generation, "{request_id}");
+            }
+            Err(e) if e.code() == Code::NotFound => {
+                not_applied += 1;
+                assert_eq!(
+                    state.owner.as_ref().map(|o| o.consumer_id.clone()),
+                    Some(owner(who).consumer_id),
+                    "{request_id}: not applied, still claimed"
+                );
+                let e = c
+                    .release(release.clone())
+                    .await
+                    .expect_err("the request id was closed");
+                assert_eq!(e.code(), Code::Aborted, "{request_id}: {e:?}");
+                c.release(proto::ReleaseRequest {
+                    request_id: format!("{request_id}-again"),
+                    generation: state.generation,
+                    ..release
+                })
+                .await
+                .expect("released with a new id");
+            }
+            Err(e) => panic!("{request_id}: outcome: {e:?}"),
+        }
+    }
+    stop_tx.send_replace(true);
+    churner.await.expect("churn");
+    println!(
+        "api abuse, vanishing clients: {ATTEMPTS} releases dropped mid-call: {applied} applied, {not_applied} not applied"
+    );
+    let after = listing(&mut c).await;
+    let holders = |l: &proto::ListDevicesResponse| -> Vec<(String, i32)> {
+        l.devices
+            .iter()
+            .map(|d| (d.address.clone(), d.state))
+            .collect()
+    };
+    assert_eq!(holders(&after), holders(&before), "every device free again");
+    a.assert_unharmed("vanishing releases", &after).await;
 }
 
 /// Claims dropped mid-call (60 of them, each on its own connection, at varying moments),
