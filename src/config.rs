@@ -238,6 +238,32 @@ pub struct MetricsConfig {
     pub allow_remote: bool,
 }
 
+/// Checks `log.filter`: each comma-separated directive a level, or TARGET=LEVEL (with
+/// span and field filters as `RUST_LOG` takes them). A bare word that is not a level
+/// would be read as a target to log everything of, and everything else not at all: a
+/// typo of a level ("infoo") would silence the agent, errors included.
+fn check_log_filter(filter: &str) -> Result<(), ConfigError> {
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+    let bad = |why: String| {
+        ConfigError::Invalid(format!(
+            "log.filter = {:?}: {why}",
+            crate::pci::shown(filter)
+        ))
+    };
+    for directive in filter.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        if !directive.contains('=') && !LEVELS.contains(&directive.to_ascii_lowercase().as_str()) {
+            return Err(bad(format!(
+                "{:?} is not a level (off, error, warn, info, debug, trace) nor TARGET=LEVEL",
+                crate::pci::shown(directive)
+            )));
+        }
+    }
+    tracing_subscriber::EnvFilter::builder()
+        .parse(filter)
+        .map(|_| ())
+        .map_err(|e| bad(e.to_string()))
+}
+
 /// Logging.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -451,6 +477,16 @@ impl Config {
                 api.request_log_in_memory, api.request_log_entries
             )));
         }
+        // Past i32::MAX the socket option would wrap to the kernel's smallest buffer (a
+        // small value gets that smallest buffer too, as asked).
+        let rcvbuf = cfg.hotplug.receive_buffer_bytes;
+        if !(1..=1 << 30).contains(&rcvbuf) {
+            return Err(ConfigError::Invalid(format!(
+                "hotplug.receive_buffer_bytes = {rcvbuf} is out of range: it must be from 1 to {}",
+                1 << 30
+            )));
+        }
+        check_log_filter(&cfg.log.filter)?;
         if cfg.libvirt.poll_interval_ms == 0 || cfg.libvirt.timeout_ms == 0 {
             return Err(ConfigError::Invalid(
                 "libvirt.poll_interval_ms and libvirt.timeout_ms must be at least 1".into(),
@@ -732,6 +768,13 @@ mod tests {
             (
                 "[api]\nrequest_log_entries = 100\nrequest_log_in_memory = 91",
                 "the 90 entries",
+            ),
+            ("[log]\nfilter = \"infoo\"", "\"infoo\" is not a level"),
+            ("[log]\nfilter = \"hostdevd=verbose\"", "log.filter"),
+            ("[hotplug]\nreceive_buffer_bytes = 0", "hotplug.receive_buffer_bytes = 0"),
+            (
+                "[hotplug]\nreceive_buffer_bytes = 4294967296",
+                "hotplug.receive_buffer_bytes = 4294967296",
             ),
             (
                 "[hardware]\nstep_timeout_ms = 0",

@@ -445,12 +445,32 @@ struct Owed {
     resync: Option<String>,
 }
 
+/// The group `api.socket_group` names, looked up before anything else starts: a group
+/// that does not exist is a configuration error, found at once and naming the key, not
+/// after the ledger is loaded and the host scanned.
+pub fn socket_group(group: Option<&str>) -> Result<Option<nix::unistd::Gid>, DaemonError> {
+    let Some(g) = group else {
+        return Ok(None);
+    };
+    let invalid = |why: String| {
+        DaemonError::Config(ConfigError::Invalid(format!(
+            "api.socket_group = {:?}: {why}",
+            crate::pci::shown(g)
+        )))
+    };
+    match nix::unistd::Group::from_name(g) {
+        Ok(Some(group)) => Ok(Some(group.gid)),
+        Ok(None) => Err(invalid("no such group on this host".into())),
+        Err(e) => Err(invalid(format!("the group cannot be looked up: {e}"))),
+    }
+}
+
 /// Binds the Unix socket: creates its directory, replaces a stale socket (never any
-/// other kind of file), applies mode and group.
+/// other kind of file), applies mode and group (see [`socket_group`]).
 pub fn bind_socket(
     path: &Path,
     mode: u32,
-    group: Option<&str>,
+    group: Option<nix::unistd::Gid>,
 ) -> Result<UnixListener, DaemonError> {
     let err = |source| DaemonError::Socket {
         path: path.to_path_buf(),
@@ -471,16 +491,7 @@ pub fn bind_socket(
     }
     let listener = UnixListener::bind(path).map_err(err)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(err)?;
-    if let Some(g) = group {
-        let gid = nix::unistd::Group::from_name(g)
-            .map_err(|e| err(std::io::Error::from(e)))?
-            .ok_or_else(|| {
-                err(std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    format!("no group named {g}"),
-                ))
-            })?
-            .gid;
+    if let Some(gid) = group {
         nix::unistd::chown(path, None, Some(gid)).map_err(|e| err(std::io::Error::from(e)))?;
     }
     Ok(listener)
@@ -536,12 +547,9 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
     // Take SIGHUP before anything else: its default action would end the daemon.
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(DaemonError::Signal)?;
+    let group = socket_group(cfg.api.socket_group.as_deref())?;
     let (agent, closing) = Agent::start(&cfg).await?;
-    let listener = bind_socket(
-        &cfg.api.socket,
-        cfg.socket_mode()?,
-        cfg.api.socket_group.as_deref(),
-    )?;
+    let listener = bind_socket(&cfg.api.socket, cfg.socket_mode()?, group)?;
     let service = agent
         .service(Access {
             writer_uids: cfg.api.writer_uids.clone(),

@@ -197,3 +197,54 @@ async fn socket_and_state_files_have_their_modes_under_any_umask() {
             .collect::<Vec<_>>()
     );
 }
+
+/// A start refused for its configuration exits 78 (EX_CONFIG, which the unit does not
+/// restart on) with a message naming the key, before anything is loaded or written: an
+/// unknown key, a value out of range, a log filter that would silence the agent, and a
+/// socket group the host lacks (looked up first, not after the ledger and the scan).
+#[test]
+fn a_refused_configuration_exits_78_naming_the_key_and_writes_nothing() {
+    let mut f = FakeSys::new();
+    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2);
+    let tree = f.build();
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = config(&tree, dir.path(), &[]);
+    for (extra, names) in [
+        (
+            "[hotplug]\nreceive_buffer_bytes = 4294967296\n",
+            "hotplug.receive_buffer_bytes",
+        ),
+        ("[log]\nfilter = \"infoo\"\n", "log.filter"),
+        ("[libvirt]\nenabled = false\nbogus = 1\n", "bogus"),
+    ] {
+        let path = dir.path().join("bad.toml");
+        std::fs::write(&path, format!("{base}{extra}")).expect("config");
+        let out = Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+            .args(["serve", "--config"])
+            .arg(&path)
+            .output()
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(78), "{extra}: {stderr}");
+        assert!(stderr.contains(names), "{extra}: {stderr}");
+    }
+    // The group: the key is in [api], after the socket the base config sets.
+    let path = dir.path().join("bad.toml");
+    let text = base.replace(
+        "[api]\n",
+        "[libvirt]\nenabled = false\n[hotplug]\nenabled = false\n[api]\nsocket_group = \"no-such-group-here\"\n",
+    );
+    std::fs::write(&path, text).expect("config");
+    let out = Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .output()
+        .expect("run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{stderr}");
+    assert!(stderr.contains("api.socket_group"), "{stderr}");
+    assert!(
+        !dir.path().join("state").exists(),
+        "nothing was loaded or written before the group was looked up"
+    );
+}

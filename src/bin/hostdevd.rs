@@ -259,7 +259,26 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("hostdevd: {e:#}");
-            ExitCode::FAILURE
+            if is_config_error(&e) {
+                ExitCode::from(EXIT_CONFIG)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
+}
+
+/// The exit status of a start refused for its configuration (sysexits' EX_CONFIG): the
+/// unit does not restart on it (`RestartPreventExitStatus`), since a restart would only
+/// be refused again, and the unit shows as failed at once.
+const EXIT_CONFIG: u8 = 78;
+
+fn is_config_error(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<hostdevd::config::ConfigError>().is_some()
+            || matches!(
+                c.downcast_ref::<hostdevd::daemon::DaemonError>(),
+                Some(hostdevd::daemon::DaemonError::Config(_))
+            )
+    })
 }
