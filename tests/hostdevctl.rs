@@ -945,8 +945,9 @@ fn a_claim_whose_outcome_is_open_names_its_request_id() {
     assert!(!refusal(&r, 1).contains("request id"), "{r:?}");
 }
 
-/// A watch that the agent ends because it is stopping (SIGTERM) says so, and exits 1 as
-/// a call the agent ended, not 3 as a connection that broke.
+/// A watch that the agent ends because it is stopping (SIGTERM) says so, and exits 4 as
+/// an answer that the agent cannot serve now (worth trying again), not 3 as a
+/// connection that broke, nor 1 as a refusal.
 #[test]
 fn a_watch_ended_by_the_agent_stopping_says_so() {
     use std::io::BufRead;
@@ -979,7 +980,7 @@ fn a_watch_ended_by_the_agent_stopping_says_so() {
     let (status, rest) = rx
         .recv_timeout(Duration::from_secs(30))
         .expect("hostdevctl watch ends when the agent stops");
-    assert_eq!(status.unwrap().code(), Some(1), "{rest}");
+    assert_eq!(status.unwrap().code(), Some(4), "{rest}");
     assert!(
         rest.starts_with("hostdevctl: watch failed: agent stopping: the agent is shutting down"),
         "{rest}"

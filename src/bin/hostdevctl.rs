@@ -228,6 +228,9 @@ struct ReconcileArgs {
 enum Failure {
     /// The agent answered with an error (exit 1).
     Refused(String),
+    /// The agent answered that it cannot act now (UNAVAILABLE: libvirt silent, its disk
+    /// full, stopping; DEADLINE_EXCEEDED): the same call may succeed later (exit 4).
+    Unavailable(String),
     /// The command line made no sense (exit 2).
     Usage(String),
     /// No agent could be reached (exit 3).
@@ -262,7 +265,10 @@ fn fresh_request_id() -> Result<RequestId, Failure> {
 }
 
 fn mutating(op: &str) -> bool {
-    matches!(op, "claim" | "release" | "transfer" | "reconcile --act")
+    matches!(
+        op,
+        "claim" | "release" | "transfer" | "reconcile --act" | "prepare-vfio" | "set-vfs"
+    )
 }
 
 /// A short name for a status code (and, where one code has several causes, its
@@ -330,6 +336,7 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
         }
     }
     line.push_str(&msg);
+    let later = matches!(status.code(), Code::Unavailable | Code::DeadlineExceeded);
     if let Some(info) = info.filter(|_| ours) {
         let facts = [
             ("current_generation", "current generation"),
@@ -345,7 +352,11 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
             }
         }
     }
-    Failure::Refused(line)
+    if later {
+        Failure::Unavailable(line)
+    } else {
+        Failure::Refused(line)
+    }
 }
 
 /// A failed claim, release or transfer whose outcome the answer leaves open (the
@@ -378,6 +389,7 @@ fn open_outcome(
     );
     match describe(op, socket, status) {
         Failure::Refused(m) if open => Failure::Refused(m + &hint),
+        Failure::Unavailable(m) if open => Failure::Unavailable(m + &hint),
         Failure::Connect(m) if open => Failure::Connect(m + &hint),
         f => f,
     }
@@ -1409,6 +1421,10 @@ fn main() -> ExitCode {
             eprintln!("hostdevctl: {m}");
             ExitCode::from(3)
         }
+        Err(Failure::Unavailable(m)) => {
+            eprintln!("hostdevctl: {m}");
+            ExitCode::from(4)
+        }
     }
 }
 
@@ -1502,13 +1518,26 @@ mod tests {
             "the agent is shutting down; resume with Watch from the last generation received",
         );
         match describe("watch", socket, &stopping) {
-            // Exit 1, as for any call the agent refused or ended.
-            Failure::Refused(m) => assert_eq!(
+            // Exit 4, as for any call the agent cannot serve now: worth trying again.
+            Failure::Unavailable(m) => assert_eq!(
                 m,
                 "watch failed: agent stopping: the agent is shutting down; resume with Watch from the last generation received"
             ),
             other => panic!("{other:?}"),
         }
+        let silent = ours(
+            Code::Unavailable,
+            "LIBVIRT_UNREACHABLE",
+            "libvirt at qemu:///system unreachable",
+        );
+        assert!(
+            matches!(describe("release", socket, &silent), Failure::Unavailable(m) if m.starts_with("release refused: agent unavailable")),
+        );
+        let stale = ours(Code::Aborted, "STALE_GENERATION", "stale");
+        assert!(matches!(
+            describe("release", socket, &stale),
+            Failure::Refused(_)
+        ));
         // Without our ErrorInfo, UNAVAILABLE is the transport's: the connection broke.
         let broken = Status::unavailable("connection reset");
         assert!(
