@@ -428,6 +428,24 @@ impl Config {
         Ok(cfg)
     }
 
+    /// The sections of `new` that differ from this (running) config and that a reload
+    /// does not apply: only `[[devices]]` is reloaded; these take effect at the next
+    /// start. (The roots are left out: the command line may override them.)
+    pub fn restart_only_changes(&self, new: &Config) -> Vec<&'static str> {
+        [
+            ("[api]", self.api != new.api),
+            ("[log]", self.log != new.log),
+            ("[metrics]", self.metrics != new.metrics),
+            ("[libvirt]", self.libvirt != new.libvirt),
+            ("[hotplug]", self.hotplug != new.hotplug),
+            ("[hardware]", self.hardware != new.hardware),
+        ]
+        .into_iter()
+        .filter(|(_, changed)| *changed)
+        .map(|(section, _)| section)
+        .collect()
+    }
+
     /// Parses and validates config text.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
         let cfg: Config = toml::from_str(text).map_err(|source| ConfigError::Parse {
@@ -741,6 +759,23 @@ impl Selection {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reload_names_the_changed_sections_it_does_not_apply() {
+        let running =
+            Config::parse("[[devices]]\npf_name = \"ens1f0\"\nvf = true").expect("running");
+        let new = Config::parse(
+            "[log]\nfilter = \"debug\"\n[hardware]\nstep_timeout_ms = 5\n[[devices]]\npf_name = \"ens2f0\"\nvf = true",
+        )
+        .expect("new");
+        assert_eq!(
+            running.restart_only_changes(&new),
+            vec!["[log]", "[hardware]"]
+        );
+        let devices_only =
+            Config::parse("[[devices]]\npf_name = \"ens2f0\"\nvf = true").expect("devices");
+        assert!(running.restart_only_changes(&devices_only).is_empty());
+    }
 
     #[test]
     fn defaults_and_unknown_keys() {

@@ -613,10 +613,20 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
         tracing::debug!(error = %e, "systemd notify failed (not under systemd?)");
     }
     let reload_agent = agent.clone();
+    let running = cfg.clone();
     tokio::spawn(async move {
         while hup.recv().await.is_some() {
             let selection = match &config_path {
-                Some(p) => Config::load(p).and_then(|c| c.selection()),
+                Some(p) => Config::load(p).and_then(|c| {
+                    let later = running.restart_only_changes(&c);
+                    if !later.is_empty() {
+                        tracing::warn!(
+                            sections = %later.join(", "),
+                            "a reload applies [[devices]] only: these changed sections take effect at the next restart"
+                        );
+                    }
+                    c.selection()
+                }),
                 None => Ok(initial_selection.clone()),
             };
             match selection {
