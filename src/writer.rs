@@ -7,7 +7,9 @@
 //! fsync is the cost of a change, so every command waiting when the writer wakes is
 //! decided in order and made durable by one transaction. Each caller is answered only
 //! after the transaction that holds its change has committed (I4); if the commit fails,
-//! every change of the batch is undone in memory and every caller gets the error.
+//! every change of the batch is undone in memory and every caller whose answer rested on
+//! it gets the error (a refusal or a replay decided before any change of the batch keeps
+//! its own answer).
 //!
 //! Why a lock and not only the thread: with nothing queued, a claim, release or transfer
 //! is decided and committed on the async worker that received it, under the same lock,
@@ -829,8 +831,11 @@ impl Worker {
                 };
                 let mut results = Vec::with_capacity(list.len());
                 for o in list {
+                    // Each free is its own request: one whose id GetRequestOutcome
+                    // closed must not apply, as any claim or release.
                     let freed = self
                         .recall(o.consumer, &o.request_id, changes)
+                        .and_then(|()| self.open_request(o.consumer, &o.request_id))
                         .and_then(|()| {
                             self.ledger
                                 .release(&o.release_request(), now)
@@ -868,10 +873,12 @@ impl Worker {
                 let entry = self
                     .recall(consumer, &request_id, changes)
                     .map(|()| self.ledger.request(consumer, &request_id));
-                let closed = (close && matches!(entry, Ok(None))).then(|| {
-                    self.closed.close(consumer, request_id.clone());
-                    (consumer, request_id)
-                });
+                // Only a close made here is taken back if the batch fails: one made by an
+                // earlier answer stands.
+                let closed = (close
+                    && matches!(entry, Ok(None))
+                    && self.closed.close(consumer, request_id.clone()))
+                .then_some((consumer, request_id));
                 Pending::Entry(reply, entry, closed)
             }
             // Routed to `run_alone` by `run`; answered here only if one slips through.
@@ -1020,13 +1027,6 @@ impl Worker {
         }
     }
 
-    /// Makes sure the ledger holds the request's logged outcome if the store does: the
-    /// ledger keeps only the newest entries in memory.
-    ///
-    /// `batch`: the changes decided so far in the batch being decided, not yet on disk.
-    /// An entry one of them logged may have been pushed out of memory since (the window
-    /// drops its oldest by time, and a busy second fills it), and the store cannot know it
-    /// before the commit: a retry within the same batch finds it there.
     /// What earlier attempts of acting audit `audit` freed: committed, or decided earlier
     /// in this batch (`batch`; the order lock keeps two attempts apart, but it costs
     /// nothing to look).
@@ -1052,6 +1052,13 @@ impl Worker {
         Ok(found)
     }
 
+    /// Makes sure the ledger holds the request's logged outcome if the store does: the
+    /// ledger keeps only the newest entries in memory.
+    ///
+    /// `batch`: the changes decided so far in the batch being decided, not yet on disk.
+    /// An entry one of them logged may have been pushed out of memory since (the window
+    /// drops its oldest by time, and a busy second fills it), and the store cannot know it
+    /// before the commit: a retry within the same batch finds it there.
     fn recall(
         &mut self,
         consumer: ConsumerId,
@@ -1129,7 +1136,11 @@ impl Worker {
             self.metrics.commit(started.elapsed(), r.is_ok());
             r
         };
-        self.set_store_error(committed.as_ref().err().map(|e| e.to_string()));
+        // A batch with nothing to write (a lookup, a refusal, a replay) says nothing of
+        // the disk: the last commit's error stands until a commit goes through.
+        if !durable.is_empty() {
+            self.set_store_error(committed.as_ref().err().map(|e| e.to_string()));
+        }
         match committed {
             Ok(()) => {
                 if let Some(p) = prepared {

@@ -1,7 +1,8 @@
 //! Request ids closed by GetRequestOutcome: once the agent has answered "no such request
 //! was applied", nothing sent with that (consumer, request id) may apply afterwards, not
 //! even a call the vanished client sent before asking, whose bytes the agent had not yet
-//! read. Kept in memory by the writer thread: such a call cannot outlive the process.
+//! read. Kept in memory by the writer (its thread, or a caller deciding in its place):
+//! such a call cannot outlive the process.
 
 use std::collections::{HashSet, VecDeque};
 
@@ -19,9 +20,12 @@ pub(super) struct ClosedRequests {
 }
 
 impl ClosedRequests {
-    pub(super) fn close(&mut self, consumer: ConsumerId, request_id: RequestId) {
+    /// Closes the id; whether this closed it (false: it was closed already, and a
+    /// [`Self::reopen`] of this close must not take back the earlier one).
+    pub(super) fn close(&mut self, consumer: ConsumerId, request_id: RequestId) -> bool {
         let key = (consumer, request_id);
-        if self.set.insert(key.clone()) {
+        let new = self.set.insert(key.clone());
+        if new {
             self.order.push_back(key);
         }
         while self.order.len() > MAX_CLOSED {
@@ -29,6 +33,7 @@ impl ClosedRequests {
                 self.set.remove(&old);
             }
         }
+        new
     }
 
     /// Takes back a close whose answer never went out (its batch failed to commit).

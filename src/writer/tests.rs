@@ -327,6 +327,112 @@ fn a_failed_commit_takes_back_the_close_it_answered_with_an_error() {
     assert!(w.closed.is_closed(consumer(9), &rid("lost")));
 }
 
+/// An id closed by an earlier answer stays closed when it is asked about again in a
+/// batch that fails: only the close the failed batch made is taken back. Before, the
+/// failed batch reopened it, and the lost call it was closed against could apply after
+/// the client had been told it never would.
+#[test]
+fn a_failed_commit_keeps_a_close_answered_before_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 64);
+    let settle = || {
+        let (reply, rx) = oneshot::channel();
+        (
+            Command::Settle {
+                consumer: consumer(9),
+                request_id: rid("lost"),
+                close: true,
+                reply,
+            },
+            rx,
+        )
+    };
+    let (first, first_rx) = settle();
+    w.apply_batch(vec![first]);
+    assert_eq!(answer(first_rx).expect("answered"), None);
+    let (c, claim_rx) = claim_any(1, "boot");
+    let (again, again_rx) = settle();
+    w.store.refuse_writes(true);
+    w.apply_batch(vec![c, again]);
+    w.store.refuse_writes(false);
+    assert!(matches!(answer(claim_rx), Err(WriteError::Store(_))));
+    assert!(matches!(answer(again_rx), Err(WriteError::Store(_))));
+    assert!(
+        w.closed.is_closed(consumer(9), &rid("lost")),
+        "closed by the first answer"
+    );
+}
+
+/// An acting audit's free of one orphan is a request of its own (`<audit>@<address>`): one
+/// whose id GetRequestOutcome closed is refused, as a claim or release would be. Before,
+/// the audit freed it anyway, after its client had been told it never would.
+#[test]
+fn an_orphan_free_with_a_closed_id_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 64);
+    let (c, claim_rx) = claim_any(1, "boot");
+    w.apply_batch(vec![c]);
+    let applied = answer(claim_rx).expect("claimed");
+    let address = applied.outcome.address();
+    let audit = rid("audit-1");
+    let id = audit.per_device(address).expect("per-device id");
+    let (reply, settle_rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Settle {
+        consumer: consumer(1),
+        request_id: id.clone(),
+        close: true,
+        reply,
+    }]);
+    assert_eq!(answer(settle_rx).expect("answered"), None);
+    let (reply, freed_rx) = oneshot::channel();
+    w.apply_batch(vec![Command::FreeOrphans(
+        audit,
+        vec![OrphanFree {
+            address,
+            consumer: consumer(1),
+            generation: applied.outcome.generation(),
+            request_id: id,
+        }],
+        reply,
+    )]);
+    let freed = answer(freed_rx).expect("answered");
+    assert!(
+        matches!(&freed.results[..], [Err(WriteError::RequestClosed { .. })]),
+        "{:?}",
+        freed.results
+    );
+    assert_eq!(claimed(&w), 1, "still claimed");
+}
+
+/// The store's health clears only when a commit goes through: a batch with nothing to
+/// write (a lookup) after a failed commit leaves the failure showing.
+#[test]
+fn a_batch_with_nothing_to_write_leaves_the_last_commit_error_showing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 64);
+    let (c, claim_rx) = claim_any(1, "boot");
+    w.store.refuse_writes(true);
+    w.apply_batch(vec![c]);
+    w.store.refuse_writes(false);
+    assert!(answer(claim_rx).is_err());
+    let errors = w.store_error.clone();
+    let error = || errors.lock().expect("lock").clone();
+    assert!(error().is_some(), "the failed commit shows");
+    let (reply, settle_rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Settle {
+        consumer: consumer(9),
+        request_id: rid("nothing"),
+        close: false,
+        reply,
+    }]);
+    assert_eq!(answer(settle_rx).expect("answered"), None);
+    assert!(error().is_some(), "a lookup wrote nothing: still failing");
+    let (c, claim_rx) = claim_any(1, "again");
+    w.apply_batch(vec![c]);
+    answer(claim_rx).expect("claimed");
+    assert!(error().is_none(), "cleared by a commit that went through");
+}
+
 /// Every event has a generation of its own, above the host generation a watcher started
 /// from, even where a state changed without its record changing: a PF whose VF was
 /// claimed, a free VF that a domain now uses. So a watcher that resumes from any event it
