@@ -70,6 +70,13 @@ pub enum WriteError {
     StoreFailed(String),
     #[error(transparent)]
     Hardware(#[from] HardwareError),
+    /// A release reached the device's generation only after the service had looked at
+    /// the device, so the checks a free needs were not made for it: nothing was freed.
+    #[error("{address} reached generation {generation} while this release was on its way, after the agent had looked at it, so it was not checked free of domains and VFIO holders at that generation; nothing was freed; read the device again and release it with its generation")]
+    ChangedWhileChecked {
+        address: PciAddress,
+        generation: Generation,
+    },
     /// GetRequestOutcome already answered that this request id was not applied.
     #[error("request {request_id} of consumer {consumer} was closed: GetRequestOutcome answered that it was not applied, so nothing sent with it applies afterwards; nothing was changed; send the request again with a new request id")]
     RequestClosed {
@@ -120,7 +127,9 @@ pub type SysfsDevices = OrdMap<PciAddress, Arc<PciDevice>>;
 #[derive(Debug)]
 pub enum Command {
     Claim(ClaimRequest, Reply<Applied>),
-    Release(ReleaseRequest, Reply<Applied>),
+    /// A release, and whether its caller checked the device free to release at the
+    /// presented generation (see [`Writer::release`]).
+    Release(ReleaseRequest, bool, Reply<Applied>),
     Transfer(TransferRequest, Reply<Applied>),
     /// A full inventory scan, with what sysfs showed of every device after it (`None`:
     /// left as it is).
@@ -393,8 +402,19 @@ impl Writer {
     pub async fn claim(&self, req: ClaimRequest) -> Result<Applied, WriteError> {
         self.call(|r| Command::Claim(req, r)).await
     }
+    /// A release whose caller checked, for the presented generation, what a free needs
+    /// beyond the ledger (the service: libvirt listed afresh, no VFIO holder).
     pub async fn release(&self, req: ReleaseRequest) -> Result<Applied, WriteError> {
-        self.call(|r| Command::Release(req, r)).await
+        self.call(|r| Command::Release(req, true, r)).await
+    }
+
+    /// A release whose caller did not check the device, because the presented
+    /// generation was not the device's when it looked (the ledger will refuse it as
+    /// stale, or replay it). Should the device reach that generation before the writer
+    /// decides, it is refused all the same ([`WriteError::ChangedWhileChecked`]): a
+    /// release frees a present device only after the checks for its generation.
+    pub async fn release_unchecked(&self, req: ReleaseRequest) -> Result<Applied, WriteError> {
+        self.call(|r| Command::Release(req, false, r)).await
     }
     pub async fn transfer(&self, req: TransferRequest) -> Result<Applied, WriteError> {
         self.call(|r| Command::Transfer(req, r)).await
@@ -741,7 +761,7 @@ impl Worker {
         let e = || WriteError::StoreFailed(why.clone());
         for cmd in batch {
             match cmd {
-                Command::Claim(_, r) | Command::Release(_, r) | Command::Transfer(_, r) => {
+                Command::Claim(_, r) | Command::Release(_, _, r) | Command::Transfer(_, r) => {
                     let _ = r.send(Err(e()));
                 }
                 Command::Inventory(_, _, r)
@@ -777,7 +797,7 @@ impl Worker {
     fn decide(&mut self, cmd: Command, now: u64, changes: &mut Vec<ChangeSet>) -> Pending {
         let key = match &cmd {
             Command::Claim(req, _) => Some((req.owner.consumer, &req.request_id)),
-            Command::Release(req, _) => Some((req.consumer, &req.request_id)),
+            Command::Release(req, _, _) => Some((req.consumer, &req.request_id)),
             Command::Transfer(req, _) => Some((req.from, &req.request_id)),
             _ => None,
         };
@@ -794,7 +814,7 @@ impl Worker {
         if let Err(refused) = opened {
             match cmd {
                 Command::Claim(_, reply)
-                | Command::Release(_, reply)
+                | Command::Release(_, _, reply)
                 | Command::Transfer(_, reply) => return Pending::Refused(reply, refused),
                 _ => {}
             }
@@ -807,13 +827,16 @@ impl Worker {
                     .claim(&req, now)
                     .map(|decided| keep(changes, decided)),
             ),
-            Command::Release(req, reply) => Pending::Applied(
-                reply,
-                Op::Release,
-                self.ledger
-                    .release(&req, now)
-                    .map(|decided| keep(changes, decided)),
-            ),
+            Command::Release(req, checked, reply) => match self.unchecked_free(&req, checked) {
+                Err(refused) => Pending::Refused(reply, refused),
+                Ok(()) => Pending::Applied(
+                    reply,
+                    Op::Release,
+                    self.ledger
+                        .release(&req, now)
+                        .map(|decided| keep(changes, decided)),
+                ),
+            },
             Command::Transfer(req, reply) => Pending::Applied(
                 reply,
                 Op::Transfer,
@@ -1022,8 +1045,12 @@ impl Worker {
     /// Counts a request refused before the ledger was asked. A store that could not be
     /// read is no rejection of the request: it was logged as an error by `recall`.
     fn count_refused(&self, e: &WriteError) {
-        if matches!(e, WriteError::RequestClosed { .. }) {
-            self.metrics.rejected("REQUEST_CLOSED");
+        match e {
+            WriteError::RequestClosed { .. } => self.metrics.rejected("REQUEST_CLOSED"),
+            WriteError::ChangedWhileChecked { .. } => {
+                self.metrics.rejected("CHANGED_WHILE_CHECKED")
+            }
+            _ => {}
         }
     }
 
@@ -1083,6 +1110,28 @@ impl Worker {
         })?;
         if let Some(entry) = found {
             self.ledger.recall(entry);
+        }
+        Ok(())
+    }
+
+    /// Refuses a release its caller did not check (see [`Writer::release_unchecked`])
+    /// where the ledger would free a present device with it: the device reached the
+    /// presented generation after the caller looked, and nothing checked that no domain
+    /// and no VFIO holder uses it at that generation. A replay, a refusal and the release
+    /// of a lost claim (its device gone) go on to the ledger.
+    fn unchecked_free(&self, req: &ReleaseRequest, checked: bool) -> Result<(), WriteError> {
+        if checked || self.ledger.request(req.consumer, &req.request_id).is_some() {
+            return Ok(());
+        }
+        let present_at = self
+            .ledger
+            .record_at(req.address)
+            .is_some_and(|r| r.generation == req.generation);
+        if present_at && self.ledger.check_release(req).is_ok() {
+            return Err(WriteError::ChangedWhileChecked {
+                address: req.address,
+                generation: req.generation,
+            });
         }
         Ok(())
     }

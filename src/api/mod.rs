@@ -620,8 +620,17 @@ impl HostDev for HostDevService {
             .records_at(rel.address)
             .flat_map(DeviceRecord::bound_members)
             .collect();
+        // Unchecked, it must not free: the writer refuses it should the device reach the
+        // presented generation meanwhile (a detach applied, a rescan), since nothing
+        // checked the device at that generation.
         let applied = self
-            .giving_back(bound, |w| async move { w.release(rel).await })
+            .giving_back(bound, move |w| async move {
+                if checked {
+                    w.release(rel).await
+                } else {
+                    w.release_unchecked(rel).await
+                }
+            })
             .await
             .map_err(ApiError::from)?;
         Ok(Response::new(proto::ReleaseResponse {

@@ -274,6 +274,17 @@ pub fn to_status(e: &ApiError) -> Status {
             let d = ErrorDetails::with_error_info("REQUEST_CLOSED", ERROR_DOMAIN, meta);
             Status::with_error_details(Code::Aborted, msg, d)
         }
+        ApiError::Write(WriteError::ChangedWhileChecked {
+            address,
+            generation,
+        }) => {
+            let meta = HashMap::from([
+                ("address".to_string(), address.to_string()),
+                ("current_generation".to_string(), generation.to_string()),
+            ]);
+            let d = ErrorDetails::with_error_info("CHANGED_WHILE_CHECKED", ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::Aborted, msg, d)
+        }
         ApiError::Write(WriteError::OutcomeUnknown(_)) => {
             let d = ErrorDetails::with_error_info(
                 "STORE_OUTCOME_UNKNOWN",

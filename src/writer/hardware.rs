@@ -56,7 +56,7 @@ impl Worker {
     pub(super) fn acts_on_hardware(&self, cmd: &Command) -> bool {
         match cmd {
             Command::BindVfio(..) | Command::SetVfCount(..) => true,
-            Command::Release(req, _) => self.ledger.has_binding(req.address),
+            Command::Release(req, _, _) => self.ledger.has_binding(req.address),
             Command::FreeOrphans(_, list, _) => {
                 list.iter().any(|o| self.ledger.has_binding(o.address))
             }
@@ -79,8 +79,10 @@ impl Worker {
                 self.count(Op::SetVfCount, &r);
                 let _ = reply.send(r);
             }
-            Command::Release(req, reply) => {
-                let r = self.release_restoring(&req);
+            Command::Release(req, checked, reply) => {
+                let r = self
+                    .unchecked_free(&req, checked)
+                    .and_then(|()| self.release_restoring(&req));
                 self.count(Op::Release, &r);
                 let _ = reply.send(r);
             }

@@ -203,6 +203,7 @@ fn a_release_run_alone_recalls_its_retry_from_the_store() {
     w.commit_one(cs).expect("commit");
     assert!(w.acts_on_hardware(&Command::Release(
         release(1, "stop", x, first.generation()),
+        true,
         oneshot::channel().0
     )));
     // Three more entries push the release out of memory.
@@ -325,6 +326,46 @@ fn a_failed_commit_takes_back_the_close_it_answered_with_an_error() {
     }]);
     assert_eq!(answer(settle_rx).expect("answered"), None);
     assert!(w.closed.is_closed(consumer(9), &rid("lost")));
+}
+
+/// A release the service did not check (its generation was not the device's when the
+/// service looked) frees nothing, even when the device has reached that generation by
+/// the time the writer decides; the same release checked frees it, and an unchecked
+/// retry of a logged release is replayed. Before, the writer freed it unchecked: a
+/// generation is guessable (one host-wide counter), and a detach applied in between
+/// moved the device to it while QEMU could still hold its VFIO node.
+#[test]
+fn an_unchecked_release_frees_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 64);
+    let (c, claim_rx) = claim_any(1, "boot");
+    w.apply_batch(vec![c]);
+    let first = answer(claim_rx).expect("claimed").outcome;
+    let (address, g) = (first.address(), first.generation());
+    let send = |checked: bool, request_id: &str| {
+        let (reply, rx) = oneshot::channel();
+        (
+            Command::Release(release(1, request_id, address, g), checked, reply),
+            rx,
+        )
+    };
+    let (unchecked, rx) = send(false, "r1");
+    w.apply_batch(vec![unchecked]);
+    let e = answer(rx).expect_err("not checked");
+    assert!(
+        matches!(e, WriteError::ChangedWhileChecked { generation, .. } if generation == g),
+        "{e}"
+    );
+    assert_eq!(claimed(&w), 1, "nothing freed");
+    let (checked, rx) = send(true, "r1");
+    w.apply_batch(vec![checked]);
+    let freed = answer(rx).expect("checked: freed");
+    assert!(!freed.replayed);
+    assert_eq!(claimed(&w), 0);
+    let (retry, rx) = send(false, "r1");
+    w.apply_batch(vec![retry]);
+    let again = answer(rx).expect("an unchecked retry of a logged release");
+    assert!(again.replayed && again.outcome == freed.outcome);
 }
 
 /// An id closed by an earlier answer stays closed when it is asked about again in a
