@@ -64,7 +64,7 @@ pub enum DaemonError {
     Reflection(String),
     #[error("the gRPC server failed: {0}")]
     Serve(#[from] tonic::transport::Error),
-    #[error("stopped because the store failed mid-commit ({0}); the next start reads back what the disk holds")]
+    #[error("stopped because the writer stopped deciding ({0}); the next start reads back what the disk holds")]
     StoreFailed(String),
 }
 
@@ -648,7 +648,10 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
         tokio::select! {
             _ = shutdown_signal() => {}
             _ = writer.failed() => {
-                tracing::error!("the store failed mid-commit: stopping, so that the next start reads back what the disk holds");
+                tracing::error!(
+                    why = %writer.failure().unwrap_or_default(),
+                    "the writer stopped deciding (a commit whose outcome is unknown, or a decision that failed unexpectedly): stopping, so that the next start reads back what the disk holds"
+                );
             }
         }
         let _ = stop_tx.send(true);

@@ -298,13 +298,20 @@ impl Writer {
             worker.failed_tx.subscribe(),
         );
         let core = Arc::new(Core {
+            failed_tx: worker.failed_tx.clone(),
+            store_error: worker.store_error.clone(),
             worker: Mutex::new(worker),
             queued: AtomicUsize::new(0),
         });
         let thread_core = core.clone();
         let handle = std::thread::Builder::new()
             .name("hostdevd-writer".into())
-            .spawn(move || thread_core.run(rx))?;
+            .spawn(move || {
+                let run = std::panic::AssertUnwindSafe(|| thread_core.run(rx));
+                if std::panic::catch_unwind(run).is_err() {
+                    thread_core.broken();
+                }
+            })?;
         Ok((
             Writer {
                 tx,
@@ -533,6 +540,27 @@ struct Core {
     /// Commands sent to the writer thread and not yet taken up by it (a command the
     /// thread set aside to run alone after the current batch still counts).
     queued: AtomicUsize,
+    /// The worker's, reachable without its lock: a panic mid-decision poisons the lock
+    /// and leaves the worker's state unknown, and the agent must then stop as for a
+    /// commit whose outcome is unknown ([`Core::broken`]).
+    failed_tx: Arc<tokio::sync::watch::Sender<bool>>,
+    store_error: Arc<Mutex<Option<String>>>,
+}
+
+impl Core {
+    /// A decision panicked (on the writer thread, or on a caller deciding in its place):
+    /// what it changed in memory is unknown, so nothing more is decided, and the agent
+    /// stops (as [`Writer::failed`] says) so that its next start reads back what the disk
+    /// holds. Until then every change is refused.
+    fn broken(&self) {
+        let why = "a decision failed unexpectedly (a panic; see the log); nothing more is decided, and the agent stops so that its next start reads back what the disk holds".to_string();
+        tracing::error!("{why}");
+        match self.store_error.lock() {
+            Ok(mut g) => *g = Some(why),
+            Err(p) => *p.into_inner() = Some(why),
+        }
+        self.failed_tx.send_replace(true);
+    }
 }
 
 impl std::fmt::Debug for Core {
@@ -561,8 +589,13 @@ impl Core {
         {
             return Inline::Queue(cmd);
         }
-        let Ok(mut worker) = self.worker.try_lock() else {
-            return Inline::Queue(cmd);
+        let mut worker = match self.worker.try_lock() {
+            Ok(w) => w,
+            Err(std::sync::TryLockError::WouldBlock) => return Inline::Queue(cmd),
+            Err(std::sync::TryLockError::Poisoned(_)) => {
+                self.broken();
+                return Inline::Queue(cmd);
+            }
         };
         if worker.acts_on_hardware(&cmd) {
             return Inline::Queue(cmd);
@@ -576,7 +609,8 @@ impl Core {
 
     /// The writer thread: takes every command queued, in order, in batches. Ends when
     /// every sender is gone, or when the worker's lock was poisoned by a panic mid-batch
-    /// (the senders then see [`WriteError::ShuttingDown`]).
+    /// (the senders then see [`WriteError::ShuttingDown`], and the agent is told to stop:
+    /// [`Core::broken`]).
     fn run(&self, mut rx: mpsc::Receiver<Command>) {
         // A command that acts on hardware ends the batch before it and runs alone: its
         // sysfs writes happen between two commits, with no other decision in between.
@@ -590,7 +624,7 @@ impl Core {
                         // Nothing waiting: a moment to give back what the last burst freed.
                         match self.worker.lock() {
                             Ok(mut w) => w.trimmer.maybe_trim(),
-                            Err(_) => return,
+                            Err(_) => return self.broken(),
                         };
                         match rx.blocking_recv() {
                             Some(c) => c,
@@ -600,7 +634,7 @@ impl Core {
                 },
             };
             let Ok(mut worker) = self.worker.lock() else {
-                return;
+                return self.broken();
             };
             // Taken out of the queue under the lock, so nothing can overtake them now:
             // they stop counting before their answers go out, and a caller answered
@@ -702,7 +736,7 @@ struct Worker {
     closed: closed::ClosedRequests,
     /// Set once a commit's outcome is unknown: from then on nothing is decided.
     failed: Option<String>,
-    failed_tx: tokio::sync::watch::Sender<bool>,
+    failed_tx: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 /// Keeps a decided change for the batch's commit (a replay changes nothing) and says
@@ -748,7 +782,7 @@ impl Worker {
             trimmer: crate::memory::Trimmer::new(TRIM_INTERVAL),
             closed: closed::ClosedRequests::default(),
             failed: None,
-            failed_tx: tokio::sync::watch::channel(false).0,
+            failed_tx: Arc::new(tokio::sync::watch::channel(false).0),
         }
     }
 

@@ -855,3 +855,38 @@ fn a_scans_sysfs_details_go_out_with_its_facts_or_not_at_all() {
     assert!(view.ledger.record_at(new_vf).is_none());
     assert_eq!(driver(&view), None);
 }
+
+/// A decision that panics (here: the worker's lock poisoned as a panic mid-decision
+/// leaves it) stops the agent as an unknown commit outcome does: every change is refused
+/// from then on, and `failed` resolves with the reason, so the daemon exits and its next
+/// start reads back what the disk holds. Before, the writer thread just ended: every
+/// change was refused as "shutting down" while the agent went on serving stale reads,
+/// and nothing restarted it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_mid_decision_stops_the_agent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("store");
+    let (writer, thread) = Writer::start(Ledger::new(), store, 64).expect("writer");
+    let core = writer.core.clone();
+    let poisoned = std::thread::spawn(move || {
+        let _held = core.worker.lock().expect("not yet poisoned");
+        panic!("a decision panics (on purpose, for this test)");
+    })
+    .join();
+    assert!(poisoned.is_err());
+    let (cmd, _) = claim_any(1, "after");
+    let Command::Claim(req, _) = cmd else {
+        unreachable!()
+    };
+    let refused = tokio::time::timeout(std::time::Duration::from_secs(10), writer.claim(req))
+        .await
+        .expect("answered");
+    assert!(refused.is_err(), "{refused:?}");
+    tokio::time::timeout(std::time::Duration::from_secs(10), writer.failed())
+        .await
+        .expect("the agent is told to stop");
+    let why = writer.failure().expect("a reason");
+    assert!(why.contains("panic"), "{why}");
+    drop(writer);
+    thread.join().expect("the writer thread ended");
+}
