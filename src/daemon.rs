@@ -374,8 +374,9 @@ impl Agent {
         Ok(())
     }
 
-    /// Lists the domains once before serving (a failure is reported, not fatal: frees
-    /// are refused until libvirt answers), then starts the poller.
+    /// Lists the domains once before serving (a failure to list or to apply the listing
+    /// is reported, not fatal: frees are refused until one is applied), then starts the
+    /// poller.
     async fn start_libvirt(mut self, cfg: &Config) -> Result<Agent, DaemonError> {
         let Some(lv) = self.guard.libvirt.clone() else {
             crate::domains::set_health(
@@ -389,9 +390,23 @@ impl Agent {
         match lv.list_fresh(self.guard.timeout).await {
             Ok(list) => {
                 let detail = crate::domains::healthy_detail(lv.uri(), &list);
-                self.writer.domains(list).await?;
-                tracing::info!(took_ms = started.elapsed().as_millis() as u64, "{detail}");
-                crate::domains::set_health(&self.info.libvirt, true, detail);
+                match self.writer.domains(list).await {
+                    Ok(()) => {
+                        tracing::info!(took_ms = started.elapsed().as_millis() as u64, "{detail}");
+                        crate::domains::set_health(&self.info.libvirt, true, detail);
+                    }
+                    // Not fatal either (a full disk must not stop a restart): the listing
+                    // is not applied, so frees and claims wait for the poller's next one,
+                    // as when libvirt does not answer.
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the first listing of the domains could not be applied; frees and claims wait for the next one");
+                        crate::domains::set_health(
+                            &self.info.libvirt,
+                            false,
+                            format!("the listing of the domains could not be applied: {e}"),
+                        );
+                    }
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "libvirt did not answer at start; frees are refused until it does");

@@ -556,6 +556,29 @@ async fn unreachable_libvirt_refuses_frees_and_disabled_says_so() {
     s.stop().await;
 }
 
+/// libvirt silent at start, then answering: the poller tries again within seconds, as
+/// after any failed poll, not a whole poll interval (here an hour) later. Before, a
+/// failed listing at start put the first retry a full interval away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_failed_at_start_is_retried_within_seconds() {
+    let _lv = test_driver();
+    let h = host(0x46, 160);
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let host_xml = proc_dir.path().join("late-host.xml");
+    let uri = format!("test://{}", host_xml.display());
+    let s = start(&h, proc_dir.path(), &uri, 3_600_000).await;
+    let mut c = s.client().await;
+    until_libvirt(&mut c, false).await;
+    std::fs::write(
+        &host_xml,
+        "<node xmlns:test='http://libvirt.org/schemas/domain/test/1.0'></node>",
+    )
+    .expect("host file");
+    // Within until_libvirt's 30 s, with nothing else asking for a listing.
+    until_libvirt(&mut c, true).await;
+    s.stop().await;
+}
+
 /// Claims wait for libvirt's first answer since the start, but a retry of a claim made
 /// before a restart is answered as the first time (I7), not refused for that.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -463,12 +463,19 @@ pub fn spawn_poller(
     let thread = std::thread::Builder::new()
         .name("hostdevd-libvirt".into())
         .spawn(move || {
-            let mut wait = settings.interval;
             // Log transitions only; the agent logged the first listing itself.
-            let mut was_ok = Some(match health.libvirt.read() {
+            let started_ok = match health.libvirt.read() {
                 Ok(g) => g.ok,
                 Err(p) => p.into_inner().ok,
-            });
+            };
+            let mut was_ok = Some(started_ok);
+            // After a listing at start that failed, the first retry comes as after any
+            // failure (within a second), not a whole interval later.
+            let mut wait = if started_ok {
+                settings.interval
+            } else {
+                settings.interval.min(Duration::from_secs(1))
+            };
             loop {
                 // The agent listed the domains once before serving; poll after a pause,
                 // or at once after a new subscription (for what changed before it), or
