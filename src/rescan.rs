@@ -135,7 +135,9 @@ impl Rescanner {
         drop(view);
         // The sysfs details go out with the facts, in the same view; the selection
         // changes only once the ledger took the scan: a scan the ledger refused (a full
-        // disk) leaves both as they were, and the retry finds the same differences again.
+        // disk) leaves both as they were, and a retry finds the same differences again
+        // (an owed hotplug rescan is retried; a refused reload is logged, and applies at
+        // the next SIGHUP).
         let before = self.present_records(inv.devices.iter().map(|d| d.address));
         let found: BTreeSet<PciAddress> = facts.iter().map(|f| f.address).collect();
         let details: SysfsDevices = inv

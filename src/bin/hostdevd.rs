@@ -76,7 +76,7 @@ fn run_demo(args: &DemoArgs) -> anyhow::Result<()> {
     println!("Ctrl-C stops the agent and removes the simulated host.");
     let rt = hostdevd::daemon::runtime().context("starting the async runtime")?;
     let result = rt.block_on(hostdevd::daemon::run(demo.config.clone(), None));
-    drop(rt);
+    rt.shutdown_timeout(CLOSE_LIMIT);
     // Before the simulated host and its state directory are removed.
     let closed = result.map(|closing| closing.wait(CLOSE_LIMIT));
     drop(demo);
@@ -181,8 +181,10 @@ fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     let rt = hostdevd::daemon::runtime().context("starting the async runtime")?;
     let closing = rt.block_on(hostdevd::daemon::run(cfg, path))?;
     // Dropping the runtime drops every task's handle to the writer; its thread then
-    // closes the store.
-    drop(rt);
+    // closes the store. Not a plain drop: that waits without end for every blocking
+    // task, and one may be stuck in the kernel or in libvirt (a sysfs read the kernel
+    // holds, a libvirtd that stopped answering).
+    rt.shutdown_timeout(CLOSE_LIMIT);
     closing.wait(CLOSE_LIMIT);
     Ok(())
 }
