@@ -691,6 +691,9 @@ struct Prepared {
     /// The generation each written record had before the batch (for the log).
     old_generations: BTreeMap<RecordId, Generation>,
     new_strays: Vec<Stray>,
+    /// The host generation raised past the events' generations (see `prepare`), as a
+    /// change to store where the batch stores nothing else.
+    raised: Option<ChangeSet>,
 }
 
 /// What an incremental view re-derived: the records whose states it derived again, and
@@ -1209,8 +1212,16 @@ impl Worker {
             .next_sysfs
             .take()
             .unwrap_or_else(|| before.sysfs.clone());
-        let prepared = (!changes.is_empty()).then(|| self.prepare(before, changes, sysfs));
-        let durable: Vec<&ChangeSet> = changes.iter().filter(|c| !c.is_empty()).collect();
+        let mut prepared = (!changes.is_empty()).then(|| self.prepare(before, changes, sysfs));
+        let raised = prepared.as_mut().and_then(|p| p.raised.take());
+        let mut durable: Vec<&ChangeSet> = changes.iter().filter(|c| !c.is_empty()).collect();
+        // A batch that stores nothing else (a listing of the domains that changed only
+        // derived states) stores the generations its events took: with nothing after it,
+        // a restart behind the clock would hand them out again. The next commit would
+        // store past them too, but there may be many such batches before one.
+        if durable.is_empty() {
+            durable.extend(raised.as_ref());
+        }
         let committed = if durable.is_empty() {
             Ok(())
         } else {
@@ -1365,14 +1376,16 @@ impl Worker {
                 view,
             });
         }
-        // Raised in memory only: the batch's own records carry the generations a restart
-        // must not hand out again, and every later change's generation is above `next`,
-        // so the next commit stores a host generation past it. Storing it now would
-        // write the meta row's page in most commits (a claim changes its PF's state)
-        // for nothing: a restart raises the counter past the stored one by one a record
-        // at least (`Ledger::start_floor`), more than these events can take, whatever
-        // the clock says (I5). A failed commit undoes the raise with the batch.
-        let _ = self.ledger.raise_host_generation(next);
+        // Raised in memory only where the batch stores records: they carry the
+        // generations a restart must not hand out again, and every later change's
+        // generation is above `next`, so the next commit stores a host generation past
+        // it. Storing it too would write the meta row's page in most commits (a claim
+        // changes its PF's state) for nothing: a restart raises the counter past the
+        // stored one by one a record at least (`Ledger::start_floor`), more than one
+        // batch's events can take, whatever the clock says (I5). A batch that stores
+        // nothing else stores the raise (`commit_changes`). A failed commit undoes the
+        // raise with the batch.
+        let raised = self.ledger.raise_host_generation(next);
         // Only the strays at re-derived addresses can be new.
         let addresses: Box<dyn Iterator<Item = &PciAddress>> = match &rederived {
             None => Box::new(derived.strays.keys()),
@@ -1392,6 +1405,7 @@ impl Worker {
             events,
             old_generations: changed,
             new_strays,
+            raised,
         }
     }
 

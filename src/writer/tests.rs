@@ -544,14 +544,17 @@ fn every_event_has_its_own_generation_and_resuming_from_any_misses_none() {
     );
     let last = *gens.last().expect("events");
     assert_eq!(w.view_now().host_generation, last);
+    // The domains' batch stored nothing else: it stored its events' generations, so that
+    // no restart hands them out again, however many such batches come before a change.
+    assert_eq!(w.store.host_generation().expect("stored"), last);
     for (k, g) in gens.iter().enumerate() {
         let (rest, _) = log.resume(*g).expect("resumable");
         let rest: Vec<Generation> = rest.iter().map(Event::generation).collect();
         assert_eq!(rest, gens[k + 1..], "resumed from {g}");
     }
     drop(log);
-    // The derived events' generations are not written on their own; the next change
-    // takes a generation past them, and its commit stores that.
+    // Beside a change, the derived events' generations are not written on their own; the
+    // next change takes a generation past them, and its commit stores that.
     let (c, rx) = claim_at(&w, 2, "vf1", "0000:3b:02.1");
     w.apply_batch(vec![c]);
     let next = answer(rx).expect("claimed").outcome.generation();
