@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use crate::config::Selection;
 use crate::ledger::{DeviceFacts, RecordId};
@@ -21,6 +22,27 @@ pub enum RescanError {
     Write(#[from] WriteError),
     #[error("the scan thread failed: {0}")]
     Thread(String),
+    /// A PF the kernel held past the read limit: a VF count change runs on it, and what
+    /// a scan reads of it and its VFs now is mid-change. Nothing was applied.
+    #[error("{address} is held by the kernel (a VF count change runs on it: its sriov_numvfs did not answer within {after:?}); nothing was applied, it is read again later")]
+    Held {
+        address: PciAddress,
+        after: Duration,
+    },
+}
+
+/// How long a rescan that met a PF held by the kernel waits before it reads again.
+pub const HELD_RETRY: Duration = Duration::from_secs(1);
+
+/// [`RescanError::Held`] for the first device of `devices` the kernel held, if any.
+fn held<'a>(mut devices: impl Iterator<Item = &'a PciDevice>) -> Result<(), RescanError> {
+    match devices.find(|d| d.held) {
+        Some(d) => Err(RescanError::Held {
+            address: d.address,
+            after: sysfs::attr::LOCKED_READ_LIMIT,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// PCI functions the kernel said it removed, each with the highest sequence number of
@@ -88,7 +110,24 @@ impl Rescanner {
 
     /// A full scan, applied to the ledger; with `selection`, that selection is used from
     /// now on (a reload).
+    ///
+    /// While a PF is held by the kernel (a VF count change runs on it), the scan is read
+    /// again every [`HELD_RETRY`], the turn let go in between: a full scan is not applied
+    /// half-changed, and other rescans and hardware actions are not held meanwhile.
     pub async fn full(&self, selection: Option<Selection>) -> Result<(), RescanError> {
+        loop {
+            match self.full_once(selection.clone()).await {
+                Err(RescanError::Held { address, .. }) => {
+                    tracing::warn!(pf = %address, "a VF count change runs on a PF; the full scan is read again in a second");
+                    tokio::time::sleep(HELD_RETRY).await;
+                }
+                done => return done,
+            }
+        }
+    }
+
+    /// One try of [`Self::full`].
+    async fn full_once(&self, selection: Option<Selection>) -> Result<(), RescanError> {
         let _turn = self.turn.lock().await;
         let (root, dev, names) = (
             self.sysfs_root.clone(),
@@ -98,6 +137,7 @@ impl Rescanner {
         let (seq, mut inv, unsettled) = tokio::task::spawn_blocking(move || {
             let seq = sysfs::uevent_seqnum(&root);
             let mut inv = sysfs::scan(&root, &dev, &names)?;
+            held(inv.devices.iter())?;
             let mut unsettled = Vec::new();
             let mut devices = Vec::with_capacity(inv.devices.len());
             for d in std::mem::take(&mut inv.devices) {
@@ -107,8 +147,10 @@ impl Rescanner {
                     Settled::Unsettled(d) => unsettled.push(d),
                 }
             }
+            // Read again, a device may have met a change that began since.
+            held(devices.iter())?;
             inv.devices = devices;
-            Ok::<_, SysfsError>((seq, inv, unsettled))
+            Ok::<_, RescanError>((seq, inv, unsettled))
         })
         .await
         .map_err(|e| RescanError::Thread(e.to_string()))??;
@@ -254,8 +296,12 @@ impl Rescanner {
     /// rescan that read sysfs before the action and applied after it would bring back,
     /// free and claimable, the VFs the action destroyed (until their own events were
     /// read).
+    ///
+    /// Where the action left a PF held by the kernel (a VF count change that outlived its
+    /// timeout), nothing is applied now ([`RescanError::Held`]): the devices are read
+    /// again every [`HELD_RETRY`] on a task of their own until the kernel lets go.
     pub async fn around<T>(
-        &self,
+        self: &Arc<Self>,
         held: tokio::sync::OwnedMutexGuard<()>,
         action: impl std::future::Future<Output = T>,
         then: impl FnOnce(&T) -> BTreeSet<PciAddress>,
@@ -266,9 +312,40 @@ impl Rescanner {
         let rescanned = if addresses.is_empty() {
             Ok(())
         } else {
-            self.devices_in_turn(addresses, &Removals::new()).await
+            let r = self
+                .devices_in_turn(addresses.clone(), &Removals::new())
+                .await;
+            if matches!(r, Err(RescanError::Held { .. })) {
+                self.clone().read_again_when_let_go(addresses);
+            }
+            r
         };
         (out, rescanned)
+    }
+
+    /// Rescans `addresses` every [`HELD_RETRY`] until no PF among them is held by the
+    /// kernel, then applies them (a uevent's rescan may get there first: each reads
+    /// what is there then).
+    fn read_again_when_let_go(self: Arc<Self>, addresses: BTreeSet<PciAddress>) {
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(HELD_RETRY).await;
+                match self.devices(addresses.clone(), &Removals::new()).await {
+                    Err(RescanError::Held { .. }) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "rescan after a hardware action failed");
+                        return;
+                    }
+                    Ok(()) => {
+                        tracing::info!(
+                            devices = addresses.len(),
+                            "rescanned after the kernel let the PF go"
+                        );
+                        return;
+                    }
+                }
+            }
+        });
     }
 
     /// [`Self::devices`], with the turn already taken.
@@ -308,6 +385,8 @@ impl Rescanner {
                 }
                 out.insert(a, d);
             }
+            // A PF mid-change: nothing of it or its VFs is applied until it is done.
+            held(out.values().flatten())?;
             // As in a full scan: a device removed while it was read is gone, and one that
             // kept changing is left as it was (no change for it at all).
             let mut settled = BTreeMap::new();
@@ -324,7 +403,8 @@ impl Rescanner {
                     }
                 }
             }
-            Ok::<_, SysfsError>((seq, settled))
+            held(settled.values().flatten())?;
+            Ok::<_, RescanError>((seq, settled))
         })
         .await
         .map_err(|e| RescanError::Thread(e.to_string()))??;

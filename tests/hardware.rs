@@ -1000,6 +1000,64 @@ async fn sriov_numvfs_writes_wait_for_the_vf_count_timeout() {
     }
 }
 
+/// A VF count change that outlives its timeout keeps the PF locked in the kernel, and a
+/// read of its `sriov_numvfs` waits for it (here the fault filesystem answers nothing
+/// while a write hangs, as the kernel's device lock does). The rescan after the failed
+/// change gives that read up instead of waiting with the rescanners' turn held, and
+/// applies nothing of the PF mid-change: the change is answered while its write still
+/// hangs, its VFs (which the kernel may be destroying) stay out of reach, and once the
+/// kernel lets go they are read again, with no uevent to prompt it, and claimable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vf_count_change_left_running_does_not_hold_the_rescans() {
+    let _alone = alone().await;
+    let t = tree();
+    let fs = support::faultfs::FaultFs::mount(&[("sriov_numvfs", "4\n")]);
+    fs.plant(&t.bus_link(PF).join("sriov_numvfs"), "sriov_numvfs");
+    let hang = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let held = hang.clone();
+    fs.during_write("sriov_numvfs", move || {
+        // Until the test lets it go, or 20 s: long past the answer's 10 s below.
+        let start = Instant::now();
+        while held.load(std::sync::atomic::Ordering::SeqCst)
+            && start.elapsed() < Duration::from_secs(20)
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    let s = start_tuned(&t, 300, 1 << 20, |cfg| {
+        cfg.hardware.vf_count_timeout_ms = 300
+    })
+    .await;
+    let mut c = s.client().await;
+    let v = vf(&mut c, 0).await;
+    let pf = device(&mut c, PF).await.expect("PF");
+    let answered = tokio::time::timeout(Duration::from_secs(10), set_vfs(&mut c, 2, pf.generation))
+        .await
+        .expect("the change is answered while its write still hangs");
+    let e = answered.expect_err("past the VF count timeout");
+    assert_eq!(reason(&e).0, "HARDWARE_STEP_TIMEOUT", "{e:?}");
+    assert!(
+        hang.load(std::sync::atomic::Ordering::SeqCst),
+        "still hanging"
+    );
+    // Reads are served meanwhile, and the VFs mid-change cannot be claimed.
+    let during = device(&mut c, &v).await;
+    assert!(!during.as_ref().is_some_and(|d| d.present), "{during:?}");
+    let g = during.map_or(0, |d| d.generation);
+    claim_as(&mut c, &v, 1, false, "mid-change", g)
+        .await
+        .map(|_| ())
+        .expect_err("a VF of a PF mid-change");
+    hang.store(false, std::sync::atomic::Ordering::SeqCst);
+    until(&mut c, "the VF read again once the PF answers", |l| {
+        l.iter().any(|d| d.address == v && d.present)
+    })
+    .await;
+    claim(&mut c, &v, 1, false).await.expect("claimable again");
+    assert_eq!(fs.attempts("sriov_numvfs"), ["0"]);
+    s.stop().await;
+}
+
 /// A VF's address from the tree itself (before any agent runs): its PF's `virtfn{i}`.
 fn virtfn(t: &FakeTree, i: u32) -> String {
     std::fs::canonicalize(t.bus_link(PF).join(format!("virtfn{i}")))

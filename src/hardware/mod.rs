@@ -12,7 +12,6 @@ pub mod vfio_bind;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::pci::PciAddress;
@@ -183,7 +182,7 @@ impl Hardware {
             path: path.to_path_buf(),
             detail,
         };
-        match on_thread("hostdevd-sysfs-read", self.step_timeout, read) {
+        match crate::sysfs::attr::on_thread("hostdevd-sysfs-read", self.step_timeout, read) {
             Err(e) => Err(failed(format!("cannot start a thread to read it: {e}"))),
             Ok(Some(Ok(v))) => Ok(v),
             Ok(Some(Err(e))) => Err(failed(e.full_message())),
@@ -207,7 +206,7 @@ impl Hardware {
         timeout: Duration,
     ) -> Result<(), HardwareError> {
         let (p, v) = (path.to_path_buf(), value.to_string());
-        let written = on_thread("hostdevd-sysfs-write", timeout, move || {
+        let written = crate::sysfs::attr::on_thread("hostdevd-sysfs-write", timeout, move || {
             // O_TRUNC as a shell's `echo v > attr`: sysfs ignores it; a regular file (a
             // test tree) then holds exactly the value.
             std::fs::OpenOptions::new()
@@ -293,26 +292,9 @@ impl Hardware {
     }
 }
 
-/// Runs `work` (a sysfs call the kernel may hold for as long as a device is busy) on a
-/// thread of its own and waits at most `timeout` for it: `Ok(None)` when it did not
-/// answer in time (the thread is left to finish alone), `Err` when no thread could be
-/// started.
-fn on_thread<T: Send + 'static>(
-    name: &str,
-    timeout: Duration,
-    work: impl FnOnce() -> T + Send + 'static,
-) -> std::io::Result<Option<T>> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::Builder::new()
-        .name(name.into())
-        .spawn(move || {
-            let _ = tx.send(work());
-        })?;
-    Ok(rx.recv_timeout(timeout).ok())
-}
-
 #[cfg(test)]
 mod tests {
+    use std::sync::mpsc;
     use std::time::{Duration, Instant};
 
     use super::*;

@@ -8,6 +8,8 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::Duration;
 
 use crate::pci::PciAddress;
 
@@ -44,6 +46,47 @@ pub fn read_bytes(path: &Path) -> Result<Vec<u8>, SysfsError> {
         });
     }
     Ok(buf)
+}
+
+/// How long a scan waits for an attribute the kernel shows under the device's lock
+/// (`sriov_numvfs`): a VF count change still running, one that outlived the agent's own
+/// timeout or was started by another tool, holds that lock for as long as it takes
+/// (tens of seconds on some NICs), and a rescan must not wait with it.
+pub const LOCKED_READ_LIMIT: Duration = Duration::from_secs(1);
+
+/// Runs `work` on a thread of its own (named `name`) and waits at most `limit` for it:
+/// `Ok(None)` when it did not finish in time; that thread is then left to finish alone,
+/// and nothing waits for it. `Err` only when no thread could be started.
+pub(crate) fn on_thread<T: Send + 'static>(
+    name: &str,
+    limit: Duration,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> io::Result<Option<T>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let _ = tx.send(work());
+        })?;
+    Ok(rx.recv_timeout(limit).ok())
+}
+
+/// [`read_text`] on a thread of its own, waiting at most `limit`
+/// ([`SysfsError::NoAnswer`] after it), for attributes the kernel shows under the
+/// device's lock.
+pub fn read_text_within(path: &Path, limit: Duration) -> Result<String, SysfsError> {
+    let p = path.to_path_buf();
+    match on_thread("hostdevd-sysfs-read", limit, move || read_text(&p)) {
+        Ok(Some(read)) => read,
+        Ok(None) => Err(SysfsError::NoAnswer {
+            path: path.to_path_buf(),
+            after: limit,
+        }),
+        Err(source) => Err(SysfsError::Read {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
 }
 
 /// Reads one attribute as text with the kernel's trailing newline removed.

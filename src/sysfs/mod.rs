@@ -19,6 +19,7 @@ use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -126,6 +127,8 @@ pub enum SysfsError {
         value: String,
         expected: &'static str,
     },
+    #[error("{path} did not answer within {after:?}: the kernel holds the device, as it does while a VF count change runs")]
+    NoAnswer { path: PathBuf, after: Duration },
     #[error("the device directory {path} of {address} vanished or is unreadable")]
     DeviceGone {
         address: PciAddress,
@@ -199,7 +202,8 @@ impl Serialize for Revision {
 pub struct SriovInfo {
     /// `sriov_totalvfs`: the most VFs the PF can create (0 if unreadable).
     pub total_vfs: u32,
-    /// `sriov_numvfs`: how many VFs are enabled now (0 if unreadable).
+    /// `sriov_numvfs`: how many VFs are enabled now; when it cannot be read, the number
+    /// of VFs in `vfs`.
     pub num_vfs: u32,
     /// The VFs from the PF's `virtfnN` links, in VF-index order (`virtfn10` after
     /// `virtfn9`); links that point nowhere are left out and named in `errors`.
@@ -255,6 +259,11 @@ pub struct PciDevice {
     /// the host has (see [`scan::settle`]).
     #[serde(skip)]
     pub vanished: bool,
+    /// Whether the kernel held the device past [`attr::LOCKED_READ_LIMIT`] (a PF whose
+    /// `sriov_numvfs` did not answer: a VF count change runs on it): what was read of
+    /// it and of its VFs is mid-change, to be read again once the change is done.
+    #[serde(skip)]
+    pub held: bool,
 }
 
 impl PciDevice {
@@ -283,6 +292,7 @@ impl PciDevice {
             iommu_group_peers: Vec::new(),
             vfio_group_exists: false,
             vanished: false,
+            held: false,
         }
     }
 

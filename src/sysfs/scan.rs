@@ -410,11 +410,21 @@ fn read_sriov(dev: &mut PciDevice, dir: &Path) -> Option<VfList> {
             0
         }
     };
-    let num = read_parsed(dev, dir, "sriov_numvfs", attr::parse_u32).unwrap_or(0);
+    // Shown under the PF's lock in the kernel, so read with a limit: a VF count change
+    // still running holds it for as long as it takes, and the scan must not wait with
+    // it. When it cannot be read, the VFs the PF shows are the best count there is.
+    let num_path = dir.join("sriov_numvfs");
+    let num = attr::read_text_within(&num_path, attr::LOCKED_READ_LIMIT)
+        .and_then(|v| attr::parse_u32(&num_path, &v))
+        .map_err(|e| {
+            dev.held |= matches!(e, SysfsError::NoAnswer { .. });
+            dev.problem("sriov_numvfs", &e)
+        })
+        .ok();
     let vfs = list_virtfns(dev, dir);
     dev.sriov = Some(SriovInfo {
         total_vfs: total,
-        num_vfs: num,
+        num_vfs: num.unwrap_or(vfs.len() as u32),
         vfs: vfs.iter().map(|(_, a)| *a).collect(),
     });
     Some(vfs)
