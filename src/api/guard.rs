@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::api::status::ApiError;
 use crate::config::Config;
 use crate::domains::{DomainsError, Libvirt};
 use crate::vfio::{Holder, VfioError};
@@ -117,31 +118,40 @@ impl FreeGuard {
     /// Takes the order lock and makes sure that a listing of the domains that began after
     /// this call is applied to the ledger: one made for an earlier caller while this one
     /// waited, or else its own. With libvirt disabled only the lock is taken.
-    pub async fn refresh(&self, writer: &Writer) -> Result<OrderGuard, DomainsError> {
+    /// `what` names the devices checked, in errors.
+    pub async fn refresh(&self, writer: &Writer, what: &str) -> Result<OrderGuard, ApiError> {
         let arrived = self.lists.arrive();
-        let uri = || {
-            self.libvirt
-                .as_ref()
-                .map(|l| l.uri().to_string())
-                .unwrap_or_default()
-        };
-        let guard = tokio::time::timeout(self.timeout, self.order.clone().lock_owned())
-            .await
-            .map_err(|_| DomainsError::Timeout {
-                uri: uri(),
-                ms: self.timeout.as_millis(),
-            })?;
+        let guard = self.take_order(what).await?;
         if let Some(lv) = &self.libvirt {
             if !self.lists.served(arrived) {
+                let unreachable = |source| ApiError::LibvirtUnreachable {
+                    what: what.to_string(),
+                    source: Box::new(source),
+                };
                 let n = self.lists.begin();
-                let list = lv.list_fresh(self.timeout).await?;
+                let list = lv.list_fresh(self.timeout).await.map_err(unreachable)?;
                 writer.domains(list).await.map_err(|e| {
-                    DomainsError::Thread(format!("applying the domains failed: {e}"))
+                    unreachable(DomainsError::Thread(format!(
+                        "applying the domains failed: {e}"
+                    )))
                 })?;
                 self.lists.applied(n);
             }
         }
         Ok(guard)
+    }
+
+    /// Takes the order lock, waiting at most the libvirt timeout: past it, whoever holds
+    /// the lock (an acting audit waiting for a hardware action to finish before it gives
+    /// drivers back, or a listing libvirt is slow to answer) is named as the cause, not
+    /// libvirt.
+    async fn take_order(&self, what: &str) -> Result<OrderGuard, ApiError> {
+        tokio::time::timeout(self.timeout, self.order.clone().lock_owned())
+            .await
+            .map_err(|_| ApiError::FreeCheckBusy {
+                what: what.to_string(),
+                ms: self.timeout.as_millis(),
+            })
     }
 
     /// For each device, in order, the first of its nodes found held open (`None`: none
@@ -213,7 +223,30 @@ impl FreeGuard {
 
 #[cfg(test)]
 mod tests {
-    use super::Listings;
+    use std::time::Duration;
+
+    use super::{FreeGuard, Listings};
+    use crate::api::status::ApiError;
+
+    /// A free that cannot take the order within the libvirt timeout (an acting audit
+    /// holds it) is refused naming that wait, not an unreachable libvirt; once the lock
+    /// is free it is taken.
+    #[tokio::test]
+    async fn a_free_kept_waiting_for_the_order_is_refused_as_busy() {
+        let mut g = FreeGuard::from_config(&crate::config::Config::default());
+        g.timeout = Duration::from_millis(50);
+        let held = g.order.clone().lock_owned().await;
+        let e = g.take_order("0000:3b:02.0").await.expect_err("held");
+        assert!(
+            matches!(&e, ApiError::FreeCheckBusy { what, ms: 50 } if what == "0000:3b:02.0"),
+            "{e}"
+        );
+        let status = crate::api::status::to_status(&e);
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert!(status.message().contains("50 ms"), "{}", status.message());
+        drop(held);
+        g.take_order("0000:3b:02.0").await.expect("free");
+    }
 
     #[test]
     fn callers_that_arrive_during_a_listing_share_the_next_one() {

@@ -291,12 +291,7 @@ impl HostDevService {
     /// fresher. Holding the lock through the free's commit would serialize every release
     /// behind one fsync each.
     async fn unused(&self, devices: &[PciAddress], what: &str) -> Result<(), ApiError> {
-        let order = self.guard.refresh(&self.writer).await.map_err(|source| {
-            ApiError::LibvirtUnreachable {
-                what: what.to_string(),
-                source: Box::new(source),
-            }
-        })?;
+        let order = self.guard.refresh(&self.writer, what).await?;
         drop(order);
         let checks = devices.iter().map(|a| self.vfio_check(*a)).collect();
         let held = self
@@ -705,12 +700,12 @@ impl HostDev for HostDevService {
         // its frees are decided, so the ledger audits against every domain defined now
         // (the evacuated VM of the seed race included).
         let _order = if r.act {
-            Some(self.guard.refresh(&self.writer).await.map_err(|source| {
-                self.refused(ApiError::LibvirtUnreachable {
-                    what: "the orphans".into(),
-                    source: Box::new(source),
-                })
-            })?)
+            Some(
+                self.guard
+                    .refresh(&self.writer, "the orphans")
+                    .await
+                    .map_err(|e| self.refused(e))?,
+            )
         } else {
             None
         };

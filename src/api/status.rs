@@ -69,6 +69,10 @@ pub enum ApiError {
         #[source]
         source: Box<DomainsError>,
     },
+    /// The order of the free checks stayed taken past the libvirt timeout: an acting
+    /// audit waits there for a hardware action before it gives drivers back.
+    #[error("cannot check {what} now: another free's check or an acting audit held the order of the checks for more than {ms} ms (an acting audit that gives drivers back waits there for a running VF count change or vfio-pci binding); nothing was changed, try again")]
+    FreeCheckBusy { what: String, ms: u128 },
     /// A process holds the device's VFIO group, or its VFIO device node, open.
     #[error("{address} is in use: its {} is held open by {}; nothing was changed", crate::vfio::describe_node(node), holder.describe())]
     VfioHeld {
@@ -108,6 +112,7 @@ pub enum ApiError {
 
 /// The reasons of the refusals the service decides itself, before the writer.
 const LIBVIRT_UNREACHABLE: &str = "LIBVIRT_UNREACHABLE";
+const FREE_CHECK_BUSY: &str = "FREE_CHECK_BUSY";
 const VFIO_GROUP_IN_USE: &str = "VFIO_GROUP_IN_USE";
 const VFIO_HOLDERS_UNKNOWN: &str = "VFIO_HOLDERS_UNKNOWN";
 const SNAPSHOT_AHEAD: &str = "SNAPSHOT_AHEAD";
@@ -123,6 +128,7 @@ impl ApiError {
     pub fn check_reason(&self) -> Option<&'static str> {
         match self {
             ApiError::LibvirtUnreachable { .. } => Some(LIBVIRT_UNREACHABLE),
+            ApiError::FreeCheckBusy { .. } => Some(FREE_CHECK_BUSY),
             ApiError::VfioHeld { .. } => Some(VFIO_GROUP_IN_USE),
             ApiError::HoldersUnknown { .. } => Some(VFIO_HOLDERS_UNKNOWN),
             ApiError::SnapshotAhead { .. } => Some(SNAPSHOT_AHEAD),
@@ -358,6 +364,14 @@ pub fn to_status(e: &ApiError) -> Status {
         ApiError::LibvirtUnreachable { what, .. } => {
             let meta = HashMap::from([("checking".to_string(), what.clone())]);
             let d = ErrorDetails::with_error_info(LIBVIRT_UNREACHABLE, ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::Unavailable, msg, d)
+        }
+        ApiError::FreeCheckBusy { what, ms } => {
+            let meta = HashMap::from([
+                ("checking".to_string(), what.clone()),
+                ("waited_ms".to_string(), ms.to_string()),
+            ]);
+            let d = ErrorDetails::with_error_info(FREE_CHECK_BUSY, ERROR_DOMAIN, meta);
             Status::with_error_details(Code::Unavailable, msg, d)
         }
         ApiError::VfioHeld {
