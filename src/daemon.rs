@@ -287,8 +287,11 @@ impl Agent {
         tokio::spawn(async move {
             let mut owed = Owed::default();
             let mut retry_in: Option<std::time::Duration> = None;
+            // Why the socket is down, until it is open again: no rescan's success says
+            // the agent is listening meanwhile.
+            let mut down: Option<String> = None;
             loop {
-                let take = |owed: &mut Owed, n: Notice| match n {
+                let mut take = |owed: &mut Owed, n: Notice| match n {
                     Notice::Device(ev) => {
                         metrics.uevent();
                         tracing::debug!(action = %ev.action, device = %ev.address, "uevent");
@@ -309,6 +312,16 @@ impl Agent {
                             format!("listening for PCI uevents; {events} handled, {resyncs} full rescan(s) after lost events (last: {why})"),
                         );
                         owed.resync = Some(why);
+                        down = None;
+                    }
+                    Notice::Down(why) => {
+                        tracing::error!(reason = %why, "no uevents are received until the socket is reopened");
+                        crate::domains::set_health(
+                            &hotplug,
+                            false,
+                            format!("not listening for PCI uevents: {why}; reopening it, then a full rescan"),
+                        );
+                        down = Some(why);
                     }
                 };
                 match retry_in {
@@ -346,7 +359,7 @@ impl Agent {
                 };
                 match result {
                     Ok(()) => {
-                        if retry_in.take().is_some() {
+                        if retry_in.take().is_some() && down.is_none() {
                             tracing::info!("the owed rescan is applied");
                             let (events, resyncs) = metrics.uevent_counts();
                             crate::domains::set_health(

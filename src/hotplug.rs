@@ -44,8 +44,12 @@ pub struct Uevent {
 pub enum Notice {
     /// A device changed: rescan it and its PF/VF relatives.
     Device(Uevent),
-    /// Events were lost (ENOBUFS) or the socket failed: rescan everything.
+    /// Events were lost (ENOBUFS, or the socket failed and is open again): rescan
+    /// everything.
     Resync(String),
+    /// The socket failed: no event is received until it is reopened (tried with backoff;
+    /// a [`Notice::Resync`] follows once it is).
+    Down(String),
 }
 
 /// Parses one uevent message: `ACTION@DEVPATH\0KEY=VALUE\0...` from the kernel.
@@ -127,8 +131,16 @@ impl UeventSocket {
         )?;
         Ok(Self { fd })
     }
+}
 
+/// Where the listener receives uevent messages from: the netlink socket, or in tests a
+/// script of messages and failures.
+trait Receive {
     /// Receives one message: `Ok(None)` on timeout, `Err(ENOBUFS)` after an overflow.
+    fn recv(&self, buf: &mut [u8]) -> Result<Option<usize>, Errno>;
+}
+
+impl Receive for UeventSocket {
     fn recv(&self, buf: &mut [u8]) -> Result<Option<usize>, Errno> {
         match recv(self.fd.as_raw_fd(), buf, MsgFlags::empty()) {
             Ok(n) => Ok(Some(n)),
@@ -148,10 +160,16 @@ pub fn spawn(
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name("hostdevd-uevents".into())
-        .spawn(move || listen(socket, rcvbuf, tx))
+        .spawn(move || listen(socket, || UeventSocket::open(rcvbuf), tx))
 }
 
-fn listen(mut socket: UeventSocket, rcvbuf: usize, tx: mpsc::UnboundedSender<Notice>) {
+/// The listener's loop: receives from `socket`, and after a failure other than an
+/// overflow says so ([`Notice::Down`]) and opens another with `reopen`.
+fn listen<S: Receive>(
+    mut socket: S,
+    mut reopen: impl FnMut() -> std::io::Result<S>,
+    tx: mpsc::UnboundedSender<Notice>,
+) {
     let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
         if tx.is_closed() {
@@ -172,14 +190,14 @@ fn listen(mut socket: UeventSocket, rcvbuf: usize, tx: mpsc::UnboundedSender<Not
                 ));
             }
             Err(e) => {
-                let _ = tx.send(Notice::Resync(format!("the uevent socket failed: {e}")));
+                let _ = tx.send(Notice::Down(format!("the uevent socket failed: {e}")));
                 let mut delay = Duration::from_millis(100);
                 socket = loop {
                     std::thread::sleep(delay);
                     if tx.is_closed() {
                         return;
                     }
-                    match UeventSocket::open(rcvbuf) {
+                    match reopen() {
                         Ok(s) => break s,
                         Err(e) => {
                             tracing::error!(error = %e, "cannot reopen the uevent socket");
@@ -187,7 +205,9 @@ fn listen(mut socket: UeventSocket, rcvbuf: usize, tx: mpsc::UnboundedSender<Not
                         }
                     }
                 };
-                let _ = tx.send(Notice::Resync("the uevent socket was reopened".into()));
+                let _ = tx.send(Notice::Resync(
+                    "the uevent socket failed and was reopened: events were lost".into(),
+                ));
             }
         }
     }
@@ -196,6 +216,87 @@ fn listen(mut socket: UeventSocket, rcvbuf: usize, tx: mpsc::UnboundedSender<Not
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A receiver that plays a script of results, then times out (`Ok(None)`).
+    struct Script(std::sync::Mutex<std::collections::VecDeque<Result<Vec<u8>, Errno>>>);
+
+    impl Script {
+        fn new(steps: Vec<Result<Vec<u8>, Errno>>) -> Self {
+            Script(std::sync::Mutex::new(steps.into()))
+        }
+    }
+
+    impl Receive for Script {
+        fn recv(&self, buf: &mut [u8]) -> Result<Option<usize>, Errno> {
+            let step = self.0.lock().expect("script").pop_front();
+            match step {
+                Some(Ok(m)) => {
+                    buf[..m.len()].copy_from_slice(&m);
+                    Ok(Some(m.len()))
+                }
+                Some(Err(e)) => Err(e),
+                None => {
+                    std::thread::sleep(Duration::from_millis(5));
+                    Ok(None)
+                }
+            }
+        }
+    }
+
+    /// A failed socket is reported as down (the agent's health says so) until another
+    /// is open, which asks for a full rescan; an overflow asks for one at once; events
+    /// on the new socket come through.
+    #[test]
+    fn a_failed_socket_is_down_until_reopened_then_everything_is_rescanned() {
+        let add = msg(&[
+            "add@/devices/pci0000:00/0000:01:00.2",
+            "ACTION=add",
+            "SUBSYSTEM=pci",
+        ]);
+        let first = Script::new(vec![Err(Errno::ENOBUFS), Err(Errno::EIO)]);
+        let mut opens = 0;
+        let reopen = move || {
+            opens += 1;
+            if opens < 3 {
+                Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied))
+            } else {
+                Ok(Script::new(vec![Ok(add.clone())]))
+            }
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let listener = std::thread::spawn(move || listen(first, reopen, tx));
+        let mut got = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while got.len() < 4 {
+            match rx.try_recv() {
+                Ok(n) => got.push(n),
+                Err(_) => {
+                    assert!(std::time::Instant::now() < deadline, "only {got:?}");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        }
+        assert!(
+            matches!(&got[0], Notice::Resync(w) if w.contains("ENOBUFS")),
+            "{got:?}"
+        );
+        assert!(
+            matches!(&got[1], Notice::Down(w) if w.contains("EIO")),
+            "{got:?}"
+        );
+        assert!(
+            matches!(&got[2], Notice::Resync(w) if w.contains("reopened")),
+            "{got:?}"
+        );
+        assert!(
+            matches!(&got[3], Notice::Device(ev) if ev.address.to_string() == "0000:01:00.2"),
+            "{got:?}"
+        );
+        drop(rx);
+        listener
+            .join()
+            .expect("the listener ends once the agent is gone");
+    }
 
     fn msg(parts: &[&str]) -> Vec<u8> {
         parts.join("\0").into_bytes()
