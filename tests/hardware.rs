@@ -1031,6 +1031,8 @@ async fn a_vf_count_change_left_running_does_not_hold_the_rescans() {
     let mut c = s.client().await;
     let v = vf(&mut c, 0).await;
     let pf = device(&mut c, PF).await.expect("PF");
+    // Threads another test left to finish alone count here too.
+    let before = sysfs_threads();
     let answered = tokio::time::timeout(Duration::from_secs(10), set_vfs(&mut c, 2, pf.generation))
         .await
         .expect("the change is answered while its write still hangs");
@@ -1039,6 +1041,14 @@ async fn a_vf_count_change_left_running_does_not_hold_the_rescans() {
     assert!(
         hang.load(std::sync::atomic::Ordering::SeqCst),
         "still hanging"
+    );
+    // Read again every second meanwhile, the PF keeps one read waiting in the kernel,
+    // not one a try (and the agent's hung write its own thread).
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let waiting = sysfs_threads();
+    assert!(
+        waiting <= before + 2,
+        "{waiting} sysfs threads after three tries ({before} before the change)"
     );
     // Reads are served meanwhile, and the VFs mid-change cannot be claimed.
     let during = device(&mut c, &v).await;
@@ -1056,6 +1066,16 @@ async fn a_vf_count_change_left_running_does_not_hold_the_rescans() {
     claim(&mut c, &v, 1, false).await.expect("claimable again");
     assert_eq!(fs.attempts("sriov_numvfs"), ["0"]);
     s.stop().await;
+}
+
+/// How many of this process's threads are the agent's sysfs reads and writes (their
+/// names cut to the kernel's 15 bytes).
+fn sysfs_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .expect("tasks")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.starts_with("hostdevd-sysfs-"))
+        .count()
 }
 
 /// A VF's address from the tree itself (before any agent runs): its PF's `virtfn{i}`.

@@ -4,11 +4,12 @@
 //! attribute comes back as an error naming the path, never as a panic. The parsers are
 //! split from the readers so they can be tested (and fuzzed) on bytes alone.
 
+use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::{mpsc, Mutex};
 use std::time::Duration;
 
 use crate::pci::PciAddress;
@@ -71,21 +72,42 @@ pub(crate) fn on_thread<T: Send + 'static>(
     Ok(rx.recv_timeout(limit).ok())
 }
 
+/// The paths whose read by [`read_text_within`] the kernel has not answered yet.
+static UNANSWERED: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
+
 /// [`read_text`] on a thread of its own, waiting at most `limit`
 /// ([`SysfsError::NoAnswer`] after it), for attributes the kernel shows under the
-/// device's lock.
+/// device's lock. While an earlier read of the same path still waits in the kernel, the
+/// answer is [`SysfsError::NoAnswer`] at once: a device held for an hour, read again
+/// every second, keeps one thread waiting, not thousands.
 pub fn read_text_within(path: &Path, limit: Duration) -> Result<String, SysfsError> {
+    let no_answer = || SysfsError::NoAnswer {
+        path: path.to_path_buf(),
+        after: limit,
+    };
+    let unanswered = || UNANSWERED.lock().unwrap_or_else(|p| p.into_inner());
+    if !unanswered().insert(path.to_path_buf()) {
+        return Err(no_answer());
+    }
     let p = path.to_path_buf();
-    match on_thread("hostdevd-sysfs-read", limit, move || read_text(&p)) {
+    let read = on_thread("hostdevd-sysfs-read", limit, move || {
+        let read = read_text(&p);
+        UNANSWERED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&p);
+        read
+    });
+    match read {
         Ok(Some(read)) => read,
-        Ok(None) => Err(SysfsError::NoAnswer {
-            path: path.to_path_buf(),
-            after: limit,
-        }),
-        Err(source) => Err(SysfsError::Read {
-            path: path.to_path_buf(),
-            source,
-        }),
+        Ok(None) => Err(no_answer()),
+        Err(source) => {
+            unanswered().remove(path);
+            Err(SysfsError::Read {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
     }
 }
 
