@@ -161,38 +161,24 @@ impl Hardware {
         step: &'static str,
         path: &Path,
     ) -> Result<Option<String>, HardwareError> {
-        let p = path.to_path_buf();
-        self.read_on_thread(address, step, path, move || {
-            crate::sysfs::attr::read_optional_text(&p)
-        })
-    }
-
-    /// Runs `read` (of `path`) on a thread of its own and waits at most the step
-    /// timeout for it; a read that never returns keeps only that thread.
-    fn read_on_thread<T: Send + 'static>(
-        &self,
-        address: PciAddress,
-        step: &'static str,
-        path: &Path,
-        read: impl FnOnce() -> Result<T, crate::sysfs::SysfsError> + Send + 'static,
-    ) -> Result<T, HardwareError> {
-        let failed = |detail| HardwareError::Read {
-            address,
-            step,
-            path: path.to_path_buf(),
-            detail,
-        };
-        match crate::sysfs::attr::on_thread("hostdevd-sysfs-read", self.step_timeout, read) {
-            Err(e) => Err(failed(format!("cannot start a thread to read it: {e}"))),
-            Ok(Some(Ok(v))) => Ok(v),
-            Ok(Some(Err(e))) => Err(failed(e.full_message())),
-            Ok(None) => Err(HardwareError::ReadTimeout {
-                address,
-                step,
-                path: path.to_path_buf(),
-                after: self.step_timeout,
-            }),
-        }
+        // At most one read of a path waits in the kernel: a client retrying every second
+        // while a PF is held gets its timeout at once, and no thread more.
+        crate::sysfs::attr::read_optional_text_within(path, self.step_timeout).map_err(
+            |e| match e {
+                crate::sysfs::SysfsError::NoAnswer { .. } => HardwareError::ReadTimeout {
+                    address,
+                    step,
+                    path: path.to_path_buf(),
+                    after: self.step_timeout,
+                },
+                e => HardwareError::Read {
+                    address,
+                    step,
+                    path: path.to_path_buf(),
+                    detail: e.full_message(),
+                },
+            },
+        )
     }
 
     /// [`Self::write`], waiting at most `timeout` (for `sriov_numvfs`, the VF count
@@ -294,55 +280,9 @@ impl Hardware {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::mpsc;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     use super::*;
-
-    /// A read the kernel does not answer (it holds the device while a VF count change
-    /// that outlived its own timeout still runs) is given up after the step timeout, so
-    /// the writer thread, which checks the VF count before a change, is not held with it.
-    #[test]
-    fn a_read_that_hangs_is_given_up_after_the_step_timeout() {
-        let hw = Hardware {
-            sysfs_root: PathBuf::from("/nonexistent"),
-            step_timeout: Duration::from_millis(100),
-            vf_count_timeout: Duration::from_secs(10),
-        };
-        let (release, held) = mpsc::channel::<()>();
-        let a: PciAddress = "0000:3b:00.0".parse().expect("address");
-        let started = Instant::now();
-        let err = hw
-            .read_on_thread(
-                a,
-                "read sriov_numvfs",
-                Path::new("sriov_numvfs"),
-                move || {
-                    let _ = held.recv();
-                    Ok(Some("4".to_string()))
-                },
-            )
-            .expect_err("no answer");
-        assert!(
-            matches!(
-                &err,
-                HardwareError::ReadTimeout {
-                    step: "read sriov_numvfs",
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        assert!(started.elapsed() >= Duration::from_millis(100));
-        drop(release);
-        // An answer in time is passed on.
-        let v = hw
-            .read_on_thread(a, "read sriov_numvfs", Path::new("sriov_numvfs"), || {
-                Ok(Some("4".to_string()))
-            })
-            .expect("answered");
-        assert_eq!(v.as_deref(), Some("4"));
-    }
 
     /// A PF's counts are plain decimal numbers, as the scan reads them ("+4" is not
     /// one), and a PF that is gone is gone, not "no PF".

@@ -81,6 +81,23 @@ static UNANSWERED: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
 /// answer is [`SysfsError::NoAnswer`] at once: a device held for an hour, read again
 /// every second, keeps one thread waiting, not thousands.
 pub fn read_text_within(path: &Path, limit: Duration) -> Result<String, SysfsError> {
+    within(path, limit, read_text)
+}
+
+/// [`read_optional_text`] as [`read_text_within`] reads.
+pub fn read_optional_text_within(
+    path: &Path,
+    limit: Duration,
+) -> Result<Option<String>, SysfsError> {
+    within(path, limit, read_optional_text)
+}
+
+/// `read(path)` on a thread of its own, at most one waiting in the kernel per path.
+fn within<T: Send + 'static>(
+    path: &Path,
+    limit: Duration,
+    read: impl FnOnce(&Path) -> Result<T, SysfsError> + Send + 'static,
+) -> Result<T, SysfsError> {
     let no_answer = || SysfsError::NoAnswer {
         path: path.to_path_buf(),
         after: limit,
@@ -91,7 +108,7 @@ pub fn read_text_within(path: &Path, limit: Duration) -> Result<String, SysfsErr
     }
     let p = path.to_path_buf();
     let read = on_thread("hostdevd-sysfs-read", limit, move || {
-        let read = read_text(&p);
+        let read = read(&p);
         UNANSWERED
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -323,6 +340,43 @@ pub fn vfio_device_names(device_dir: &Path) -> Result<Vec<String>, SysfsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A read the kernel does not answer (it holds the device while a VF count change
+    /// still runs) is given up after the limit; while it still waits, another read of
+    /// the same path is not started (no thread more) and gets the same answer; once it
+    /// returns, the path is read again, and an answer in time is passed on.
+    #[test]
+    fn a_read_that_hangs_is_given_up_and_not_started_twice() {
+        let path = Path::new("/nonexistent/0000:3b:00.0/sriov_numvfs");
+        let limit = Duration::from_millis(100);
+        let (release, held) = mpsc::channel::<()>();
+        let (done_tx, done) = mpsc::channel::<()>();
+        let err = within(path, limit, move |_| {
+            let _ = held.recv();
+            let _ = done_tx.send(());
+            Ok("4".to_string())
+        })
+        .expect_err("no answer");
+        assert!(
+            matches!(&err, SysfsError::NoAnswer { after, .. } if *after == limit),
+            "{err}"
+        );
+        let err = within(path, limit, |_| -> Result<String, SysfsError> {
+            panic!("a second read started while the first waits")
+        })
+        .expect_err("still waiting");
+        assert!(matches!(&err, SysfsError::NoAnswer { .. }), "{err}");
+        drop(release);
+        done.recv().expect("the first read returned");
+        // Its thread forgets the path just after it answers.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while UNANSWERED.lock().expect("set").contains(path) {
+            assert!(std::time::Instant::now() < deadline, "never forgotten");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let v = within(path, limit, |_| Ok("4".to_string())).expect("answered");
+        assert_eq!(v, "4");
+    }
     use proptest::prelude::*;
 
     fn p() -> &'static Path {
