@@ -57,12 +57,14 @@ pub enum HardwareError {
         path: PathBuf,
         after: Duration,
     },
-    #[error("{address}: {step}: no answer from the kernel within {after:?} reading {path} (the kernel holds the device while it changes it: a VF count change or a driver probe still running?)")]
+    #[error("{address}: {step}: no answer from the kernel {} reading {path} (the kernel holds the device while it changes it: a VF count change or a driver probe still running?)", crate::sysfs::waited(.after, .earlier))]
     ReadTimeout {
         address: PciAddress,
         step: &'static str,
         path: PathBuf,
         after: Duration,
+        /// Not started: an earlier read of the path still waits in the kernel.
+        earlier: bool,
     },
     #[error("{address}: {step}: expected driver {expected}, found {found}")]
     Driver {
@@ -162,14 +164,17 @@ impl Hardware {
         path: &Path,
     ) -> Result<Option<String>, HardwareError> {
         // At most one read of a path waits in the kernel: a client retrying every second
-        // while a PF is held gets its timeout at once, and no thread more.
+        // while a PF is held is answered at once, with no thread more. (Reads of one
+        // path by the writer and by scans take turns, under the rescanners' turn, so an
+        // earlier read still waiting is one that timed out.)
         crate::sysfs::attr::read_optional_text_within(path, self.step_timeout).map_err(
             |e| match e {
-                crate::sysfs::SysfsError::NoAnswer { .. } => HardwareError::ReadTimeout {
+                crate::sysfs::SysfsError::NoAnswer { earlier, .. } => HardwareError::ReadTimeout {
                     address,
                     step,
                     path: path.to_path_buf(),
                     after: self.step_timeout,
+                    earlier,
                 },
                 e => HardwareError::Read {
                     address,
@@ -294,8 +299,8 @@ mod tests {
         let tree = f.build();
         let hw = Hardware {
             sysfs_root: tree.sysfs_root().to_path_buf(),
-            step_timeout: Duration::from_millis(500),
-            vf_count_timeout: Duration::from_millis(500),
+            step_timeout: Duration::from_secs(5),
+            vf_count_timeout: Duration::from_secs(5),
         };
         let a = crate::simhost::addr(pf);
         assert_eq!(hw.total_vfs(a).expect("total"), 8);

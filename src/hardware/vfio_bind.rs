@@ -154,8 +154,8 @@ mod tests {
         let tree = f.build();
         let hw = Hardware {
             sysfs_root: tree.sysfs_root().to_path_buf(),
-            step_timeout: Duration::from_millis(50),
-            vf_count_timeout: Duration::from_millis(50),
+            step_timeout: Duration::from_secs(5),
+            vf_count_timeout: Duration::from_secs(5),
         };
         let err = hw
             .restore_driver(addr(VF), Some("ixgbevf"), None)
@@ -195,8 +195,8 @@ mod tests {
         let tree = f.build();
         let hw = Hardware {
             sysfs_root: tree.sysfs_root().to_path_buf(),
-            step_timeout: Duration::from_millis(50),
-            vf_count_timeout: Duration::from_millis(50),
+            step_timeout: Duration::from_secs(5),
+            vf_count_timeout: Duration::from_secs(5),
         };
         assert_eq!(hw.driver(addr(VF), "check").expect("unbound"), None);
         let dir = std::fs::canonicalize(hw.device_dir(addr(VF))).expect("directory");

@@ -98,13 +98,14 @@ fn within<T: Send + 'static>(
     limit: Duration,
     read: impl FnOnce(&Path) -> Result<T, SysfsError> + Send + 'static,
 ) -> Result<T, SysfsError> {
-    let no_answer = || SysfsError::NoAnswer {
+    let no_answer = |earlier| SysfsError::NoAnswer {
         path: path.to_path_buf(),
         after: limit,
+        earlier,
     };
     let unanswered = || UNANSWERED.lock().unwrap_or_else(|p| p.into_inner());
     if !unanswered().insert(path.to_path_buf()) {
-        return Err(no_answer());
+        return Err(no_answer(true));
     }
     let p = path.to_path_buf();
     let read = on_thread("hostdevd-sysfs-read", limit, move || {
@@ -117,7 +118,7 @@ fn within<T: Send + 'static>(
     });
     match read {
         Ok(Some(read)) => read,
-        Ok(None) => Err(no_answer()),
+        Ok(None) => Err(no_answer(false)),
         Err(source) => {
             unanswered().remove(path);
             Err(SysfsError::Read {
@@ -358,14 +359,18 @@ mod tests {
         })
         .expect_err("no answer");
         assert!(
-            matches!(&err, SysfsError::NoAnswer { after, .. } if *after == limit),
+            matches!(&err, SysfsError::NoAnswer { after, earlier: false, .. } if *after == limit),
             "{err}"
         );
         let err = within(path, limit, |_| -> Result<String, SysfsError> {
             panic!("a second read started while the first waits")
         })
         .expect_err("still waiting");
-        assert!(matches!(&err, SysfsError::NoAnswer { .. }), "{err}");
+        assert!(
+            matches!(&err, SysfsError::NoAnswer { earlier: true, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("an earlier read"), "{err}");
         drop(release);
         done.recv().expect("the first read returned");
         // Its thread forgets the path just after it answers.

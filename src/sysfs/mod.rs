@@ -127,14 +127,29 @@ pub enum SysfsError {
         value: String,
         expected: &'static str,
     },
-    #[error("{path} did not answer within {after:?}: the kernel holds the device, as it does while a VF count change runs")]
-    NoAnswer { path: PathBuf, after: Duration },
+    /// A read the kernel did not answer within `after`, or (`earlier`) not started
+    /// because an earlier read of the same path still waits.
+    #[error("{path} did not answer {}: the kernel holds the device, as it does while a VF count change runs", waited(.after, .earlier))]
+    NoAnswer {
+        path: PathBuf,
+        after: Duration,
+        earlier: bool,
+    },
     #[error("the device directory {path} of {address} vanished or is unreadable")]
     DeviceGone {
         address: PciAddress,
         path: PathBuf,
         source: io::Error,
     },
+}
+
+/// How long a read the kernel did not answer waited, in words.
+pub fn waited(after: &Duration, earlier: &bool) -> String {
+    if *earlier {
+        "(an earlier read of it still waits in the kernel)".to_string()
+    } else {
+        format!("within {after:?}")
+    }
 }
 
 impl SysfsError {
