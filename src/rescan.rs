@@ -3,7 +3,8 @@
 //! with their PF/VF relatives. Scans run off the async threads.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -22,27 +23,76 @@ pub enum RescanError {
     Write(#[from] WriteError),
     #[error("the scan thread failed: {0}")]
     Thread(String),
-    /// A PF the kernel held past the read limit: a VF count change runs on it, and what
-    /// a scan reads of it and its VFs now is mid-change. Nothing was applied.
-    #[error("{address} is held by the kernel (a VF count change runs on it: its sriov_numvfs did not answer within {after:?}); nothing was applied, it is read again later")]
-    Held {
-        address: PciAddress,
-        after: Duration,
-    },
 }
 
-/// How long a rescan that met a PF held by the kernel waits before it reads again.
+/// How long the devices of a PF held by the kernel wait before they are read again.
 pub const HELD_RETRY: Duration = Duration::from_secs(1);
 
-/// [`RescanError::Held`] for the first device of `devices` the kernel held, if any.
-fn held<'a>(mut devices: impl Iterator<Item = &'a PciDevice>) -> Result<(), RescanError> {
-    match devices.find(|d| d.held) {
-        Some(d) => Err(RescanError::Held {
-            address: d.address,
-            after: sysfs::attr::LOCKED_READ_LIMIT,
-        }),
-        None => Ok(()),
+/// A read of some devices, settled (see [`sysfs::settle`]).
+#[derive(Debug, Default)]
+struct Sorted {
+    /// To apply as read.
+    read: Vec<PciDevice>,
+    /// Removed while they were read: gone.
+    gone: Vec<PciAddress>,
+    /// To keep as the ledger has them: they kept changing while they were read, or
+    /// their PF (or they themselves, a PF) were held by the kernel, mid-change.
+    kept: Vec<PciAddress>,
+    /// Those of `kept` held by the kernel (a PF and its VFs): read again once it lets go.
+    held: BTreeSet<PciAddress>,
+}
+
+/// Settles each device read with problems, and sets aside a PF the kernel held (a VF
+/// count change runs on it: its `sriov_numvfs` did not answer) with its VFs, those it
+/// lists and those that name it: what was read of them is mid-change, and applied, it
+/// would bring back VFs the change is destroying.
+fn sort(
+    root: &Path,
+    dev: &Path,
+    names: &PciNames,
+    devices: Vec<PciDevice>,
+) -> Result<Sorted, SysfsError> {
+    let held_pfs: BTreeSet<PciAddress> = devices
+        .iter()
+        .filter(|d| d.held)
+        .map(|d| d.address)
+        .collect();
+    let mut sorted = Sorted::default();
+    for d in &devices {
+        if d.held {
+            sorted.held.insert(d.address);
+            sorted
+                .held
+                .extend(d.sriov.iter().flat_map(|s| s.vfs.iter().copied()));
+        } else if d.physfn.is_some_and(|pf| held_pfs.contains(&pf)) {
+            sorted.held.insert(d.address);
+        }
     }
+    for d in devices {
+        let a = d.address;
+        if sorted.held.contains(&a) {
+            sorted.kept.push(a);
+            continue;
+        }
+        match sysfs::settle(root, dev, names, d)? {
+            Settled::Read(d) if d.held => {
+                // Held since it was first read.
+                tracing::warn!(device = %a, "the kernel holds the device now; kept as it was");
+                sorted.held.insert(a);
+                sorted.kept.push(a);
+            }
+            Settled::Read(d) => sorted.read.push(d),
+            Settled::Gone => sorted.gone.push(a),
+            Settled::Unsettled(d) => {
+                tracing::warn!(device = %a, problems = ?d.errors, "device changed while it was read; kept as it was");
+                sorted.kept.push(a);
+            }
+        }
+    }
+    if !held_pfs.is_empty() {
+        tracing::warn!(pfs = ?held_pfs, "a VF count change runs on these PFs: they and their VFs are kept as they were, and read again every second until it is done");
+    }
+    Ok(sorted)
 }
 
 /// PCI functions the kernel said it removed, each with the highest sequence number of
@@ -73,6 +123,23 @@ pub struct Rescanner {
     /// that finds a device and keeps its record says nothing of which device it is (it
     /// may be a new one whose removal is still to be read), so it does not count.
     seen_at: RwLock<BTreeMap<PciAddress, u64>>,
+    /// Devices kept as they were because the kernel held their PF, to read again every
+    /// [`HELD_RETRY`]; one task at a time does, while any are left.
+    held: Mutex<HeldRetry>,
+}
+
+/// See [`Rescanner::held`].
+#[derive(Debug, Default)]
+struct HeldRetry {
+    addresses: BTreeSet<PciAddress>,
+    running: bool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
 }
 
 fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
@@ -105,85 +172,65 @@ impl Rescanner {
             writer,
             turn: Arc::new(tokio::sync::Mutex::new(())),
             seen_at: RwLock::new(BTreeMap::new()),
+            held: Mutex::new(HeldRetry::default()),
         }
     }
 
     /// A full scan, applied to the ledger; with `selection`, that selection is used from
     /// now on (a reload).
-    ///
-    /// While a PF is held by the kernel (a VF count change runs on it), the scan is read
-    /// again every [`HELD_RETRY`], the turn let go in between: a full scan is not applied
-    /// half-changed, and other rescans and hardware actions are not held meanwhile.
-    pub async fn full(&self, selection: Option<Selection>) -> Result<(), RescanError> {
-        loop {
-            match self.full_once(selection.clone()).await {
-                Err(RescanError::Held { address, .. }) => {
-                    tracing::warn!(pf = %address, "a VF count change runs on a PF; the full scan is read again in a second");
-                    tokio::time::sleep(HELD_RETRY).await;
-                }
-                done => return done,
-            }
-        }
-    }
-
-    /// One try of [`Self::full`].
-    async fn full_once(&self, selection: Option<Selection>) -> Result<(), RescanError> {
+    pub async fn full(self: &Arc<Self>, selection: Option<Selection>) -> Result<(), RescanError> {
         let _turn = self.turn.lock().await;
         let (root, dev, names) = (
             self.sysfs_root.clone(),
             self.dev_root.clone(),
             self.names.clone(),
         );
-        let (seq, mut inv, unsettled) = tokio::task::spawn_blocking(move || {
+        let (seq, errors, sorted) = tokio::task::spawn_blocking(move || {
             let seq = sysfs::uevent_seqnum(&root);
-            let mut inv = sysfs::scan(&root, &dev, &names)?;
-            held(inv.devices.iter())?;
-            let mut unsettled = Vec::new();
-            let mut devices = Vec::with_capacity(inv.devices.len());
-            for d in std::mem::take(&mut inv.devices) {
-                match sysfs::settle(&root, &dev, &names, d)? {
-                    Settled::Read(d) => devices.push(d),
-                    Settled::Gone => {}
-                    Settled::Unsettled(d) => unsettled.push(d),
-                }
-            }
-            // Read again, a device may have met a change that began since.
-            held(devices.iter())?;
-            inv.devices = devices;
-            Ok::<_, RescanError>((seq, inv, unsettled))
+            let inv = sysfs::scan(&root, &dev, &names)?;
+            let sorted = sort(&root, &dev, &names, inv.devices)?;
+            Ok::<_, SysfsError>((seq, inv.errors, sorted))
         })
         .await
         .map_err(|e| RescanError::Thread(e.to_string()))??;
-        for e in &inv.errors {
+        for e in &errors {
             tracing::warn!(problem = %e, "sysfs entry skipped");
         }
-        for d in inv.devices.iter().filter(|d| !d.errors.is_empty()) {
+        let Sorted {
+            read: mut devices,
+            kept,
+            held,
+            ..
+        } = sorted;
+        for d in devices.iter().filter(|d| !d.errors.is_empty()) {
             tracing::warn!(device = %d.address, problems = ?d.errors, "device read with problems");
         }
-        let sel = selection.unwrap_or_else(|| read(&self.selection).clone());
-        let mut facts = sel.facts(&inv.devices);
-        // A device that kept changing while it was read stays as the ledger has it, with
-        // the details last published for it; one the ledger lacks waits for its next read.
-        let view = self.writer.view();
-        for d in unsettled {
-            tracing::warn!(device = %d.address, problems = ?d.errors, "device changed while it was read; kept as it was");
-            if let Some(r) = view.ledger.record_at(d.address) {
-                facts.push(r.facts.clone());
-                if let Some(last) = view.sysfs_device(&d.address) {
-                    inv.devices.push(last.clone());
+        // A device kept as it was (see `Sorted::kept`) stays as the ledger has it, with
+        // the details last published for it, under the selection in force now; one the
+        // ledger lacks (or has gone) waits for its next read.
+        let mut facts_kept = Vec::new();
+        {
+            let view = self.writer.view();
+            for a in kept {
+                if let Some(r) = view.ledger.record_at(a) {
+                    match view.sysfs_device(&a) {
+                        Some(last) => devices.push(last.clone()),
+                        None => facts_kept.push(r.facts.clone()),
+                    }
                 }
             }
         }
-        drop(view);
+        let sel = selection.unwrap_or_else(|| read(&self.selection).clone());
+        let mut facts = sel.facts(&devices);
+        facts.extend(facts_kept);
         // The sysfs details go out with the facts, in the same view; the selection
         // changes only once the ledger took the scan: a scan the ledger refused (a full
         // disk) leaves both as they were, and a retry finds the same differences again
         // (an owed hotplug rescan is retried; a refused reload is logged, and applies at
         // the next SIGHUP).
-        let before = self.present_records(inv.devices.iter().map(|d| d.address));
         let found: BTreeSet<PciAddress> = facts.iter().map(|f| f.address).collect();
-        let details: SysfsDevices = inv
-            .devices
+        let before = self.present_records(found.iter().copied());
+        let details: SysfsDevices = devices
             .into_iter()
             .map(|d| (d.address, Arc::new(d)))
             .collect();
@@ -191,6 +238,7 @@ impl Rescanner {
         *write(&self.selection) = sel;
         write(&self.seen_at).retain(|a, _| found.contains(a));
         self.note_found(seq, found.into_iter(), &before);
+        self.read_again_when_let_go(held);
         Ok(())
     }
 
@@ -246,7 +294,7 @@ impl Rescanner {
 
     /// A full scan (lost uevents) after `removed`, PCI functions the kernel said it
     /// removed, leave the ledger: a device at one of their addresses now is a new one.
-    pub async fn full_after(&self, removed: &Removals) -> Result<(), RescanError> {
+    pub async fn full_after(self: &Arc<Self>, removed: &Removals) -> Result<(), RescanError> {
         if !removed.is_empty() {
             let _turn = self.turn.lock().await;
             let gone = self.own_removals(removed);
@@ -273,7 +321,7 @@ impl Rescanner {
     /// leaves the ledger first, so a device found at its address now is a new one,
     /// without the old one's claim (which is kept, lost).
     pub async fn devices(
-        &self,
+        self: &Arc<Self>,
         addresses: BTreeSet<PciAddress>,
         removed: &Removals,
     ) -> Result<(), RescanError> {
@@ -295,11 +343,9 @@ impl Rescanner {
     /// names from its result, before any other rescan may apply. Without it, a hotplug
     /// rescan that read sysfs before the action and applied after it would bring back,
     /// free and claimable, the VFs the action destroyed (until their own events were
-    /// read).
-    ///
-    /// Where the action left a PF held by the kernel (a VF count change that outlived its
-    /// timeout), nothing is applied now ([`RescanError::Held`]): the devices are read
-    /// again every [`HELD_RETRY`] on a task of their own until the kernel lets go.
+    /// read). Where the action left a PF held by the kernel (a VF count change that
+    /// outlived its timeout), it and its VFs stay as the ledger has them until the kernel
+    /// lets go (see [`Self::read_again_when_let_go`]).
     pub async fn around<T>(
         self: &Arc<Self>,
         held: tokio::sync::OwnedMutexGuard<()>,
@@ -312,36 +358,46 @@ impl Rescanner {
         let rescanned = if addresses.is_empty() {
             Ok(())
         } else {
-            let r = self
-                .devices_in_turn(addresses.clone(), &Removals::new())
-                .await;
-            if matches!(r, Err(RescanError::Held { .. })) {
-                self.clone().read_again_when_let_go(addresses);
-            }
-            r
+            self.devices_in_turn(addresses, &Removals::new()).await
         };
         (out, rescanned)
     }
 
-    /// Rescans `addresses` every [`HELD_RETRY`] until no PF among them is held by the
-    /// kernel, then applies them (a uevent's rescan may get there first: each reads
-    /// what is there then).
-    fn read_again_when_let_go(self: Arc<Self>, addresses: BTreeSet<PciAddress>) {
+    /// Reads `addresses` (kept as they were because the kernel held their PF) again
+    /// every [`HELD_RETRY`], each rescan applying what the kernel lets go and keeping the
+    /// rest for the next; one task does it while any are left, however many rescans
+    /// meet the PF meanwhile (a client retrying a VF count change every second adds none).
+    /// A uevent's rescan may get to them first: each reads what is there then.
+    fn read_again_when_let_go(self: &Arc<Self>, addresses: BTreeSet<PciAddress>) {
+        if addresses.is_empty() {
+            return;
+        }
+        {
+            let mut held = lock(&self.held);
+            held.addresses.extend(addresses);
+            if std::mem::replace(&mut held.running, true) {
+                return;
+            }
+        }
+        let this = self.clone();
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(HELD_RETRY).await;
-                match self.devices(addresses.clone(), &Removals::new()).await {
-                    Err(RescanError::Held { .. }) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "rescan after a hardware action failed");
+                let addresses = {
+                    let mut held = lock(&this.held);
+                    if held.addresses.is_empty() {
+                        held.running = false;
                         return;
                     }
-                    Ok(()) => {
-                        tracing::info!(
-                            devices = addresses.len(),
-                            "rescanned after the kernel let the PF go"
-                        );
-                        return;
+                    std::mem::take(&mut held.addresses)
+                };
+                // Those still held come back to the set through this rescan.
+                let n = addresses.len();
+                match this.devices(addresses, &Removals::new()).await {
+                    Ok(()) => tracing::debug!(devices = n, "devices of a held PF read again"),
+                    // The uevents that follow a change rescan them again.
+                    Err(e) => {
+                        tracing::warn!(error = %e, "rescan of the devices of a held PF failed")
                     }
                 }
             }
@@ -350,7 +406,7 @@ impl Rescanner {
 
     /// [`Self::devices`], with the turn already taken.
     async fn devices_in_turn(
-        &self,
+        self: &Arc<Self>,
         addresses: BTreeSet<PciAddress>,
         removed: &Removals,
     ) -> Result<(), RescanError> {
@@ -369,7 +425,7 @@ impl Rescanner {
             self.dev_root.clone(),
             self.names.clone(),
         );
-        let (seq, scanned) = tokio::task::spawn_blocking(move || {
+        let (seq, scanned, held) = tokio::task::spawn_blocking(move || {
             let seq = sysfs::uevent_seqnum(&root);
             let mut out: BTreeMap<PciAddress, Option<PciDevice>> = BTreeMap::new();
             let mut queue: Vec<PciAddress> = wanted.into_iter().collect();
@@ -385,26 +441,22 @@ impl Rescanner {
                 }
                 out.insert(a, d);
             }
-            // A PF mid-change: nothing of it or its VFs is applied until it is done.
-            held(out.values().flatten())?;
-            // As in a full scan: a device removed while it was read is gone, and one that
-            // kept changing is left as it was (no change for it at all).
+            // As in a full scan: a device removed while it was read is gone, and one kept
+            // as it was has no change at all.
             let mut settled = BTreeMap::new();
+            let mut present = Vec::with_capacity(out.len());
             for (a, d) in out {
-                match d.map(|d| sysfs::settle(&root, &dev, &names, d)).transpose()? {
-                    None | Some(Settled::Gone) => {
+                match d {
+                    Some(d) => present.push(d),
+                    None => {
                         settled.insert(a, None);
-                    }
-                    Some(Settled::Read(d)) => {
-                        settled.insert(a, Some(d));
-                    }
-                    Some(Settled::Unsettled(d)) => {
-                        tracing::warn!(device = %a, problems = ?d.errors, "device changed while it was read; kept as it was");
                     }
                 }
             }
-            held(settled.values().flatten())?;
-            Ok::<_, RescanError>((seq, settled))
+            let sorted = sort(&root, &dev, &names, present)?;
+            settled.extend(sorted.gone.into_iter().map(|a| (a, None)));
+            settled.extend(sorted.read.into_iter().map(|d| (d.address, Some(d))));
+            Ok::<_, SysfsError>((seq, settled, sorted.held))
         })
         .await
         .map_err(|e| RescanError::Thread(e.to_string()))??;
@@ -465,6 +517,7 @@ impl Rescanner {
             }
         }
         self.note_found(seq, found.into_iter(), &before);
+        self.read_again_when_let_go(held);
         Ok(())
     }
 }

@@ -1068,6 +1068,59 @@ async fn a_vf_count_change_left_running_does_not_hold_the_rescans() {
     s.stop().await;
 }
 
+/// An agent that starts while a VF count change runs on a PF (started by another tool:
+/// the kernel holds the PF, and a read of its `sriov_numvfs` waits) becomes ready all the
+/// same, with the PF and its VFs set aside rather than read mid-change; once the kernel
+/// lets go they are read, with no uevent to prompt it, and claimable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_starting_while_a_pf_is_held_is_ready_and_reads_it_later() {
+    let _alone = alone().await;
+    let t = tree();
+    let fs = support::faultfs::FaultFs::mount(&[("sriov_numvfs", "4\n")]);
+    let hang = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let held = hang.clone();
+    fs.during_read("sriov_numvfs", move || {
+        let start = Instant::now();
+        while held.load(std::sync::atomic::Ordering::SeqCst)
+            && start.elapsed() < Duration::from_secs(20)
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    let v = virtfn(&t, 0);
+    fs.plant(&t.bus_link(PF).join("sriov_numvfs"), "sriov_numvfs");
+    let s = tokio::time::timeout(Duration::from_secs(10), start(&t, 300, 1 << 20))
+        .await
+        .expect("ready while the PF is held");
+    let mut c = s.client().await;
+    assert!(hang.load(std::sync::atomic::Ordering::SeqCst), "still held");
+    assert_eq!(
+        device(&mut c, PF).await.map(|d| d.present),
+        None,
+        "the PF set aside"
+    );
+    assert_eq!(
+        device(&mut c, &v).await.map(|d| d.present),
+        None,
+        "its VF too"
+    );
+    assert!(
+        device(&mut c, "0000:5e:00.0")
+            .await
+            .is_some_and(|d| d.present),
+        "the other devices read"
+    );
+    hang.store(false, std::sync::atomic::Ordering::SeqCst);
+    until(&mut c, "the PF and its VFs read once it is let go", |l| {
+        [PF, v.as_str()]
+            .iter()
+            .all(|a| l.iter().any(|d| d.address == *a && d.present))
+    })
+    .await;
+    claim(&mut c, &v, 1, false).await.expect("claimable");
+    s.stop().await;
+}
+
 /// How many of this process's threads are the agent's sysfs reads and writes (their
 /// names cut to the kernel's 15 bytes).
 fn sysfs_threads() -> usize {

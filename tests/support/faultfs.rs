@@ -21,7 +21,7 @@ const ROOT: u64 = 1;
 /// Attributes are never cached: each stat and read asks this filesystem again.
 const TTL: Duration = Duration::ZERO;
 
-/// Run inside a write, before it is answered: what the kernel does meanwhile.
+/// Run inside a write or a read, before it is answered: what the kernel does meanwhile.
 type Hook = Box<dyn Fn() + Send>;
 
 #[derive(Default)]
@@ -34,6 +34,8 @@ struct File {
     attempts: Vec<String>,
     /// Runs during each write, before its answer (e.g. the device is hot-removed).
     during_write: Option<Hook>,
+    /// Runs during each read, before its answer (e.g. the kernel holds the device).
+    during_read: Option<Hook>,
 }
 
 #[derive(Default)]
@@ -169,6 +171,9 @@ impl Filesystem for FaultFilesystem {
         let Some(f) = files.get(ino) else {
             return reply.error(libc::ENOENT);
         };
+        if let Some(hook) = &f.during_read {
+            hook();
+        }
         let start = (offset.max(0) as usize).min(f.content.len());
         let end = start.saturating_add(size as usize).min(f.content.len());
         reply.data(&f.content[start..end]);
@@ -322,6 +327,12 @@ impl FaultFs {
     /// something that happens in the kernel while the agent's write is in progress.
     pub fn during_write(&self, name: &str, hook: impl Fn() + Send + 'static) {
         self.with(name, |f| f.during_write = Some(Box::new(hook)));
+    }
+
+    /// Runs `hook` inside every later read of `name`, before the read is answered (this
+    /// filesystem answers nothing else meanwhile, as a device's lock in the kernel).
+    pub fn during_read(&self, name: &str, hook: impl Fn() + Send + 'static) {
+        self.with(name, |f| f.during_read = Some(Box::new(hook)));
     }
 
     /// Every write attempted on `name` so far.
