@@ -249,11 +249,28 @@ impl Hardware {
         // link either, and taking it for unbound would record "no driver" as the one to
         // give it back to, or end a wait for the unbind.
         if driver.is_none() {
-            if let Err(e) = std::fs::metadata(&dir) {
-                return Err(failed(dir, format!("the device is gone: {e}")));
-            }
+            self.still_there(address, step)?;
         }
         Ok(driver)
+    }
+
+    /// Fails "the device is gone" when the device's directory is not there: a missing
+    /// attribute or link is then no answer about the device.
+    pub(crate) fn still_there(
+        &self,
+        address: PciAddress,
+        step: &'static str,
+    ) -> Result<(), HardwareError> {
+        let dir = self.device_dir(address);
+        match std::fs::metadata(&dir) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(HardwareError::Read {
+                address,
+                step,
+                path: dir,
+                detail: format!("the device is gone: {e}"),
+            }),
+        }
     }
 
     /// Polls until the device's driver is `want`, up to the step timeout (the kernel's

@@ -38,15 +38,9 @@ impl Hardware {
                 })
             }
             // No such file: not a PF, unless the device itself is gone.
-            None => match std::fs::metadata(self.device_dir(pf)) {
-                Ok(_) => Err(HardwareError::NotPhysicalFunction { address: pf }),
-                Err(e) => Err(HardwareError::Read {
-                    address: pf,
-                    step,
-                    path,
-                    detail: format!("the device is gone: {e}"),
-                }),
-            },
+            None => self
+                .still_there(pf, step)
+                .and(Err(HardwareError::NotPhysicalFunction { address: pf })),
         }
     }
 
