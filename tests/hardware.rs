@@ -1000,30 +1000,53 @@ async fn sriov_numvfs_writes_wait_for_the_vf_count_timeout() {
     }
 }
 
+/// A switch for a fault-filesystem hook that waits while it is on, at most 20 s (long
+/// past any bound the tests wait for): the kernel holding a device.
+#[derive(Clone)]
+struct Hold(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Hold {
+    fn on() -> Hold {
+        Hold(std::sync::Arc::new(std::sync::atomic::AtomicBool::new(
+            true,
+        )))
+    }
+
+    fn is_on(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn release(&self) {
+        self.0.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn hook(&self) -> impl Fn() + Send + 'static {
+        let hold = self.clone();
+        move || {
+            let start = Instant::now();
+            while hold.is_on() && start.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
 /// A VF count change that outlives its timeout keeps the PF locked in the kernel, and a
 /// read of its `sriov_numvfs` waits for it (here the fault filesystem answers nothing
 /// while a write hangs, as the kernel's device lock does). The rescan after the failed
 /// change gives that read up instead of waiting with the rescanners' turn held, and
-/// applies nothing of the PF mid-change: the change is answered while its write still
-/// hangs, its VFs (which the kernel may be destroying) stay out of reach, and once the
-/// kernel lets go they are read again, with no uevent to prompt it, and claimable.
+/// keeps the PF and its VFs as the ledger has them rather than read mid-change: the
+/// change is answered while its write still hangs, its VFs (which the kernel may be
+/// destroying) stay out of reach, and once the kernel lets go they are read again, with
+/// no uevent to prompt it, and claimable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vf_count_change_left_running_does_not_hold_the_rescans() {
     let _alone = alone().await;
     let t = tree();
     let fs = support::faultfs::FaultFs::mount(&[("sriov_numvfs", "4\n")]);
     fs.plant(&t.bus_link(PF).join("sriov_numvfs"), "sriov_numvfs");
-    let hang = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let held = hang.clone();
-    fs.during_write("sriov_numvfs", move || {
-        // Until the test lets it go, or 20 s: long past the answer's 10 s below.
-        let start = Instant::now();
-        while held.load(std::sync::atomic::Ordering::SeqCst)
-            && start.elapsed() < Duration::from_secs(20)
-        {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    });
+    let hang = Hold::on();
+    fs.during_write("sriov_numvfs", hang.hook());
     let s = start_tuned(&t, 300, 1 << 20, |cfg| {
         cfg.hardware.vf_count_timeout_ms = 300
     })
@@ -1038,10 +1061,7 @@ async fn a_vf_count_change_left_running_does_not_hold_the_rescans() {
         .expect("the change is answered while its write still hangs");
     let e = answered.expect_err("past the VF count timeout");
     assert_eq!(reason(&e).0, "HARDWARE_STEP_TIMEOUT", "{e:?}");
-    assert!(
-        hang.load(std::sync::atomic::Ordering::SeqCst),
-        "still hanging"
-    );
+    assert!(hang.is_on(), "still hanging");
     // Read again every second meanwhile, the PF keeps one read waiting in the kernel,
     // not one a try (and the agent's hung write its own thread).
     tokio::time::sleep(Duration::from_millis(3500)).await;
@@ -1058,7 +1078,7 @@ async fn a_vf_count_change_left_running_does_not_hold_the_rescans() {
         .await
         .map(|_| ())
         .expect_err("a VF of a PF mid-change");
-    hang.store(false, std::sync::atomic::Ordering::SeqCst);
+    hang.release();
     until(&mut c, "the VF read again once the PF answers", |l| {
         l.iter().any(|d| d.address == v && d.present)
     })
@@ -1077,23 +1097,15 @@ async fn an_agent_starting_while_a_pf_is_held_is_ready_and_reads_it_later() {
     let _alone = alone().await;
     let t = tree();
     let fs = support::faultfs::FaultFs::mount(&[("sriov_numvfs", "4\n")]);
-    let hang = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let held = hang.clone();
-    fs.during_read("sriov_numvfs", move || {
-        let start = Instant::now();
-        while held.load(std::sync::atomic::Ordering::SeqCst)
-            && start.elapsed() < Duration::from_secs(20)
-        {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    });
+    let hang = Hold::on();
+    fs.during_read("sriov_numvfs", hang.hook());
     let v = virtfn(&t, 0);
     fs.plant(&t.bus_link(PF).join("sriov_numvfs"), "sriov_numvfs");
     let s = tokio::time::timeout(Duration::from_secs(10), start(&t, 300, 1 << 20))
         .await
         .expect("ready while the PF is held");
     let mut c = s.client().await;
-    assert!(hang.load(std::sync::atomic::Ordering::SeqCst), "still held");
+    assert!(hang.is_on(), "still held");
     assert_eq!(
         device(&mut c, PF).await.map(|d| d.present),
         None,
@@ -1110,7 +1122,7 @@ async fn an_agent_starting_while_a_pf_is_held_is_ready_and_reads_it_later() {
             .is_some_and(|d| d.present),
         "the other devices read"
     );
-    hang.store(false, std::sync::atomic::Ordering::SeqCst);
+    hang.release();
     until(&mut c, "the PF and its VFs read once it is let go", |l| {
         [PF, v.as_str()]
             .iter()
