@@ -345,7 +345,7 @@ impl Rescanner {
     /// free and claimable, the VFs the action destroyed (until their own events were
     /// read). Where the action left a PF held by the kernel (a VF count change that
     /// outlived its timeout), it and its VFs stay as the ledger has them until the kernel
-    /// lets go (see [`Self::read_again_when_let_go`]).
+    /// lets go (one task reads them again every second).
     pub async fn around<T>(
         self: &Arc<Self>,
         held: tokio::sync::OwnedMutexGuard<()>,
