@@ -1307,15 +1307,7 @@ async fn a_client_vanishing_mid_release_retrieves_the_outcome() {
         };
         let mut doomed = a.client().await;
         let call = release.clone();
-        let task = tokio::spawn(async move { doomed.release(call).await });
-        for _ in 0..(i * 7) % 60 {
-            tokio::task::yield_now().await;
-        }
-        if i % 3 == 1 {
-            tokio::time::sleep(Duration::from_millis(1 + (i as u64 / 3) % 4)).await;
-        }
-        task.abort();
-        let _ = task.await;
+        drop_mid_call(i, tokio::spawn(async move { doomed.release(call).await })).await;
         let outcome = c
             .get_request_outcome(proto::GetRequestOutcomeRequest {
                 consumer_id: owner(who).consumer_id,
@@ -1377,6 +1369,20 @@ async fn a_client_vanishing_mid_release_retrieves_the_outcome() {
     a.assert_unharmed("vanishing releases", &after).await;
 }
 
+/// Drops the `i`th call (its task, with the connection it owns) at a moment that moves
+/// with `i`: some before the request leaves, some while it waits for its commit, some
+/// after the answer.
+async fn drop_mid_call<T>(i: usize, task: tokio::task::JoinHandle<T>) {
+    for _ in 0..(i * 7) % 60 {
+        tokio::task::yield_now().await;
+    }
+    if i % 3 == 1 {
+        tokio::time::sleep(Duration::from_millis(1 + (i as u64 / 3) % 4)).await;
+    }
+    task.abort();
+    let _ = task.await;
+}
+
 /// Claims dropped mid-call (60 of them, each on its own connection, at varying moments),
 /// each followed by GetRequestOutcome, a second look 200 ms later, and a retry with the
 /// same request id. Returns (applied, not applied, NOT_FOUND at first but applied later).
@@ -1408,17 +1414,7 @@ async fn vanishing_claims() -> (usize, usize, usize) {
         // A connection of its own, dropped with the call.
         let mut doomed = a.client().await;
         let call = claim.clone();
-        let task = tokio::spawn(async move { doomed.claim(call).await });
-        // Some drops before the request leaves, some while it waits for its commit, some
-        // after the answer.
-        for _ in 0..(i * 7) % 60 {
-            tokio::task::yield_now().await;
-        }
-        if i % 3 == 1 {
-            tokio::time::sleep(Duration::from_millis(1 + (i as u64 / 3) % 4)).await;
-        }
-        task.abort();
-        let _ = task.await;
+        drop_mid_call(i, tokio::spawn(async move { doomed.claim(call).await })).await;
         let ask = |mut c: HostDevClient<Channel>, request_id: String| async move {
             c.get_request_outcome(proto::GetRequestOutcomeRequest {
                 consumer_id: owner(who).consumer_id,
