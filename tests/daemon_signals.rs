@@ -34,6 +34,22 @@ fn config(tree: &hostdevd::simhost::FakeTree, dir: &Path, pfs: &[&str]) -> Strin
     s
 }
 
+/// Runs `hostdevd serve` once on a config file holding `text` (in `dir`): its exit code
+/// and what it wrote to stderr.
+fn serve_with(dir: &Path, text: &str) -> (Option<i32>, String) {
+    let path = dir.join("bad.toml");
+    std::fs::write(&path, text).expect("config");
+    let out = Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .output()
+        .expect("run");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 async fn managed(socket: &Path) -> Vec<String> {
     let mut c = hostdevd::client::connect(socket).await.expect("connect");
     let list = c
@@ -217,31 +233,17 @@ fn a_refused_configuration_exits_78_naming_the_key_and_writes_nothing() {
         ("[log]\nfilter = \"infoo\"\n", "log.filter"),
         ("[libvirt]\nenabled = false\nbogus = 1\n", "bogus"),
     ] {
-        let path = dir.path().join("bad.toml");
-        std::fs::write(&path, format!("{base}{extra}")).expect("config");
-        let out = Command::new(env!("CARGO_BIN_EXE_hostdevd"))
-            .args(["serve", "--config"])
-            .arg(&path)
-            .output()
-            .expect("run");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(78), "{extra}: {stderr}");
+        let (code, stderr) = serve_with(dir.path(), &format!("{base}{extra}"));
+        assert_eq!(code, Some(78), "{extra}: {stderr}");
         assert!(stderr.contains(names), "{extra}: {stderr}");
     }
     // The group: the key is in [api], after the socket the base config sets.
-    let path = dir.path().join("bad.toml");
     let text = base.replace(
         "[api]\n",
         "[libvirt]\nenabled = false\n[hotplug]\nenabled = false\n[api]\nsocket_group = \"no-such-group-here\"\n",
     );
-    std::fs::write(&path, text).expect("config");
-    let out = Command::new(env!("CARGO_BIN_EXE_hostdevd"))
-        .args(["serve", "--config"])
-        .arg(&path)
-        .output()
-        .expect("run");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(78), "{stderr}");
+    let (code, stderr) = serve_with(dir.path(), &text);
+    assert_eq!(code, Some(78), "{stderr}");
     assert!(stderr.contains("api.socket_group"), "{stderr}");
     assert!(
         !dir.path().join("state").exists(),
