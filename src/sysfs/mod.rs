@@ -326,6 +326,13 @@ impl PciDevice {
         self.sriov.is_some()
     }
 
+    /// Records that the directory `path` (under `attribute`) could not be listed, or not
+    /// to its end: the list read from it is short.
+    pub(crate) fn listing_problem(&mut self, attribute: &str, path: &Path, source: io::Error) {
+        let path = path.to_path_buf();
+        self.problem(attribute, &SysfsError::ListDir { path, source });
+    }
+
     /// Records a problem with one attribute or link.
     pub(crate) fn problem(&mut self, attribute: &str, err: &SysfsError) {
         tracing::debug!(address = %self.address, attribute, error = %err, "sysfs attribute problem");

@@ -339,23 +339,18 @@ fn list_group(sysfs_root: &Path, group: u32) -> Result<Vec<PciAddress>, String> 
         .join(IOMMU_GROUPS)
         .join(group.to_string())
         .join("devices");
-    let entries = fs::read_dir(&path).map_err(|source| {
+    let failed = |source| {
         SysfsError::ListDir {
             path: path.clone(),
             source,
         }
         .full_message()
-    })?;
+    };
+    let entries = fs::read_dir(&path).map_err(failed)?;
     let mut members: Vec<PciAddress> = Vec::new();
     for entry in entries {
         // A listing cut short would hide members, whose VFIO nodes a free must check.
-        let entry = entry.map_err(|source| {
-            SysfsError::ListDir {
-                path: path.clone(),
-                source,
-            }
-            .full_message()
-        })?;
+        let entry = entry.map_err(failed)?;
         // Non-PCI members (rare: platform devices) are not ours to report.
         if let Some(a) = entry.file_name().to_str().and_then(|n| n.parse().ok()) {
             members.push(a);
@@ -371,7 +366,7 @@ fn read_netdevs(dev: &mut PciDevice, dir: &Path) {
         Ok(e) => e,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return,
         Err(source) => {
-            dev.problem("net", &SysfsError::ListDir { path: net, source });
+            dev.listing_problem("net", &net, source);
             return;
         }
     };
@@ -384,13 +379,7 @@ fn read_netdevs(dev: &mut PciDevice, dir: &Path) {
                     net.display()
                 )),
             },
-            Err(source) => dev.problem(
-                "net",
-                &SysfsError::ListDir {
-                    path: net.clone(),
-                    source,
-                },
-            ),
+            Err(source) => dev.listing_problem("net", &net, source),
         }
     }
     dev.netdevs.sort();
@@ -436,13 +425,7 @@ fn list_virtfns(dev: &mut PciDevice, dir: &Path) -> VfList {
     let entries = match fs::read_dir(dir) {
         Ok(e) => e,
         Err(source) => {
-            dev.problem(
-                "virtfn",
-                &SysfsError::ListDir {
-                    path: dir.to_path_buf(),
-                    source,
-                },
-            );
+            dev.listing_problem("virtfn", dir, source);
             return Vec::new();
         }
     };
@@ -452,13 +435,7 @@ fn list_virtfns(dev: &mut PciDevice, dir: &Path) -> VfList {
             Ok(e) => e,
             Err(source) => {
                 // Named, as a link that cannot be read is: the list is short.
-                dev.problem(
-                    "virtfn",
-                    &SysfsError::ListDir {
-                        path: dir.to_path_buf(),
-                        source,
-                    },
-                );
+                dev.listing_problem("virtfn", dir, source);
                 break;
             }
         };
