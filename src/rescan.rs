@@ -338,6 +338,13 @@ impl Rescanner {
         self.turn.clone().lock_owned().await
     }
 
+    /// [`Self::hold`] without waiting: `None` while a rescan or a hardware action has the
+    /// turn. For a caller that holds a lock which no one waiting for the turn may wait on
+    /// (an acting audit holds the free checks' order).
+    pub fn try_hold(&self) -> Option<tokio::sync::OwnedMutexGuard<()>> {
+        self.turn.clone().try_lock_owned().ok()
+    }
+
     /// Runs a hardware action (a VF count change, a vfio-pci binding) with every other
     /// rescan held off (`held`, from [`Self::hold`]), then rescans the devices `then`
     /// names from its result, before any other rescan may apply. Without it, a hotplug

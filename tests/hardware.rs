@@ -1133,6 +1133,76 @@ async fn an_agent_starting_while_a_pf_is_held_is_ready_and_reads_it_later() {
     s.stop().await;
 }
 
+/// An acting audit that gives a bound orphan its driver back needs the rescans' turn,
+/// which a rescan may hold for a while (a full one on a large host, or one that waits on
+/// a PF the kernel holds). The audit waits for the turn without holding the free
+/// checks' order, so a Release meanwhile is answered, not refused `FREE_CHECK_BUSY`
+/// once the libvirt timeout passes (as it was when the audit waited holding the order);
+/// the audit then frees its orphan once it has the turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_are_answered_while_an_acting_audit_waits_for_the_rescans_turn() {
+    let _alone = alone().await;
+    let t = tree();
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start_tuned(&t, 3000, 1 << 20, |cfg| cfg.libvirt.timeout_ms = 300).await;
+    let mut c = s.client().await;
+    let (bound, plain) = (vf(&mut c, 0).await, vf(&mut c, 1).await);
+    claim(&mut c, &bound, 7, true).await.expect("claim --vfio");
+    claim(&mut c, &plain, 8, false).await.expect("claim");
+    let snapshot = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .host_generation;
+    let rescan = s.rescanner.hold().await;
+    let mut auditor = s.client().await;
+    let audit = tokio::spawn(async move {
+        auditor
+            .reconcile(proto::ReconcileRequest {
+                expected_consumer_ids: vec![owner(8).consumer_id],
+                snapshot_generation: snapshot,
+                act: true,
+                request_id: "audit-behind-a-rescan".into(),
+            })
+            .await
+    });
+    // Long enough for the audit to reach the turn; a release waiting behind it would
+    // be refused after the libvirt timeout (0.3 s).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!audit.is_finished(), "the audit waits for the rescan");
+    let released = tokio::time::timeout(Duration::from_secs(10), release(&mut c, &plain, 8))
+        .await
+        .expect("answered while the audit waits");
+    released.expect("released while the audit waits for the turn");
+    assert!(!audit.is_finished(), "the audit still waits for the rescan");
+    drop(rescan);
+    let r = tokio::time::timeout(Duration::from_secs(10), audit)
+        .await
+        .expect("the audit ends once it has the turn")
+        .expect("audit task")
+        .expect("acting audit")
+        .into_inner();
+    let freed: Vec<(&str, bool)> = r
+        .orphans
+        .iter()
+        .map(|o| {
+            (
+                o.device.as_ref().expect("device").address.as_str(),
+                o.freed_generation > snapshot,
+            )
+        })
+        .collect();
+    assert_eq!(freed, vec![(bound.as_str(), true)], "{r:?}");
+    let d = device(&mut c, &bound).await.expect("VF");
+    assert_eq!(
+        (d.driver.as_str(), d.owner.clone()),
+        ("iavf", None),
+        "{d:?}"
+    );
+    s.stop().await;
+}
+
 /// How many of this process's threads are the agent's sysfs reads and writes (their
 /// names cut to the kernel's 15 bytes).
 fn sysfs_threads() -> usize {

@@ -52,9 +52,9 @@ pub struct FreeGuard {
     /// Where sysfs lists a device's VFIO device nodes
     /// (`<sysfs_root>/bus/pci/devices/<address>/vfio-dev`).
     pub sysfs_root: PathBuf,
-    /// Serializes "list domains, apply" of the poller with "list, apply, free" here. An
-    /// acting audit holds it while it takes the rescanner's turn (to give drivers back):
-    /// whoever holds the turn never takes this lock.
+    /// Serializes "list domains, apply" of the poller with "list, apply, free" here. No
+    /// one waits for the rescanner's turn while holding it: an acting audit that gives
+    /// drivers back takes the turn first, or only tries to take it under this lock.
     pub order: Arc<tokio::sync::Mutex<()>>,
     /// The fresh listings begun and applied here, so that frees share them.
     lists: Listings,
@@ -142,9 +142,8 @@ impl FreeGuard {
     }
 
     /// Takes the order lock, waiting at most the libvirt timeout: past it, whoever holds
-    /// the lock (an acting audit waiting for a hardware action to finish before it gives
-    /// drivers back, or a listing libvirt is slow to answer) is named as the cause, not
-    /// libvirt.
+    /// the lock (a listing libvirt is slow to answer, or the frees it checks) is named as
+    /// the cause, not libvirt.
     async fn take_order(&self, what: &str) -> Result<OrderGuard, ApiError> {
         tokio::time::timeout(self.timeout, self.order.clone().lock_owned())
             .await

@@ -413,6 +413,9 @@ impl HostDevService {
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<proto::WatchEvent, Status>> + Send>>;
 
+/// The rescans' turn, held across a hardware action ([`Rescanner::hold`]).
+type Turn = tokio::sync::OwnedMutexGuard<()>;
+
 #[tonic::async_trait]
 impl HostDev for HostDevService {
     async fn list_devices(
@@ -619,7 +622,7 @@ impl HostDev for HostDevService {
         // presented generation meanwhile (a detach applied, a rescan), since nothing
         // checked the device at that generation.
         let applied = self
-            .giving_back(bound, move |w| async move {
+            .giving_back(bound, None, move |w| async move {
                 if checked {
                     w.release(rel).await
                 } else {
@@ -699,7 +702,7 @@ impl HostDev for HostDevService {
         // An acting audit lists the domains afresh first and holds the order lock until
         // its frees are decided, so the ledger audits against every domain defined now
         // (the evacuated VM of the seed race included).
-        let _order = if r.act {
+        let mut order = if r.act {
             Some(
                 self.guard
                     .refresh(&self.writer, "the orphans")
@@ -709,10 +712,41 @@ impl HostDev for HostDevService {
         } else {
             None
         };
-        let view = self.writer.view();
+        let mut view = self.writer.view();
         let mut report = view
             .ledger
             .audit(&expected, Generation(r.snapshot_generation));
+        // Orphans with a binding get their drivers back, a hardware action that needs
+        // the rescans' turn. A rescan or another hardware action may have it for minutes
+        // (a VF count change), and waiting for it here with the order lock held would
+        // keep every Release waiting behind this audit until refused FREE_CHECK_BUSY.
+        // So the turn is taken without waiting, or else the order lock is let go, the
+        // turn waited for, and the checks made again from the start (turn, then order:
+        // no one waits for the turn while holding the order lock).
+        let mut turn = None;
+        if order.is_some()
+            && report
+                .orphans
+                .iter()
+                .any(|o| o.bound_members().next().is_some())
+        {
+            turn = self.rescanner.try_hold();
+            if turn.is_none() {
+                drop(order.take());
+                turn = Some(self.rescanner.hold().await);
+                order = Some(
+                    self.guard
+                        .refresh(&self.writer, "the orphans")
+                        .await
+                        .map_err(|e| self.refused(e))?,
+                );
+                view = self.writer.view();
+                report = view
+                    .ledger
+                    .audit(&expected, Generation(r.snapshot_generation));
+            }
+        }
+        let _order = order;
         let protections = self.protect_held(&mut report).await?;
         let to_views = |recs: &[crate::ledger::DeviceRecord]| -> Vec<proto::Device> {
             recs.iter()
@@ -758,7 +792,7 @@ impl HostDev for HostDevService {
                 .flat_map(|rec| rec.bound_members())
                 .collect();
             let freed = self
-                .giving_back(bound, move |w| async move {
+                .giving_back(bound, turn, move |w| async move {
                     w.free_orphans(request_id, frees).await
                 })
                 .await
@@ -1294,10 +1328,12 @@ impl HostDevService {
     /// A free (made by `action` from the writer) that gives drivers back to `bound`: as a
     /// hardware action, with the members rescanned after, so the answer comes once sysfs
     /// shows them on their drivers. Without any, nothing in sysfs changes, and the free
-    /// takes no hold on the rescans.
+    /// takes no hold on the rescans. `turn`: the rescans' turn, where the caller took it
+    /// already (from [`Rescanner::hold`]).
     async fn giving_back<X, F, Fut>(
         &self,
         bound: BTreeSet<PciAddress>,
+        turn: Option<Turn>,
         action: F,
     ) -> Result<X, WriteError>
     where
@@ -1306,9 +1342,10 @@ impl HostDevService {
         Fut: std::future::Future<Output = Result<X, WriteError>> + Send + 'static,
     {
         if bound.is_empty() {
+            drop(turn);
             action(self.writer.clone()).await
         } else {
-            self.after_hardware(action, |_| bound).await
+            self.after_hardware_in(turn, action, |_| bound).await
         }
     }
 
@@ -1329,8 +1366,27 @@ impl HostDevService {
         F: FnOnce(Writer) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = Result<X, WriteError>> + Send + 'static,
     {
+        self.after_hardware_in(None, action, then).await
+    }
+
+    /// [`Self::after_hardware`] in the rescans' turn `held`, where the caller took it
+    /// already (`None`: taken here).
+    async fn after_hardware_in<X, F, Fut>(
+        &self,
+        held: Option<Turn>,
+        action: F,
+        then: impl FnOnce(&Result<X, WriteError>) -> BTreeSet<PciAddress> + Send + 'static,
+    ) -> Result<X, WriteError>
+    where
+        X: Send + 'static,
+        F: FnOnce(Writer) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<X, WriteError>> + Send + 'static,
+    {
         let (rescanner, writer) = (self.rescanner.clone(), self.writer.clone());
-        let held = rescanner.hold().await;
+        let held = match held {
+            Some(h) => h,
+            None => rescanner.hold().await,
+        };
         tokio::spawn(async move {
             let (out, rescanned) = rescanner.around(held, action(writer), then).await;
             if let Err(e) = rescanned {

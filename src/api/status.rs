@@ -69,9 +69,10 @@ pub enum ApiError {
         #[source]
         source: Box<DomainsError>,
     },
-    /// The order of the free checks stayed taken past the libvirt timeout: an acting
-    /// audit waits there for a hardware action before it gives drivers back.
-    #[error("cannot check {what} now: another free's check or an acting audit held the order of the checks for more than {ms} ms (an acting audit that gives drivers back waits there for a running VF count change or vfio-pci binding); nothing was changed, try again")]
+    /// The order of the free checks stayed taken past the libvirt timeout: by a listing
+    /// of the domains, another free's checks, or an acting audit while its frees (drivers
+    /// given back included) are carried out.
+    #[error("cannot check {what} now: a listing of the domains, another free's check or an acting audit's frees held the order of the checks for more than {ms} ms; nothing was changed, try again")]
     FreeCheckBusy { what: String, ms: u128 },
     /// A process holds the device's VFIO group, or its VFIO device node, open.
     #[error("{address} is in use: its {} is held open by {}; nothing was changed", crate::vfio::describe_node(node), holder.describe())]

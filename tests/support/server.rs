@@ -15,6 +15,8 @@ pub struct TestServer {
     pub socket: PathBuf,
     /// The agent's counters, read in place.
     pub metrics: std::sync::Arc<hostdevd::metrics::Metrics>,
+    /// The agent's rescanner, whose turn a test may hold (a rescan that takes long).
+    pub rescanner: std::sync::Arc<hostdevd::rescan::Rescanner>,
     _state: tempfile::TempDir,
     _tree: Option<FakeTree>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -39,6 +41,7 @@ impl TestServer {
         cfg.api.socket = socket.clone();
         let (agent, _closing) = Agent::start(&cfg).await.expect("agent start");
         let metrics = agent.writer.metrics().clone();
+        let rescanner = agent.rescanner.clone();
         let listener = bind_socket(&socket, socket_mode, None).expect("bind");
         let service = agent.service(Access {
             writer_uids,
@@ -57,6 +60,7 @@ impl TestServer {
         TestServer {
             socket,
             metrics,
+            rescanner,
             _state: state,
             _tree: tree,
             stop: Some(tx),
