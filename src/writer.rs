@@ -41,7 +41,7 @@ mod hardware;
 #[cfg(test)]
 mod tests;
 pub use events::{Event, EventBuffer, EventLog};
-pub use hardware::{BindVfio, Bound, SetVfCount, VfCountSet};
+pub use hardware::{BindVfio, Bound, SetVfCount, VfChange, VfCountSet, VfWritten};
 
 /// How many commands one batch takes at most.
 const MAX_BATCH: usize = 512;
@@ -158,8 +158,11 @@ pub enum Command {
     FreeOrphans(RequestId, Vec<OrphanFree>, Reply<OrphansFreed>),
     /// Bind a claimed device's IOMMU group to vfio-pci (decided and done alone).
     BindVfio(BindVfio, Reply<Bound>),
-    /// Set a PF's VF count (decided and done alone).
-    SetVfCount(SetVfCount, Reply<VfCountSet>),
+    /// Begin a change of a PF's VF count: checked, and its devices held back from
+    /// claims, while the writes run elsewhere.
+    BeginVfCount(SetVfCount, Reply<VfChange>),
+    /// Record what a VF count change wrote, and end it.
+    EndVfCount(Box<VfWritten>, Reply<VfCountSet>),
 }
 
 /// A consistent read view, published after every commit.
@@ -512,8 +515,28 @@ impl Writer {
     pub async fn bind_vfio(&self, req: BindVfio) -> Result<Bound, WriteError> {
         self.call(|r| Command::BindVfio(req, r)).await
     }
+    /// Changes a PF's VF count: checked and recorded by the writer, written off its
+    /// thread, so that requests on the host's other devices are decided meanwhile (the
+    /// kernel may take minutes); the PF and its VFs are held back from claims until it
+    /// is recorded.
     pub async fn set_vf_count(&self, req: SetVfCount) -> Result<VfCountSet, WriteError> {
-        self.call(|r| Command::SetVfCount(req, r)).await
+        let change = self.call(|r| Command::BeginVfCount(req, r)).await?;
+        let pf = change.pf();
+        let written = match tokio::task::spawn_blocking(move || change.write()).await {
+            Ok(w) => w,
+            Err(e) => {
+                // The change went with the task: its devices are let go. Recorded as a
+                // write that may have destroyed the VFs, the side that frees nothing.
+                tracing::error!(%pf, error = %e, "the task writing a VF count ended without an answer");
+                return Err(WriteError::Hardware(HardwareError::Abandoned {
+                    address: pf,
+                    step: "write sriov_numvfs",
+                    why: e.to_string(),
+                }));
+            }
+        };
+        self.call(|r| Command::EndVfCount(Box::new(written), r))
+            .await
     }
 }
 
@@ -816,7 +839,10 @@ impl Worker {
                 Command::BindVfio(_, r) => {
                     let _ = r.send(Err(e()));
                 }
-                Command::SetVfCount(_, r) => {
+                Command::BeginVfCount(_, r) => {
+                    let _ = r.send(Err(e()));
+                }
+                Command::EndVfCount(_, r) => {
                     let _ = r.send(Err(e()));
                 }
             }
@@ -946,7 +972,11 @@ impl Worker {
                 let _ = reply.send(Err(WriteError::Hardware(HardwareError::Disabled)));
                 Pending::Unit(oneshot::channel().0)
             }
-            Command::SetVfCount(_, reply) => {
+            Command::BeginVfCount(_, reply) => {
+                let _ = reply.send(Err(WriteError::Hardware(HardwareError::Disabled)));
+                Pending::Unit(oneshot::channel().0)
+            }
+            Command::EndVfCount(_, reply) => {
                 let _ = reply.send(Err(WriteError::Hardware(HardwareError::Disabled)));
                 Pending::Unit(oneshot::channel().0)
             }

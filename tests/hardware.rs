@@ -1133,6 +1133,88 @@ async fn an_agent_starting_while_a_pf_is_held_is_ready_and_reads_it_later() {
     s.stop().await;
 }
 
+/// A VF count change may keep the kernel busy for minutes (125 VFs on mlx5 take over
+/// one), and it is written off the writer's thread: claims and releases of the host's
+/// other devices are answered meanwhile, while a claim of one of the PF's VFs is refused
+/// `VF_COUNT_CHANGING` (retryable) rather than left waiting. Before, the change ran on
+/// the writer's thread and every write on the host waited for the kernel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_devices_are_claimed_and_released_while_a_vf_count_is_written() {
+    const PF2: &str = "0000:af:00.0";
+    let _alone = alone().await;
+    let mut f = FakeSys::new();
+    f.pf(PF, 0x8086, 0x1572, 8, 4).driver(PF, "i40e");
+    f.vf_driver(PF, "iavf").vf_iommu_groups(PF, 40);
+    f.pf(PF2, 0x8086, 0x1572, 8, 2).driver(PF2, "i40e");
+    f.vf_driver(PF2, "iavf").vf_iommu_groups(PF2, 60);
+    let t = f.build();
+    let fs = support::faultfs::FaultFs::mount(&[("sriov_numvfs", "4\n")]);
+    fs.plant(&t.bus_link(PF).join("sriov_numvfs"), "sriov_numvfs");
+    let hang = Hold::on();
+    let writing = Hold(std::sync::Arc::new(std::sync::atomic::AtomicBool::new(
+        false,
+    )));
+    let (hook, started) = (hang.hook(), writing.clone());
+    fs.during_write("sriov_numvfs", move || {
+        started.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        hook()
+    });
+    let s = start_tuned(&t, 300, 1 << 20, |cfg| {
+        cfg.hardware.vf_count_timeout_ms = 30_000
+    })
+    .await;
+    let mut c = s.client().await;
+    let v = vf(&mut c, 0).await;
+    let pf = device(&mut c, PF).await.expect("PF");
+    let mut changer = s.client().await;
+    let change = tokio::spawn(async move { set_vfs(&mut changer, 2, pf.generation).await });
+    let start = Instant::now();
+    while !writing.is_on() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the change never wrote"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let other = device(&mut c, PF2)
+        .await
+        .expect("PF2")
+        .sriov
+        .expect("sriov")
+        .vfs[1]
+        .clone();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        claim(&mut c, &other, 1, false)
+            .await
+            .expect("claimed meanwhile");
+        release(&mut c, &other, 1)
+            .await
+            .expect("released meanwhile");
+    })
+    .await
+    .expect("answered while the VF count is written");
+    let g = device(&mut c, &v).await.expect("VF").generation;
+    let e = claim_as(&mut c, &v, 2, false, "vf-mid-change", g)
+        .await
+        .expect_err("a VF of the PF being changed");
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    let (why, meta) = reason(&e);
+    assert_eq!(why, "VF_COUNT_CHANGING", "{e:?}");
+    assert_eq!(meta.get("changing_pf").map(String::as_str), Some(PF));
+    assert!(!change.is_finished(), "the change still runs");
+    hang.release();
+    let r = change
+        .await
+        .expect("change task")
+        .expect("the VF count change once the kernel lets go");
+    assert_eq!(r.previous_vf_count, 4);
+    assert_eq!(fs.attempts("sriov_numvfs"), ["0", "2"]);
+    // The VF the claim was refused for is gone with the change.
+    let after = device(&mut c, &v).await;
+    assert!(after.as_ref().is_none_or(|d| d.generation > g), "{after:?}");
+    s.stop().await;
+}
+
 /// An acting audit that gives a bound orphan its driver back needs the rescans' turn,
 /// which a rescan may hold for a while (a full one on a large host, or one that waits on
 /// a PF the kernel holds). The audit waits for the turn without holding the free

@@ -158,6 +158,8 @@ fn ledger_code(e: &LedgerError) -> Code {
         | NoIommuGroup { .. } => Code::FailedPrecondition,
         NoMatch { .. } => Code::ResourceExhausted,
         RequestIdReused { .. } => Code::InvalidArgument,
+        // Retryable: refused for the seconds a VF count change takes.
+        VfCountChanging { .. } => Code::Unavailable,
     }
 }
 
@@ -198,6 +200,9 @@ fn ledger_metadata(e: &LedgerError) -> HashMap<String, String> {
         }
         LedgerError::VfClaimed { vf, .. } => {
             m.insert("claimed_vf".into(), vf.to_string());
+        }
+        LedgerError::VfCountChanging { pf, .. } => {
+            m.insert("changing_pf".into(), pf.to_string());
         }
         _ => {}
     }
@@ -260,9 +265,11 @@ pub fn to_status(e: &ApiError) -> Status {
                 H::Timeout { .. } | H::ReadTimeout { .. } => {
                     (Code::DeadlineExceeded, "HARDWARE_STEP_TIMEOUT")
                 }
-                H::Write { .. } | H::Read { .. } | H::Driver { .. } | H::VfCount { .. } => {
-                    (Code::Internal, "HARDWARE_STEP_FAILED")
-                }
+                H::Write { .. }
+                | H::Read { .. }
+                | H::Driver { .. }
+                | H::VfCount { .. }
+                | H::Abandoned { .. } => (Code::Internal, "HARDWARE_STEP_FAILED"),
             };
             let mut d = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, meta);
             if code == Code::FailedPrecondition {

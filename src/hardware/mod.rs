@@ -98,6 +98,14 @@ pub enum HardwareError {
     NoIommuGroup { address: PciAddress },
     #[error("hardware actions are not available in this agent")]
     Disabled,
+    /// The task running a step ended without its answer (it panicked, or the agent is
+    /// stopping): whether the step wrote anything is unknown.
+    #[error("{address}: {step}: its task ended without an answer ({why}); whether sysfs was written is unknown")]
+    Abandoned {
+        address: PciAddress,
+        step: &'static str,
+        why: String,
+    },
 }
 
 impl HardwareError {
@@ -109,7 +117,8 @@ impl HardwareError {
             | HardwareError::Timeout { step, .. }
             | HardwareError::ReadTimeout { step, .. }
             | HardwareError::Driver { step, .. }
-            | HardwareError::VfCount { step, .. } => step,
+            | HardwareError::VfCount { step, .. }
+            | HardwareError::Abandoned { step, .. } => step,
             HardwareError::DriverMissing { .. } => "driver present",
             HardwareError::NotPhysicalFunction { .. } | HardwareError::TooManyVfs { .. } => {
                 "check VF count"

@@ -105,6 +105,13 @@ pub enum LedgerError {
         generation: Generation,
     },
 
+    #[error("{address} cannot be claimed or bound now: the VF count of {pf} is being written, which destroys its VFs; nothing was changed, try again once that change is answered (a VF comes back as a new device, with a new generation); current generation {generation}")]
+    VfCountChanging {
+        address: PciAddress,
+        pf: PciAddress,
+        generation: Generation,
+    },
+
     #[error(
         "{pf}'s VF count cannot change: {device} is used by domain {} (uuid {}), which holds no claim on it; current generation {generation}",
         .domain.name, .domain.uuid
@@ -170,6 +177,7 @@ impl LedgerError {
             | Unmanaged { address, .. }
             | Lost { address, .. }
             | NotPhysicalFunction { address, .. }
+            | VfCountChanging { address, .. }
             | NoIommuGroup { address, .. } => Some(*address),
             VfClaimed { pf, .. } | VfCountInUse { pf, .. } | VfInUseByDomain { pf, .. } => {
                 Some(*pf)
@@ -194,6 +202,7 @@ impl LedgerError {
             | Lost { generation, .. }
             | NotPhysicalFunction { generation, .. }
             | VfClaimed { generation, .. }
+            | VfCountChanging { generation, .. }
             | VfCountInUse { generation, .. }
             | VfInUseByDomain { generation, .. }
             | NoIommuGroup { generation, .. } => Some(*generation),
@@ -232,6 +241,7 @@ impl LedgerError {
             RequestIdReused { .. } => "REQUEST_ID_REUSED",
             NotPhysicalFunction { .. } => "NOT_A_PHYSICAL_FUNCTION",
             VfClaimed { .. } => "VF_CLAIMED",
+            VfCountChanging { .. } => "VF_COUNT_CHANGING",
             // Both: a VF of this PF is used by a domain without a claim.
             VfCountInUse { .. } | VfInUseByDomain { .. } => "VF_IN_USE_BY_DOMAIN",
             NoIommuGroup { .. } => "NO_IOMMU_GROUP",

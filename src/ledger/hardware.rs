@@ -2,7 +2,9 @@
 //! a PF's VF count, the IOMMU group a binding covers, and recording what was done.
 //! The sysfs writes themselves happen outside (the writer calls `crate::hardware`).
 
-use super::{BoundMember, ChangeSet, DeviceRecord, Ledger, LedgerError, Link, Tx, VfioBinding};
+use std::sync::{Arc, Weak};
+
+use super::{BoundMember, ChangeSet, Ledger, LedgerError, Link, Tx, VfioBinding};
 use crate::pci::{ConsumerId, Generation, PciAddress};
 
 /// What binding a claimed device to vfio-pci covers.
@@ -13,6 +15,28 @@ pub struct BindPlan {
     /// The binding recorded by an earlier call, if any (a retry keeps its originals).
     pub existing: Option<VfioBinding>,
 }
+
+/// A VF count change that holds a device back: its PF, and whether whoever carries the
+/// change out still holds it (the change's token, see [`Ledger::vf_change_began`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Changing {
+    pf: PciAddress,
+    alive: Weak<()>,
+}
+
+impl Changing {
+    fn holds(&self) -> bool {
+        self.alive.strong_count() > 0
+    }
+}
+
+impl PartialEq for Changing {
+    fn eq(&self, other: &Changing) -> bool {
+        self.pf == other.pf && self.alive.ptr_eq(&other.alive)
+    }
+}
+
+impl Eq for Changing {}
 
 impl Ledger {
     /// Checks that `consumer` may bind `address` (its present, unattached claim, named by
@@ -57,12 +81,17 @@ impl Ledger {
             address,
             generation: rec.generation,
         })?;
-        let mut members: Vec<PciAddress> = self
+        let mut members = Vec::new();
+        for r in self
             .linked(Link::Group(group))
             .filter_map(|id| self.records.get(&id))
             .filter(|r| r.present)
-            .map(DeviceRecord::address)
-            .collect();
+        {
+            // A member whose PF's VF count is being written may be destroyed under the
+            // binding.
+            self.check_not_changing(r.address(), r.generation)?;
+            members.push(r.address());
+        }
         members.sort();
         Ok(BindPlan {
             members,
@@ -140,6 +169,7 @@ impl Ledger {
                 generation,
             });
         }
+        self.check_not_changing(pf, generation)?;
         if let Some(c) = &rec.claim {
             return Err(LedgerError::AlreadyClaimed {
                 address: pf,
@@ -176,6 +206,50 @@ impl Ledger {
             }
         }
         Ok(vfs)
+    }
+
+    /// Refuses a device of a PF whose VF count is being written.
+    pub(crate) fn check_not_changing(
+        &self,
+        address: PciAddress,
+        generation: Generation,
+    ) -> Result<(), LedgerError> {
+        match self.changing.get(&address) {
+            Some(c) if c.holds() => Err(LedgerError::VfCountChanging {
+                address,
+                pf: c.pf,
+                generation,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// A VF count change of `pf` begins (after [`Self::check_vf_change`] listed `vfs`):
+    /// until [`Self::vf_change_ended`], or until every strong reference to the change's
+    /// token (`alive`) is dropped (its task ended without an answer), no claim takes the
+    /// PF or one of those VFs, no binding covers one, and no other change of the PF's
+    /// count begins. Changes no record: the writer decides other requests meanwhile, on
+    /// the host's other devices.
+    pub fn vf_change_began(&mut self, pf: PciAddress, vfs: &[PciAddress], alive: Weak<()>) {
+        let changing = Arc::make_mut(&mut self.changing);
+        changing.retain(|_, c| c.holds());
+        for device in std::iter::once(&pf).chain(vfs) {
+            changing.insert(
+                *device,
+                Changing {
+                    pf,
+                    alive: alive.clone(),
+                },
+            );
+        }
+    }
+
+    /// The change of `pf`'s VF count is over (written, failed or given up): its devices
+    /// are no longer held back.
+    pub fn vf_change_ended(&mut self, pf: PciAddress) {
+        if self.changing.values().any(|c| c.pf == pf) {
+            Arc::make_mut(&mut self.changing).retain(|_, c| c.pf != pf);
+        }
     }
 
     /// After a PF's VF count was written (or a write was tried and failed part way): the
@@ -311,6 +385,71 @@ mod tests {
         ));
         l.check_vf_change(pf, cs.host_generation)
             .expect("new generation");
+    }
+
+    fn claim_of(a: &str, g: Generation, who: u128, req: &str) -> ClaimRequest {
+        ClaimRequest {
+            target: ClaimTarget::Address {
+                address: addr(a),
+                expected_generation: g,
+            },
+            owner: owner(who),
+            request_id: rid(req),
+        }
+    }
+
+    #[test]
+    fn a_pf_whose_vf_count_is_being_written_and_its_vfs_are_held_back_until_it_ends() {
+        let mut l = ledger();
+        let pf = addr("0000:3b:00.0");
+        let g = l.record_at(pf).expect("pf").generation;
+        let vfs = l.check_vf_change(pf, g).expect("free");
+        let token = std::sync::Arc::new(());
+        l.vf_change_began(pf, &vfs, std::sync::Arc::downgrade(&token));
+        let before = l.clone();
+        let vg = l.record_at(vfs[1]).expect("vf").generation;
+        let err = l
+            .claim(&claim_of("0000:3b:02.1", vg, 1, "c1"), 2)
+            .expect_err("a VF of a PF being changed");
+        assert!(
+            matches!(err, LedgerError::VfCountChanging { address, pf: p, .. } if address == vfs[1] && p == pf),
+            "{err:?}"
+        );
+        assert_eq!(err.reason(), "VF_COUNT_CHANGING");
+        l.claim(&claim_of("0000:3b:00.0", g, 1, "c2"), 2)
+            .expect_err("the PF itself");
+        assert!(matches!(
+            l.check_vf_change(pf, g),
+            Err(LedgerError::VfCountChanging { .. })
+        ));
+        // A selector passes over them; the host's other devices are claimed as ever.
+        let any = |n: &str| ClaimRequest {
+            target: ClaimTarget::Selector(crate::ledger::Selector::default()),
+            owner: owner(2),
+            request_id: rid(n),
+        };
+        let (o, _) = l.claim(&any("s1"), 2).expect("another device");
+        assert_eq!(o.address(), addr("0000:5e:00.0"));
+        // Its group's other function is blocked by it: the PF and its VFs are all that
+        // is left, and the selector takes none of them.
+        let mut refused = l.clone();
+        let err = refused
+            .claim(&any("s2"), 2)
+            .expect_err("nothing left but the held devices");
+        assert!(matches!(err, LedgerError::NoMatch { .. }), "{err:?}");
+        // Refusals change nothing; the change's end lets them go.
+        let mut l2 = before.clone();
+        l2.claim(&claim_of("0000:3b:02.1", vg, 1, "c1"), 2)
+            .expect_err("held");
+        assert_eq!(l2, before);
+        l.vf_change_ended(pf);
+        l.claim(&claim_of("0000:3b:02.1", vg, 1, "c3"), 3)
+            .expect("claimable once the change ended");
+        // A change whose token is dropped unanswered (its task gone) holds nothing.
+        let mut l = before;
+        drop(token);
+        l.claim(&claim_of("0000:3b:02.1", vg, 1, "c4"), 3)
+            .expect("claimable once the change is gone");
     }
 
     #[test]

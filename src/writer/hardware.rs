@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use super::{now_unix, Applied, Command, Worker, WriteError};
 use crate::hardware::sriov::Written;
-use crate::hardware::HardwareError;
+use crate::hardware::{Hardware, HardwareError};
 use crate::ledger::{BoundMember, ChangeSet, ReleaseRequest};
 use crate::metrics::Op;
 use crate::pci::{ConsumerId, Generation, PciAddress};
@@ -42,6 +42,66 @@ pub struct SetVfCount {
     pub autoprobe: Option<bool>,
 }
 
+/// A VF count change begun: checked against the ledger, with the PF and its VFs held
+/// back from claims ([`crate::ledger::Ledger::vf_change_began`]) while the sysfs writes
+/// run off the writer thread, so that the rest of the host's requests are decided
+/// meanwhile (the kernel may take minutes).
+#[derive(Debug)]
+pub struct VfChange {
+    req: SetVfCount,
+    /// The PF's VFs when the change began.
+    vfs: Vec<PciAddress>,
+    hw: Hardware,
+    /// Holds the devices back while it lives: a change dropped unanswered (its task
+    /// gone) lets them go rather than hold them forever.
+    token: Arc<()>,
+}
+
+/// What the sysfs side of a VF count change did, for the writer to record.
+#[derive(Debug)]
+pub struct VfWritten {
+    req: SetVfCount,
+    vfs: Vec<PciAddress>,
+    /// The VF count before (0 where it could not be read).
+    before: u32,
+    result: Result<(), HardwareError>,
+    written: Written,
+    token: Arc<()>,
+}
+
+impl VfChange {
+    /// The PF this change is of.
+    pub fn pf(&self) -> PciAddress {
+        self.req.pf
+    }
+
+    /// Reads the PF's counts and writes the new one (blocking: each write is waited on
+    /// with its timeout). Reads refused here change nothing.
+    pub fn write(self) -> VfWritten {
+        let VfChange {
+            req,
+            vfs,
+            hw,
+            token,
+        } = self;
+        let (before, result, written) = match hw.vf_count_now(req.pf, req.count) {
+            Err(e) => (0, Err(e), Written::Nothing),
+            Ok(before) => {
+                let (result, written) = hw.write_num_vfs(req.pf, before, req.count, req.autoprobe);
+                (before, result, written)
+            }
+        };
+        VfWritten {
+            req,
+            vfs,
+            before,
+            result,
+            written,
+            token,
+        }
+    }
+}
+
 /// What a VF-count change did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VfCountSet {
@@ -55,7 +115,7 @@ impl Worker {
     /// Whether a command must run alone (it writes to sysfs).
     pub(super) fn acts_on_hardware(&self, cmd: &Command) -> bool {
         match cmd {
-            Command::BindVfio(..) | Command::SetVfCount(..) => true,
+            Command::BindVfio(..) | Command::BeginVfCount(..) | Command::EndVfCount(..) => true,
             Command::Release(req, _, _) => self.ledger.has_binding(req.address),
             Command::FreeOrphans(_, list, _) => {
                 list.iter().any(|o| self.ledger.has_binding(o.address))
@@ -74,8 +134,15 @@ impl Worker {
                 self.count(Op::BindVfio, &r);
                 let _ = reply.send(r);
             }
-            Command::SetVfCount(req, reply) => {
-                let r = self.set_vf_count(&req);
+            Command::BeginVfCount(req, reply) => {
+                let r = self.begin_vf_count(req);
+                if r.is_err() {
+                    self.count(Op::SetVfCount, &r);
+                }
+                let _ = reply.send(r);
+            }
+            Command::EndVfCount(written, reply) => {
+                let r = self.end_vf_count(*written);
                 self.count(Op::SetVfCount, &r);
                 let _ = reply.send(r);
             }
@@ -232,12 +299,34 @@ impl Worker {
         Ok(Applied { outcome, replayed })
     }
 
-    fn set_vf_count(&mut self, req: &SetVfCount) -> Result<VfCountSet, WriteError> {
+    /// Checks a VF count change against the ledger and holds the PF and its VFs back
+    /// from claims until [`Self::end_vf_count`]; the writes happen off this thread.
+    fn begin_vf_count(&mut self, req: SetVfCount) -> Result<VfChange, WriteError> {
         let hw = self.hardware.clone().ok_or(HardwareError::Disabled)?;
         let vfs = self.ledger.check_vf_change(req.pf, req.generation)?;
-        // Reads only: refused here, nothing changed.
-        let before = hw.vf_count_now(req.pf, req.count)?;
-        let (result, written) = hw.write_num_vfs(req.pf, before, req.count, req.autoprobe);
+        let token = Arc::new(());
+        self.ledger
+            .vf_change_began(req.pf, &vfs, Arc::downgrade(&token));
+        Ok(VfChange {
+            req,
+            vfs,
+            hw,
+            token,
+        })
+    }
+
+    /// Records what a VF count change wrote, and lets the PF and its VFs go.
+    fn end_vf_count(&mut self, w: VfWritten) -> Result<VfCountSet, WriteError> {
+        let VfWritten {
+            req,
+            vfs,
+            before,
+            result,
+            written,
+            token,
+        } = w;
+        self.ledger.vf_change_ended(req.pf);
+        drop(token);
         if written == Written::Nothing {
             // Nothing reached sysfs (refused at the first write, or nothing to write):
             // nothing changed, and the caller's generation stays good.

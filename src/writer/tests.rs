@@ -562,6 +562,93 @@ fn every_event_has_its_own_generation_and_resuming_from_any_misses_none() {
     assert_eq!(w.store.host_generation().expect("stored"), next);
 }
 
+/// A VF count change as the writer carries it out: begun alone (checked, its devices
+/// held back), written off the writer's thread (here, in place), and recorded alone.
+fn set_vf_count(w: &mut Worker, req: SetVfCount) -> Result<VfCountSet, WriteError> {
+    let (reply, rx) = oneshot::channel();
+    w.run_alone(Command::BeginVfCount(req, reply));
+    let written = answer(rx)?.write();
+    let (reply, rx) = oneshot::channel();
+    w.run_alone(Command::EndVfCount(Box::new(written), reply));
+    answer(rx)
+}
+
+/// While a VF count is being written, the writer decides the host's other requests: a
+/// claim of another device lands, a claim of a VF of that PF is refused (the kernel is
+/// destroying it) without changing anything, and once the change is recorded the VFs
+/// it destroyed are gone.
+#[test]
+fn requests_are_decided_while_a_vf_count_is_written() {
+    let pf = "0000:3b:00.0";
+    let mut sys = crate::simhost::FakeSys::new();
+    sys.pf(pf, 0x8086, 0x1572, 8, 4);
+    sys.device("0000:5e:00.0", 0x8086, 0x1572);
+    let tree = sys.build();
+    let mut inventory = vec![facts(pf, Some(10), None)];
+    inventory[0].is_pf = true;
+    let vfs = sys.vfs(pf);
+    for (i, a) in vfs.iter().enumerate() {
+        inventory.push(facts(&a.to_string(), Some(20 + i as u32), Some(pf)));
+    }
+    inventory.push(facts("0000:5e:00.0", Some(30), None));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = hardware_worker(dir.path(), &tree, inventory);
+    let view = w.view_now();
+    let generation = |a: PciAddress| view.device(a).next().expect("present").record.generation;
+    let (reply, rx) = oneshot::channel();
+    w.run_alone(Command::BeginVfCount(
+        SetVfCount {
+            pf: addr(pf),
+            generation: generation(addr(pf)),
+            count: 2,
+            autoprobe: None,
+        },
+        reply,
+    ));
+    let change = answer(rx).expect("begun");
+    let (c, other) = claim(
+        1,
+        "other",
+        ClaimTarget::Address {
+            address: addr("0000:5e:00.0"),
+            expected_generation: generation(addr("0000:5e:00.0")),
+        },
+    );
+    let (v, held) = claim(
+        2,
+        "held",
+        ClaimTarget::Address {
+            address: vfs[0],
+            expected_generation: generation(vfs[0]),
+        },
+    );
+    w.apply_batch(vec![c, v]);
+    answer(other).expect("another device is claimed meanwhile");
+    let err = answer(held).expect_err("a VF of the PF being changed");
+    assert!(
+        matches!(err, WriteError::Ledger(LedgerError::VfCountChanging { .. })),
+        "{err:?}"
+    );
+    let written = change.write();
+    let (reply, rx) = oneshot::channel();
+    w.run_alone(Command::EndVfCount(Box::new(written), reply));
+    let set = answer(rx).expect("recorded");
+    assert_eq!(set.before, 4);
+    let now = w.view_now();
+    assert!(vfs.iter().all(|a| now.device(*a).next().is_none()));
+    assert_eq!(
+        w.store
+            .load()
+            .expect("load")
+            .records
+            .values()
+            .filter(|r| r.claim.is_some())
+            .count(),
+        1,
+        "the claim made meanwhile is durable"
+    );
+}
+
 /// A VF count written takes the PF's old VFs away in the same commit as the PF's new
 /// generation: a claim that presents an old VF's generation, decided after the write and
 /// before any rescan, finds no device (the kernel destroyed it), and never lands on the
@@ -584,17 +671,16 @@ fn a_claim_after_a_vf_count_write_and_before_the_rescan_finds_no_old_vf() {
     let generation = |a: PciAddress| view.device(a).next().expect("present").record.generation;
     let old_vf = generation(vfs[0]);
 
-    let (reply, rx) = oneshot::channel();
-    w.run_alone(Command::SetVfCount(
+    let result = set_vf_count(
+        &mut w,
         SetVfCount {
             pf: addr(pf),
             generation: generation(addr(pf)),
             count: 2,
             autoprobe: None,
         },
-        reply,
-    ));
-    let set = answer(rx).expect("written");
+    );
+    let set = result.expect("written");
     assert_eq!(set.before, 4);
     let numvfs = std::fs::read_to_string(tree.device_dir(pf).join("sriov_numvfs")).expect("numvfs");
     assert_eq!(numvfs.trim(), "2");
@@ -620,17 +706,16 @@ fn a_claim_after_a_vf_count_write_and_before_the_rescan_finds_no_old_vf() {
     let autoprobe =
         || std::fs::read_to_string(tree.device_dir(pf).join("sriov_drivers_autoprobe")).ok();
     let autoprobe_before = autoprobe();
-    let (reply, rx) = oneshot::channel();
-    w.run_alone(Command::SetVfCount(
+    let result = set_vf_count(
+        &mut w,
         SetVfCount {
             pf: addr(pf),
             generation: pf_generation,
             count: 1,
             autoprobe: Some(false),
         },
-        reply,
-    ));
-    let err = answer(rx).expect_err("unreadable count");
+    );
+    let err = result.expect_err("unreadable count");
     assert!(
         matches!(err, WriteError::Hardware(HardwareError::Read { .. })),
         "{err:?}"
@@ -708,17 +793,16 @@ fn a_commit_whose_outcome_is_unknown_stops_the_writer() {
     let (c, rx) = claim_any(4, "after");
     w.run_batch(vec![c]);
     assert!(matches!(answer(rx), Err(WriteError::StoreFailed(_))));
-    let (reply, rx) = oneshot::channel();
-    w.run_alone(Command::SetVfCount(
+    let result = set_vf_count(
+        &mut w,
         SetVfCount {
             pf: addr("0000:3b:00.0"),
             generation: Generation(1),
             count: 0,
             autoprobe: None,
         },
-        reply,
-    ));
-    assert!(matches!(answer(rx), Err(WriteError::StoreFailed(_))));
+    );
+    assert!(matches!(result, Err(WriteError::StoreFailed(_))));
     assert!(
         w.store
             .load()
