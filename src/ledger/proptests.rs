@@ -1,7 +1,7 @@
 //! Property tests: random sequences of claims, releases, stale retries, inventory and
-//! domain changes and restarts from several actors, checked against a simple model and
-//! invariants I1, I2, I5, I6 and I7 after every step, and the audit's promise against
-//! the history.
+//! domain changes, VF count changes (begun, recorded, abandoned) and restarts from
+//! several actors, checked against a simple model and invariants I1, I2, I5, I6 and I7
+//! after every step, and the audit's promise against the history.
 
 use std::collections::BTreeMap;
 
@@ -58,6 +58,16 @@ enum Op {
     Raise {
         ahead: u32,
     },
+    /// A change of the PF's VF count begins (if it may): the PF and its VFs are held
+    /// back until it ends.
+    BeginVfChange,
+    /// The change is recorded: the VFs it had are gone when `destroyed`.
+    EndVfChange {
+        destroyed: bool,
+    },
+    /// The change's task ends unanswered: its token is dropped, the change never
+    /// recorded.
+    AbandonVfChange,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -74,6 +84,9 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..3, proptest::collection::vec(0u8..7, 0..3)).prop_map(|(actor, devs)| Op::Domains { actor, devs }),
         1 => Just(Op::NoDomains),
         1 => (0u32..3).prop_map(|ahead| Op::Raise { ahead: ahead * 1000 }),
+        1 => Just(Op::BeginVfChange),
+        1 => any::<bool>().prop_map(|destroyed| Op::EndVfChange { destroyed }),
+        1 => Just(Op::AbandonVfChange),
     ]
 }
 
@@ -93,6 +106,9 @@ struct World {
     seen: BTreeMap<(u8, u8), Generation>,
     last: BTreeMap<u8, LastReq>,
     seq: u64,
+    /// A VF count change under way: its token, and the PF and the VFs it had (the
+    /// addresses no claim may take meanwhile).
+    changing: Option<(std::sync::Arc<()>, Vec<PciAddress>)>,
 }
 
 fn consumer(actor: u8) -> ConsumerId {
@@ -116,6 +132,7 @@ impl World {
             seen: BTreeMap::new(),
             last: BTreeMap::new(),
             seq: 0,
+            changing: None,
         }
     }
 
@@ -163,6 +180,42 @@ impl World {
     }
 
     fn step(&mut self, op: &Op) -> Result<(), TestCaseError> {
+        // The hold itself is no change of a record: begun, ended or abandoned outside the
+        // change-set checks below (what a failed commit undoes is the recorded change).
+        let pf = self.address(0);
+        let mut ended: Vec<PciAddress> = Vec::new();
+        match op {
+            Op::BeginVfChange if self.changing.is_none() => {
+                let prev_gen = self.ledger.host_generation();
+                let g = self.ledger.record_at(pf).map(|r| r.generation);
+                let before = self.ledger.clone();
+                match g.map(|g| self.ledger.check_vf_change(pf, g)) {
+                    Some(Ok(vfs)) => {
+                        let token = std::sync::Arc::new(());
+                        self.ledger
+                            .vf_change_began(pf, &vfs, std::sync::Arc::downgrade(&token));
+                        let held = std::iter::once(pf).chain(vfs).collect();
+                        self.changing = Some((token, held));
+                        // Nothing a view shows changed: states and records as before.
+                        prop_assert_eq!(self.ledger.states(), before.states());
+                    }
+                    _ => prop_assert_eq!(&self.ledger, &before),
+                }
+                return self.check_invariants(prev_gen);
+            }
+            Op::EndVfChange { .. } => {
+                if let Some((token, held)) = self.changing.take() {
+                    self.ledger.vf_change_ended(pf);
+                    drop(token);
+                    ended = held.into_iter().filter(|a| *a != pf).collect();
+                }
+            }
+            Op::AbandonVfChange => {
+                self.changing = None;
+                return self.check_invariants(self.ledger.host_generation());
+            }
+            _ => {}
+        }
         let before = self.ledger.clone();
         let prev_gen = before.host_generation();
         let result: Result<(Option<Outcome>, ChangeSet), LedgerError> = match op {
@@ -309,6 +362,11 @@ impl World {
                 prop_assert_eq!(self.ledger.host_generation(), floor);
                 Ok((None, cs.unwrap_or_else(|| Tx::new(now).cs)))
             }
+            Op::BeginVfChange | Op::AbandonVfChange => Ok((None, self.ledger.empty_change())),
+            Op::EndVfChange { destroyed } if !ended.is_empty() || self.present[0] => {
+                Ok((None, self.ledger.vf_count_written(pf, &ended, *destroyed)))
+            }
+            Op::EndVfChange { .. } => Ok((None, self.ledger.empty_change())),
         };
 
         match result {
@@ -369,6 +427,16 @@ impl World {
     fn check_invariants(&self, prev_gen: Generation) -> Result<(), TestCaseError> {
         let l = &self.ledger;
         prop_assert!(l.host_generation() >= prev_gen);
+        // While a VF count change is under way, nothing it holds back is claimed.
+        if let Some((_, held)) = &self.changing {
+            for a in held {
+                prop_assert!(
+                    l.records_at(*a).all(|r| r.claim.is_none()),
+                    "a claim at {} while its PF's VF count changes",
+                    a
+                );
+            }
+        }
         // I6 and the model: exactly the modelled claims exist, none dropped silently.
         let actual: BTreeMap<RecordId, ConsumerId> = l
             .records()
@@ -494,7 +562,11 @@ proptest! {
         for op in &ops {
             w.step(op)?;
         }
-        let l = &w.ledger;
+        // A VF count change under way is not stored either: it does not outlive the
+        // agent that makes it.
+        let mut l = w.ledger.clone();
+        l.vf_change_ended(w.address(0));
+        let l = &l;
         let snap = Snapshot {
             host_generation: l.host_generation(),
             records: l.records().map(|r| (r.id, r.clone())).collect(),
