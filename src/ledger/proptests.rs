@@ -106,9 +106,10 @@ struct World {
     seen: BTreeMap<(u8, u8), Generation>,
     last: BTreeMap<u8, LastReq>,
     seq: u64,
-    /// A VF count change under way: its token, and the PF and the VFs it had (the
-    /// addresses no claim may take meanwhile).
-    changing: Option<(std::sync::Arc<()>, Vec<PciAddress>)>,
+    /// A VF count change under way: its token, the PF and the VFs it had (the addresses
+    /// no claim may take meanwhile), and the claims at those addresses when it began
+    /// (lost ones: a PF that vanished and came back may keep its old instance's).
+    changing: Option<(std::sync::Arc<()>, Vec<PciAddress>, Vec<RecordId>)>,
 }
 
 fn consumer(actor: u8) -> ConsumerId {
@@ -134,6 +135,16 @@ impl World {
             seq: 0,
             changing: None,
         }
+    }
+
+    /// The claimed records at these addresses, present or lost.
+    fn claims_at(&self, addresses: &[PciAddress]) -> Vec<RecordId> {
+        addresses
+            .iter()
+            .flat_map(|a| self.ledger.records_at(*a))
+            .filter(|r| r.claim.is_some())
+            .map(|r| r.id)
+            .collect()
     }
 
     fn address(&self, dev: u8) -> PciAddress {
@@ -194,8 +205,9 @@ impl World {
                         let token = std::sync::Arc::new(());
                         self.ledger
                             .vf_change_began(pf, &vfs, std::sync::Arc::downgrade(&token));
-                        let held = std::iter::once(pf).chain(vfs).collect();
-                        self.changing = Some((token, held));
+                        let held: Vec<PciAddress> = std::iter::once(pf).chain(vfs).collect();
+                        let claimed = self.claims_at(&held);
+                        self.changing = Some((token, held, claimed));
                         // Nothing a view shows changed: states and records as before.
                         prop_assert_eq!(self.ledger.states(), before.states());
                     }
@@ -204,7 +216,7 @@ impl World {
                 return self.check_invariants(prev_gen);
             }
             Op::EndVfChange { .. } => {
-                if let Some((token, held)) = self.changing.take() {
+                if let Some((token, held, _)) = self.changing.take() {
                     self.ledger.vf_change_ended(pf);
                     drop(token);
                     ended = held.into_iter().filter(|a| *a != pf).collect();
@@ -427,13 +439,14 @@ impl World {
     fn check_invariants(&self, prev_gen: Generation) -> Result<(), TestCaseError> {
         let l = &self.ledger;
         prop_assert!(l.host_generation() >= prev_gen);
-        // While a VF count change is under way, nothing it holds back is claimed.
-        if let Some((_, held)) = &self.changing {
-            for a in held {
+        // While a VF count change is under way, nothing it holds back is claimed: the
+        // claims at its addresses are (some of) those there when it began.
+        if let Some((_, held, before)) = &self.changing {
+            for id in self.claims_at(held) {
                 prop_assert!(
-                    l.records_at(*a).all(|r| r.claim.is_none()),
-                    "a claim at {} while its PF's VF count changes",
-                    a
+                    before.contains(&id),
+                    "a claim made at {} while its PF's VF count changes",
+                    l.records[&id].address()
                 );
             }
         }
