@@ -112,9 +112,10 @@ pub struct Rescanner {
     /// a hardware action's rescan could overlap, and the one that read sysfs first (a VF
     /// still there) could apply last, over the fresher one (the VF gone), with no event
     /// left to correct it. An async mutex: it is meant to be held across the awaits of
-    /// the scan thread and the writer, and no other lock is taken while it is held (an
-    /// acting audit takes the domains' order lock first, then this one: never the other
-    /// way round).
+    /// the scan thread and the writer. Lock order with the free checks' order lock
+    /// (`api::guard`): no one waits for this turn while holding that lock (an acting
+    /// audit holding it only tries this turn, and otherwise lets it go, waits here, then
+    /// takes it again).
     turn: Arc<tokio::sync::Mutex<()>>,
     /// For each present device whose ledger record a scan created, the kernel's uevent
     /// sequence number read just before that scan (none where the kernel shows none, or

@@ -519,24 +519,58 @@ impl Writer {
     /// thread, so that requests on the host's other devices are decided meanwhile (the
     /// kernel may take minutes); the PF and its VFs are held back from claims until it
     /// is recorded.
+    ///
+    /// Whatever becomes of the writes, the change is recorded: where their task ends
+    /// without an answer (it panicked), or this future is dropped before the end is
+    /// recorded, as a write that may have destroyed the VFs (the side that hands no
+    /// destroyed VF out), with the PF's devices held back until then.
     pub async fn set_vf_count(&self, req: SetVfCount) -> Result<VfCountSet, WriteError> {
         let change = self.call(|r| Command::BeginVfCount(req, r)).await?;
-        let pf = change.pf();
+        let mut unanswered = EndOnDrop {
+            writer: self.clone(),
+            end: Some(change.unanswered("the change was dropped before it was recorded")),
+        };
         let written = match tokio::task::spawn_blocking(move || change.write()).await {
             Ok(w) => w,
             Err(e) => {
-                // The change went with the task: its devices are let go. Recorded as a
-                // write that may have destroyed the VFs, the side that frees nothing.
-                tracing::error!(%pf, error = %e, "the task writing a VF count ended without an answer");
-                return Err(WriteError::Hardware(HardwareError::Abandoned {
-                    address: pf,
-                    step: "write sriov_numvfs",
-                    why: e.to_string(),
-                }));
+                tracing::error!(error = %e, "the task writing a VF count ended without an answer");
+                let Some(mut end) = unanswered.end.take() else {
+                    return Err(WriteError::ShuttingDown);
+                };
+                end.abandoned(e.to_string());
+                end
             }
         };
+        unanswered.end = None;
         self.call(|r| Command::EndVfCount(Box::new(written), r))
             .await
+    }
+}
+
+/// Records a VF count change's end as unanswered if dropped while it still holds one
+/// (the future carrying the change was dropped): queued without waiting, so a drop
+/// never blocks; a full queue or a stopped writer drops it, and with it the change's
+/// token, which lets the devices go.
+struct EndOnDrop {
+    writer: Writer,
+    end: Option<VfWritten>,
+}
+
+impl Drop for EndOnDrop {
+    fn drop(&mut self) {
+        let Some(end) = self.end.take() else {
+            return;
+        };
+        let (reply, _) = oneshot::channel();
+        self.writer.core.queued.fetch_add(1, Ordering::SeqCst);
+        if self
+            .writer
+            .tx
+            .try_send(Command::EndVfCount(Box::new(end), reply))
+            .is_err()
+        {
+            self.writer.core.queued.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 }
 

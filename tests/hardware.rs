@@ -1215,6 +1215,54 @@ async fn other_devices_are_claimed_and_released_while_a_vf_count_is_written() {
     s.stop().await;
 }
 
+/// A VF count change whose caller goes away while the kernel still works (the writer's
+/// future dropped mid-write) is recorded all the same, as a write that may have
+/// destroyed the VFs: they leave the ledger rather than turn claimable again while the
+/// kernel destroys them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vf_count_change_dropped_mid_write_is_recorded_as_destroying_the_vfs() {
+    let _alone = alone().await;
+    let t = tree();
+    let fs = support::faultfs::FaultFs::mount(&[("sriov_numvfs", "4\n")]);
+    fs.plant(&t.bus_link(PF).join("sriov_numvfs"), "sriov_numvfs");
+    let hang = Hold::on();
+    fs.during_write("sriov_numvfs", hang.hook());
+    let s = start_tuned(&t, 300, 1 << 20, |cfg| {
+        cfg.hardware.vf_count_timeout_ms = 30_000
+    })
+    .await;
+    let mut c = s.client().await;
+    let v = vf(&mut c, 0).await;
+    let old = device(&mut c, &v).await.expect("VF").generation;
+    let pf = device(&mut c, PF).await.expect("PF");
+    let change = s.writer.set_vf_count(hostdevd::writer::SetVfCount {
+        pf: PF.parse().expect("address"),
+        generation: hostdevd::pci::Generation(pf.generation),
+        count: 2,
+        autoprobe: None,
+    });
+    tokio::time::timeout(Duration::from_secs(1), change)
+        .await
+        .expect_err("the write still hangs: the future is dropped mid-write");
+    until(
+        &mut c,
+        "the change recorded once its future is dropped",
+        |l| {
+            !l.iter().any(|d| d.address == v)
+                && l.iter()
+                    .any(|d| d.address == PF && d.generation > pf.generation)
+        },
+    )
+    .await;
+    assert!(hang.is_on(), "recorded while the kernel still works");
+    let e = claim_as(&mut c, &v, 1, false, "late", old)
+        .await
+        .expect_err("a VF the change may have destroyed");
+    assert_eq!(reason(&e).0, "UNKNOWN_DEVICE", "{e:?}");
+    hang.release();
+    s.stop().await;
+}
+
 /// An acting audit that gives a bound orphan its driver back needs the rescans' turn,
 /// which a rescan may hold for a while (a full one on a large host, or one that waits on
 /// a PF the kernel holds). The audit waits for the turn without holding the free

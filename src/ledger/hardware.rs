@@ -170,7 +170,10 @@ impl Ledger {
             });
         }
         self.check_not_changing(pf, generation)?;
-        if let Some(c) = &rec.claim {
+        // A lost claim at the PF's address counts too (an earlier instance of the PF that
+        // vanished and came back): its owner may still believe it holds the PF and its
+        // VFs, as their states say.
+        if let Some(c) = self.records_at(pf).find_map(|r| r.claim.as_ref()) {
             return Err(LedgerError::AlreadyClaimed {
                 address: pf,
                 owner: c.owner.clone(),
@@ -450,6 +453,61 @@ mod tests {
         drop(token);
         l.claim(&claim_of("0000:3b:02.1", vg, 1, "c4"), 3)
             .expect("claimable once the change is gone");
+    }
+
+    #[test]
+    fn a_lost_claim_of_the_pf_refuses_a_vf_count_change() {
+        let mut l = ledger();
+        let pf = addr("0000:3b:00.0");
+        claim(&mut l, "0000:3b:00.0", 1);
+        // The PF vanishes and comes back: its claim stays, lost, and a new instance is
+        // present at the address.
+        let inventory = super::super::tests::host();
+        l.apply_inventory(inventory[1..].to_vec());
+        l.apply_inventory(inventory);
+        let g = l.record_at(pf).expect("present again").generation;
+        assert!(l.record_at(pf).is_some_and(|r| r.claim.is_none()));
+        let err = l
+            .check_vf_change(pf, g)
+            .expect_err("a lost claim of the PF");
+        assert!(
+            matches!(&err, LedgerError::AlreadyClaimed { address, owner: o, .. } if *address == pf && *o == owner(1)),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn a_binding_that_covers_a_vf_whose_pf_is_changing_is_refused() {
+        // 0000:5e:00.0 shares its IOMMU group with the PF's first VF (no ACS between
+        // them): binding it would take that VF too, which the change may destroy.
+        let mut inventory = super::super::tests::host();
+        let vf = addr("0000:3b:02.0");
+        for f in &mut inventory {
+            if f.address == addr("0000:5e:00.0") {
+                f.iommu_group = Some(20);
+            }
+        }
+        let mut l = Ledger::new();
+        l.apply_inventory(inventory);
+        let g = claim(&mut l, "0000:5e:00.0", 1);
+        let pf = addr("0000:3b:00.0");
+        let vfs = l
+            .check_vf_change(pf, l.record_at(pf).expect("pf").generation)
+            .expect("no VF claimed");
+        let token = std::sync::Arc::new(());
+        l.vf_change_began(pf, &vfs, std::sync::Arc::downgrade(&token));
+        let err = l
+            .bind_plan(addr("0000:5e:00.0"), owner(1).consumer, g)
+            .expect_err("a member is held back");
+        assert!(
+            matches!(err, LedgerError::VfCountChanging { address, .. } if address == vf),
+            "{err:?}"
+        );
+        l.vf_change_ended(pf);
+        let plan = l
+            .bind_plan(addr("0000:5e:00.0"), owner(1).consumer, g)
+            .expect("once the change ended");
+        assert!(plan.members.contains(&vf));
     }
 
     #[test]

@@ -106,10 +106,9 @@ struct World {
     seen: BTreeMap<(u8, u8), Generation>,
     last: BTreeMap<u8, LastReq>,
     seq: u64,
-    /// A VF count change under way: its token, the PF and the VFs it had (the addresses
-    /// no claim may take meanwhile), and the claims at those addresses when it began
-    /// (lost ones: a PF that vanished and came back may keep its old instance's).
-    changing: Option<(std::sync::Arc<()>, Vec<PciAddress>, Vec<RecordId>)>,
+    /// A VF count change under way: its token, and the PF and the VFs it had (the
+    /// addresses no claim may take meanwhile).
+    changing: Option<(std::sync::Arc<()>, Vec<PciAddress>)>,
 }
 
 fn consumer(actor: u8) -> ConsumerId {
@@ -206,8 +205,8 @@ impl World {
                         self.ledger
                             .vf_change_began(pf, &vfs, std::sync::Arc::downgrade(&token));
                         let held: Vec<PciAddress> = std::iter::once(pf).chain(vfs).collect();
-                        let claimed = self.claims_at(&held);
-                        self.changing = Some((token, held, claimed));
+                        prop_assert!(self.claims_at(&held).is_empty(), "begun with a claim");
+                        self.changing = Some((token, held));
                         // Nothing a view shows changed: states and records as before.
                         prop_assert_eq!(self.ledger.states(), before.states());
                     }
@@ -216,7 +215,7 @@ impl World {
                 return self.check_invariants(prev_gen);
             }
             Op::EndVfChange { .. } => {
-                if let Some((token, held, _)) = self.changing.take() {
+                if let Some((token, held)) = self.changing.take() {
                     self.ledger.vf_change_ended(pf);
                     drop(token);
                     ended = held.into_iter().filter(|a| *a != pf).collect();
@@ -439,16 +438,19 @@ impl World {
     fn check_invariants(&self, prev_gen: Generation) -> Result<(), TestCaseError> {
         let l = &self.ledger;
         prop_assert!(l.host_generation() >= prev_gen);
-        // While a VF count change is under way, nothing it holds back is claimed: the
-        // claims at its addresses are (some of) those there when it began.
-        if let Some((_, held, before)) = &self.changing {
-            for id in self.claims_at(held) {
-                prop_assert!(
-                    before.contains(&id),
-                    "a claim made at {} while its PF's VF count changes",
-                    l.records[&id].address()
-                );
-            }
+        // While a VF count change is under way, nothing it holds back is claimed, present
+        // or lost (a change begins only with none).
+        if let Some((_, held)) = &self.changing {
+            let claimed: Vec<PciAddress> = self
+                .claims_at(held)
+                .iter()
+                .map(|id| l.records[id].address())
+                .collect();
+            prop_assert!(
+                claimed.is_empty(),
+                "claims at {:?} while their PF's VF count changes",
+                claimed
+            );
         }
         // I6 and the model: exactly the modelled claims exist, none dropped silently.
         let actual: BTreeMap<RecordId, ConsumerId> = l

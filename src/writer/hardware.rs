@@ -70,9 +70,21 @@ pub struct VfWritten {
 }
 
 impl VfChange {
-    /// The PF this change is of.
-    pub fn pf(&self) -> PciAddress {
-        self.req.pf
+    /// What to record if the writes never answer: a write that may have destroyed the
+    /// VFs, under a token of its own that holds the devices back until it is recorded.
+    pub fn unanswered(&self, why: &str) -> VfWritten {
+        VfWritten {
+            req: self.req.clone(),
+            vfs: self.vfs.clone(),
+            before: 0,
+            result: Err(HardwareError::Abandoned {
+                address: self.req.pf,
+                step: "write sriov_numvfs",
+                why: why.to_string(),
+            }),
+            written: Written::Vfs,
+            token: self.token.clone(),
+        }
     }
 
     /// Reads the PF's counts and writes the new one (blocking: each write is waited on
@@ -99,6 +111,17 @@ impl VfChange {
             written,
             token,
         }
+    }
+}
+
+impl VfWritten {
+    /// Says why the writes never answered.
+    pub fn abandoned(&mut self, why: String) {
+        self.result = Err(HardwareError::Abandoned {
+            address: self.req.pf,
+            step: "write sriov_numvfs",
+            why,
+        });
     }
 }
 

@@ -17,6 +17,8 @@ pub struct TestServer {
     pub metrics: std::sync::Arc<hostdevd::metrics::Metrics>,
     /// The agent's rescanner, whose turn a test may hold (a rescan that takes long).
     pub rescanner: std::sync::Arc<hostdevd::rescan::Rescanner>,
+    /// The agent's writer, for a test that calls it as the service does.
+    pub writer: hostdevd::writer::Writer,
     _state: tempfile::TempDir,
     _tree: Option<FakeTree>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -42,6 +44,7 @@ impl TestServer {
         let (agent, _closing) = Agent::start(&cfg).await.expect("agent start");
         let metrics = agent.writer.metrics().clone();
         let rescanner = agent.rescanner.clone();
+        let writer = agent.writer.clone();
         let listener = bind_socket(&socket, socket_mode, None).expect("bind");
         let service = agent.service(Access {
             writer_uids,
@@ -61,6 +64,7 @@ impl TestServer {
             socket,
             metrics,
             rescanner,
+            writer,
             _state: state,
             _tree: tree,
             stop: Some(tx),
