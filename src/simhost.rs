@@ -15,7 +15,10 @@
 //! - attribute files with the kernel's formatting (`vendor` is "0x8086\n", `class`
 //!   "0x020000\n", `revision` "0x01\n", `numa_node` "-1\n" when unset, `driver_override`
 //!   "(null)\n" when unset), `net/<ifname>/` directories, `uevent`, `irq`, `resource`, and a 256-byte
-//!   `config` whose standard header agrees with the attribute files.
+//!   `config` whose standard header agrees with the attribute files;
+//! - mediated devices as `<uuid>/` under their function, linked from
+//!   `bus/mdev/devices/<uuid>`, and vDPA devices as `vdpaN/vhost-vdpa-N/` under theirs,
+//!   linked from `bus/vdpa/devices/vdpaN` and `class/vhost-vdpa/vhost-vdpa-N`.
 //!
 //! A dev root (`<tmp>/dev`) sits next to the sysfs root (`<tmp>/sys`) for `vfio/N` nodes;
 //! `<tmp>` is a fresh directory under [`scratch_base`], removed when the [`FakeTree`] drops.
@@ -88,6 +91,12 @@ pub struct FakeDevice {
     /// `None` writes the kernel's -1 (for a VF: its PF's node).
     pub numa_node: Option<i32>,
     pub netdevs: Vec<String>,
+    /// Mediated devices made on this function, by UUID (`<uuid>/` under it, linked from
+    /// `bus/mdev/devices`).
+    pub mdevs: Vec<String>,
+    /// vDPA devices on this function, by number N (`vdpaN/vhost-vdpa-N/` under it,
+    /// linked from `class/vhost-vdpa`).
+    pub vdpa: Vec<u32>,
     /// The bridge this function sits behind; `None` for the root bus.
     pub parent: Option<PciAddress>,
     /// For a VF: its PF and VF index.
@@ -178,6 +187,8 @@ impl FakeSys {
             iommu_group: None,
             numa_node: None,
             netdevs: Vec::new(),
+            mdevs: Vec::new(),
+            vdpa: Vec::new(),
             parent: None,
             physfn: None,
             sriov: None,
@@ -260,6 +271,8 @@ impl FakeSys {
                 iommu_group: None,
                 numa_node: None,
                 netdevs: Vec::new(),
+                mdevs: Vec::new(),
+                vdpa: Vec::new(),
                 parent: None,
                 physfn: Some((pf, i)),
                 sriov: None,
@@ -339,6 +352,18 @@ impl FakeSys {
     /// Adds a network interface directory `net/<ifname>`.
     pub fn netdev(&mut self, a: &str, ifname: &str) -> &mut Self {
         self.get(a).netdevs.push(ifname.into());
+        self
+    }
+
+    /// Adds a mediated device (a vGPU, say) made on this function.
+    pub fn mdev(&mut self, a: &str, uuid: &str) -> &mut Self {
+        self.get(a).mdevs.push(uuid.into());
+        self
+    }
+
+    /// Adds vDPA device `vdpa<n>` on this function, with its `vhost-vdpa-<n>` node.
+    pub fn vhost_vdpa(&mut self, a: &str, n: u32) -> &mut Self {
+        self.get(a).vdpa.push(n);
         self
     }
 
@@ -522,6 +547,32 @@ impl FakeSys {
                     link(&root, &nrel, "device", &rel);
                     link(&root, Path::new("class/net"), n, &nrel);
                 }
+            }
+            for uuid in &d.mdevs {
+                let mrel = rel.join(uuid);
+                mkdir(&root.join(&mrel));
+                mkdir(&root.join("bus/mdev/devices"));
+                link(&root, Path::new("bus/mdev/devices"), uuid, &mrel);
+            }
+            for n in &d.vdpa {
+                let vrel = rel.join(format!("vdpa{n}"));
+                let crel = vrel.join(format!("vhost-vdpa-{n}"));
+                mkdir(&root.join(&crel));
+                write(&root.join(&crel).join("dev"), &format!("240:{n}\n"));
+                mkdir(&root.join("bus/vdpa/devices"));
+                mkdir(&root.join("class/vhost-vdpa"));
+                link(
+                    &root,
+                    Path::new("bus/vdpa/devices"),
+                    &format!("vdpa{n}"),
+                    &vrel,
+                );
+                link(
+                    &root,
+                    Path::new("class/vhost-vdpa"),
+                    &format!("vhost-vdpa-{n}"),
+                    &crel,
+                );
             }
             if let Some(s) = &d.sriov {
                 write(&dir.join("sriov_totalvfs"), &format!("{}\n", s.total));

@@ -327,6 +327,83 @@ async fn a_vf_used_through_macvtap_is_attached() {
     s.stop().await;
 }
 
+/// A domain that uses a vGPU made on a VF (`<hostdev type='mdev'>`, by the mediated
+/// device's UUID) or a vDPA device on a VF (`<interface type='vdpa'>`, by the vhost-vdpa
+/// node; a `<disk type='vhostvdpa'>` is read the same, but needs a newer libvirt than
+/// the test driver here) names the VF only through sysfs: the agent
+/// finds it there, so the claim attaches, a free is refused and an audit keeps it, and an
+/// unclaimed VF used that way is a stray. Before, such a VF read as unused: an audit
+/// could free it under a running VM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vfs_used_through_an_mdev_or_a_vdpa_device_are_attached() {
+    let lv = test_driver();
+    let pf = "0000:46:00.0";
+    let mdev = "5b0c8e3a-2f1d-4c7e-9a66-0d9f1e2c3b4a";
+    let mut f = FakeSys::new();
+    f.pf(pf, 0x15b3, 0x101d, 64, 4)
+        .driver(pf, "mlx5_core")
+        .iommu_group(pf, 159)
+        .vf_iommu_groups(pf, 160)
+        .vf_driver(pf, "mlx5_core");
+    let vfs: Vec<String> = f.vfs(pf).iter().map(|a| a.to_string()).collect();
+    f.mdev(&vfs[1], mdev);
+    f.vhost_vdpa(&vfs[2], 0).vhost_vdpa(&vfs[3], 1);
+    let h = Host {
+        tree: f.build(),
+        vfs,
+        pf: pf.into(),
+    };
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let s = start(&h, proc_dir.path(), "test:///default", 3_600_000).await;
+    let mut c = s.client().await;
+    let (vf1, vf2, vf3) = (h.vfs[1].as_str(), h.vfs[2].as_str(), h.vfs[3].as_str());
+    // Claimed by another consumer than the domain's own UUID (a claim of the domain's
+    // own is attached to it whatever it references): only the mapping attaches these.
+    let claims = [
+        (vf1, claim(&mut c, vf1, 0x4699).await),
+        (vf2, claim(&mut c, vf2, 0x4699).await),
+    ];
+    let xml = format!(
+        "<domain type='test'><name>instance-4601</name><uuid>{}</uuid><memory>1048576</memory><os><type>hvm</type></os><devices>\
+         <hostdev mode='subsystem' type='mdev' model='vfio-pci'><source><address uuid='{mdev}'/></source></hostdev>\
+         <interface type='vdpa'><mac address='52:54:00:46:01:02'/><source dev='/dev/vhost-vdpa-0'/></interface>\
+         <interface type='vdpa'><mac address='52:54:00:46:01:03'/><source dev='/dev/vhost-vdpa-1'/></interface>\
+         </devices></domain>",
+        uuid(0x4601)
+    );
+    let dom = lv.define_domain_xml(&xml).expect("define");
+    for (vf, claimed) in &claims {
+        let err = release(&mut c, vf, 0x4699, claimed.generation)
+            .await
+            .expect_err("the fresh listing attaches it");
+        assert_eq!(err.code(), Code::Aborted, "{vf}: {err:?}");
+        let d = device(&mut c, vf).await;
+        assert_eq!(d.state, ATTACHED, "{d:?}");
+        assert_eq!(
+            d.attached_domain.as_ref().map(|d| d.name.as_str()),
+            Some("instance-4601")
+        );
+    }
+    let list = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner();
+    assert!(
+        list.strays.iter().any(|s| s.address == vf3),
+        "the unclaimed VF it uses is a stray: {:?}",
+        list.strays
+    );
+    // An audit that expects neither consumer frees neither VF: both are in use.
+    let rep = reconcile(&mut c, &[], true).await.expect("audit");
+    assert!(rep.orphans.is_empty(), "{rep:?}");
+    for vf in [vf1, vf2] {
+        assert_eq!(device(&mut c, vf).await.state, ATTACHED);
+    }
+    dom.undefine().expect("undefine");
+    s.stop().await;
+}
+
 /// Releases sent at once share fresh listings of the domains, and each still decides
 /// with a listing that began after it was sent: a domain started just before them
 /// protects its VF from all of them, and the other VFs are freed.

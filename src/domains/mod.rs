@@ -52,12 +52,13 @@ pub enum DomainsError {
         #[source]
         source: Box<XmlError>,
     },
-    #[error("cannot tell which device the interface {ifname} of domain {name} ({uuid}) from libvirt at {uri} is on: {source}")]
-    Netdev {
+    #[error("cannot tell which PCI function {what} of domain {name} ({uuid}) from libvirt at {uri} is on: {source}")]
+    HostDevice {
         uri: String,
         name: String,
         uuid: uuid::Uuid,
-        ifname: String,
+        /// What the domain names, e.g. "the interface ens1f0v3".
+        what: String,
         #[source]
         source: Box<crate::sysfs::SysfsError>,
     },
@@ -118,7 +119,9 @@ impl Libvirt {
         if let Some(c) = self.cached() {
             match list_on(&c, &self.uri, &self.sysfs_root) {
                 Ok(v) => return Ok(v),
-                Err(e @ (DomainsError::Xml { .. } | DomainsError::Netdev { .. })) => return Err(e),
+                Err(e @ (DomainsError::Xml { .. } | DomainsError::HostDevice { .. })) => {
+                    return Err(e)
+                }
                 Err(e) => {
                     tracing::debug!(error = %e, "libvirt connection failed; reconnecting");
                     self.set(None);
@@ -182,6 +185,13 @@ fn list_on(
     Ok(out)
 }
 
+/// What a domain names that sysfs maps to a PCI function.
+enum Through {
+    Netdev(String),
+    Mdev(String),
+    Vdpa(String),
+}
+
 fn is_no_domain(e: &ffi::Error) -> bool {
     e.code == ffi::ERR_NO_DOMAIN
 }
@@ -214,22 +224,44 @@ fn describe(d: &ffi::Domain, uri: &str, sysfs_root: &Path) -> Result<DomainDevic
         let more = references(&persistent).map_err(xml_err)?;
         refs.addresses.extend(more.addresses);
         refs.netdevs.extend(more.netdevs);
+        refs.mdevs.extend(more.mdevs);
+        refs.vdpa.extend(more.vdpa);
     }
     let mut addresses = refs.addresses;
-    // A `direct` interface uses the PCI function whose interface it names; one that
-    // names no PCI function's interface (a bridge, a name no interface has now) uses
-    // none. An interface that cannot be read fails the listing: the device behind it
-    // would otherwise read as unused.
-    for ifname in refs.netdevs {
-        match crate::sysfs::netdev_device(sysfs_root, &ifname) {
+    // A `direct` interface uses the PCI function whose interface it names, an mdev the
+    // function it is made on, a vDPA device the function it sits on; one that names none
+    // now (a bridge, an mdev not created, a name no device has) uses none. One that
+    // cannot be read fails the listing: the device behind it would otherwise read as
+    // unused.
+    let through = refs
+        .netdevs
+        .into_iter()
+        .map(|n| (format!("the interface {n}"), Through::Netdev(n)))
+        .chain(
+            refs.mdevs
+                .into_iter()
+                .map(|m| (format!("the mediated device {m}"), Through::Mdev(m))),
+        )
+        .chain(
+            refs.vdpa
+                .into_iter()
+                .map(|v| (format!("the vDPA device {v}"), Through::Vdpa(v))),
+        );
+    for (what, t) in through {
+        let found = match &t {
+            Through::Netdev(n) => crate::sysfs::netdev_device(sysfs_root, n),
+            Through::Mdev(m) => crate::sysfs::mdev_device(sysfs_root, m),
+            Through::Vdpa(v) => crate::sysfs::vhost_vdpa_device(sysfs_root, v),
+        };
+        match found {
             Ok(Some(a)) => addresses.push(a),
             Ok(None) => {}
             Err(source) => {
-                return Err(DomainsError::Netdev {
+                return Err(DomainsError::HostDevice {
                     uri: uri.to_string(),
                     name: name.clone(),
                     uuid,
-                    ifname,
+                    what,
                     source: Box::new(source),
                 })
             }

@@ -1,9 +1,12 @@
 //! Domain XML → the host PCI addresses a domain references: `<hostdev mode='subsystem'
 //! type='pci'>` sources and `<interface type='hostdev'>` sources (also an interface's
 //! `<actual type='hostdev'>`, which is how a network of hostdev pool forwards shows up);
-//! and the host network interfaces it uses by name, `<interface type='direct'>` sources
-//! (macvtap, in passthrough mode on a VF's interface; also as an `<actual
-//! type='direct'>`), which name a PCI function only through sysfs.
+//! and what names a PCI function only through sysfs: the host network interfaces of
+//! `<interface type='direct'>` sources (macvtap, in passthrough mode on a VF's
+//! interface; also as an `<actual type='direct'>`), the mediated devices of `<hostdev
+//! type='mdev'>` sources (a vGPU or another slice of a PCI function, by UUID), and the
+//! vhost-vdpa character devices of `<interface type='vdpa'>` and `<disk
+//! type='vhostvdpa'>` sources (a vDPA device, usually on a VF).
 //!
 //! Pure: text in, addresses out. The guest-side `<address type='pci'>` that is a direct
 //! child of `<hostdev>` or `<interface>` is where the device appears *inside* the VM and
@@ -36,6 +39,12 @@ pub struct References {
     /// Host network interfaces of `direct` interfaces, by name, sorted, without
     /// duplicates.
     pub netdevs: Vec<String>,
+    /// Mediated devices of `mdev` hostdevs, by UUID as written, sorted, without
+    /// duplicates.
+    pub mdevs: Vec<String>,
+    /// vhost-vdpa character devices of `vdpa` interfaces and `vhostvdpa` disks, by path
+    /// as written, sorted, without duplicates.
+    pub vdpa: Vec<String>,
 }
 
 /// Every host PCI address the domain XML references, sorted, without duplicates.
@@ -52,8 +61,30 @@ pub fn references(xml: &str) -> Result<References, XmlError> {
     }
     let mut out = Vec::new();
     let mut netdevs = Vec::new();
+    let mut mdevs = Vec::new();
+    let mut vdpa = Vec::new();
     for devices in root.children().filter(|n| is(n, "devices")) {
         for dev in devices.children().filter(Node::is_element) {
+            let kind = attr(&dev, "type");
+            match dev.tag_name().name() {
+                "hostdev" if kind == Some("mdev") => {
+                    for source in children(&dev, "source") {
+                        for a in children(&source, "address") {
+                            if let Some(uuid) = attr(&a, "uuid") {
+                                mdevs.push(uuid.to_string());
+                            }
+                        }
+                    }
+                }
+                "interface" | "disk" if kind == Some("vdpa") || kind == Some("vhostvdpa") => {
+                    for source in children(&dev, "source") {
+                        if let Some(path) = attr(&source, "dev") {
+                            vdpa.push(path.to_string());
+                        }
+                    }
+                }
+                _ => {}
+            }
             if dev.tag_name().name() == "interface" {
                 let direct = std::iter::once(dev)
                     .chain(children(&dev, "actual"))
@@ -103,11 +134,15 @@ pub fn references(xml: &str) -> Result<References, XmlError> {
     }
     out.sort();
     out.dedup();
-    netdevs.sort();
-    netdevs.dedup();
+    for names in [&mut netdevs, &mut mdevs, &mut vdpa] {
+        names.sort();
+        names.dedup();
+    }
     Ok(References {
         addresses: out,
         netdevs,
+        mdevs,
+        vdpa,
     })
 }
 
@@ -242,6 +277,42 @@ mod tests {
         let r = references(xml).expect("parse");
         assert_eq!(r.netdevs, vec!["ens1f0v3", "ens1f0v5"]);
         assert!(r.addresses.is_empty(), "{r:?}");
+    }
+
+    /// A mediated device (a vGPU) by its UUID, and vDPA devices by their vhost-vdpa
+    /// character device, as an interface and as a disk: each names a PCI function only
+    /// through sysfs. An s390 mdev is read the same (sysfs finds no PCI function for it).
+    #[test]
+    fn mdev_and_vdpa_sources_are_named() {
+        let xml = r#"<domain type='kvm'><devices>
+    <hostdev mode='subsystem' type='mdev' model='vfio-pci' display='on'>
+      <source><address uuid='c2177883-f1bb-47f0-914d-32a22e3a8804'/></source>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x05' function='0x0'/>
+    </hostdev>
+    <hostdev mode='subsystem' type='mdev' model='vfio-ccw'>
+      <source><address uuid='90c6c135-ad44-41d0-b1b7-bae47de48627'/></source>
+    </hostdev>
+    <interface type='vdpa'>
+      <mac address='52:54:00:11:22:33'/>
+      <source dev='/dev/vhost-vdpa-0'/>
+    </interface>
+    <disk type='vhostvdpa' device='disk'>
+      <driver name='qemu' type='raw' cache='none' io='threads'/>
+      <source dev='/dev/vhost-vdpa-1'/>
+      <target dev='vdb' bus='virtio'/>
+    </disk>
+    <disk type='block' device='disk'><source dev='/dev/sdb'/><target dev='vdc'/></disk>
+  </devices></domain>"#;
+        let r = references(xml).expect("parse");
+        assert_eq!(
+            r.mdevs,
+            vec![
+                "90c6c135-ad44-41d0-b1b7-bae47de48627",
+                "c2177883-f1bb-47f0-914d-32a22e3a8804"
+            ]
+        );
+        assert_eq!(r.vdpa, vec!["/dev/vhost-vdpa-0", "/dev/vhost-vdpa-1"]);
+        assert!(r.addresses.is_empty() && r.netdevs.is_empty(), "{r:?}");
     }
 
     #[test]

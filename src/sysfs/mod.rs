@@ -57,6 +57,58 @@ pub fn netdev_device(sysfs_root: &Path, name: &str) -> Result<Option<PciAddress>
     }
 }
 
+/// The PCI function a mediated device (`<hostdev type='mdev'>`, a vGPU or another slice
+/// of a function) is made on: its parent in the device tree
+/// (`<sysfs_root>/bus/mdev/devices/<uuid>` links into the parent's directory). `None`
+/// for a UUID no mdev has now (not created, or removed), for one that is not a UUID, and
+/// for an mdev whose parent is no PCI function (s390's channel and crypto devices).
+pub fn mdev_device(sysfs_root: &Path, uuid: &str) -> Result<Option<PciAddress>, SysfsError> {
+    let Ok(uuid) = uuid::Uuid::parse_str(uuid) else {
+        return Ok(None);
+    };
+    let link = sysfs_root.join("bus/mdev/devices").join(uuid.to_string());
+    pci_function_above(sysfs_root, &link)
+}
+
+/// The PCI function a vDPA device is on, from its vhost-vdpa character device as a
+/// domain names it (`/dev/vhost-vdpa-N`): `<sysfs_root>/class/vhost-vdpa/vhost-vdpa-N`
+/// sits under the vDPA device, which sits under its PCI function (directly, or under an
+/// auxiliary device of it, as mlx5's does). `None` for a path that is not a vhost-vdpa
+/// node, for one no device has now, and for a vDPA device on no PCI function (VDUSE, a
+/// simulator).
+pub fn vhost_vdpa_device(sysfs_root: &Path, path: &str) -> Result<Option<PciAddress>, SysfsError> {
+    let name = path.rsplit('/').next().unwrap_or_default();
+    let numbered = name
+        .strip_prefix("vhost-vdpa-")
+        .is_some_and(|n| !n.is_empty() && n.len() <= 10 && n.bytes().all(|b| b.is_ascii_digit()));
+    if !numbered {
+        return Ok(None);
+    }
+    let link = sysfs_root.join("class/vhost-vdpa").join(name);
+    pci_function_above(sysfs_root, &link)
+}
+
+/// The nearest directory above `link`'s target, within the sysfs tree, named as a PCI
+/// function. `None` when the link is absent or dangling (the device is gone) or no PCI
+/// function is above it.
+fn pci_function_above(sysfs_root: &Path, link: &Path) -> Result<Option<PciAddress>, SysfsError> {
+    let target = match std::fs::canonicalize(link) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(SysfsError::ReadLink {
+                path: link.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let root = std::fs::canonicalize(sysfs_root).unwrap_or_else(|_| sysfs_root.to_path_buf());
+    Ok(target
+        .ancestors()
+        .take_while(|dir| *dir != root && dir.starts_with(&root))
+        .find_map(|dir| dir.file_name()?.to_str()?.parse().ok()))
+}
+
 /// The default sysfs mount point. The only place this literal may appear; everything
 /// else receives the root as a parameter.
 pub const DEFAULT_SYSFS_ROOT: &str = "/sys";
@@ -402,6 +454,78 @@ mod tests {
         .expect("link");
         for name in ["br0", "usb0", "gone0"] {
             assert_eq!(netdev_device(root, name).expect(name), None, "{name}");
+        }
+    }
+
+    /// A mediated device names the function it is made on, and a vhost-vdpa node the
+    /// function its vDPA device sits on, directly or under an auxiliary device (mlx5's
+    /// layout); names that are not theirs, devices gone and devices on no PCI function
+    /// name none.
+    #[test]
+    fn an_mdev_and_a_vdpa_device_name_the_pci_function_they_are_on() {
+        let gpu = "0000:5e:00.0";
+        let uuid = "c2177883-f1bb-47f0-914d-32a22e3a8804";
+        let mut f = FakeSys::new();
+        f.device(gpu, 0x10de, 0x1eb8).mdev(gpu, uuid);
+        f.pf("0000:3b:00.0", 0x15b3, 0x101d, 8, 2);
+        let vf = f.vfs("0000:3b:00.0")[1].to_string();
+        f.vhost_vdpa(&vf, 3);
+        let t = f.build();
+        let root = t.sysfs_root();
+        assert_eq!(mdev_device(root, uuid).expect("read"), Some(addr(gpu)));
+        assert_eq!(
+            mdev_device(root, &uuid.to_uppercase()).expect("read"),
+            Some(addr(gpu)),
+            "libvirt may write the UUID in capitals; the kernel's name is lower case"
+        );
+        assert_eq!(
+            vhost_vdpa_device(root, "/dev/vhost-vdpa-3").expect("read"),
+            Some(addr(&vf))
+        );
+        for name in [
+            "0c7b4d6a-0000-4000-8000-000000000000",
+            "",
+            "../../..",
+            "not-a-uuid",
+        ] {
+            assert_eq!(mdev_device(root, name).expect(name), None, "{name}");
+        }
+        for path in [
+            "/dev/vhost-vdpa-9",
+            "/dev/vhost-vdpa-",
+            "/dev/vhost-vdpa-../../x",
+            "/dev/sda",
+            "",
+        ] {
+            assert_eq!(vhost_vdpa_device(root, path).expect(path), None, "{path}");
+        }
+        // mlx5: the vDPA device under an auxiliary device of the function.
+        let aux = root.join("devices/pci0000:5e/0000:5e:00.0/mlx5_core.vnet.0/vdpa7");
+        std::fs::create_dir_all(aux.join("vhost-vdpa-7")).expect("aux");
+        std::os::unix::fs::symlink(
+            "../../devices/pci0000:5e/0000:5e:00.0/mlx5_core.vnet.0/vdpa7/vhost-vdpa-7",
+            root.join("class/vhost-vdpa/vhost-vdpa-7"),
+        )
+        .expect("link");
+        assert_eq!(
+            vhost_vdpa_device(root, "/dev/vhost-vdpa-7").expect("read"),
+            Some(addr(gpu))
+        );
+        // VDUSE: on no PCI function. And one whose device is gone (a dangling link).
+        let vduse = root.join("devices/virtual/vduse/vdpa8/vhost-vdpa-8");
+        std::fs::create_dir_all(&vduse).expect("vduse");
+        std::os::unix::fs::symlink(
+            "../../devices/virtual/vduse/vdpa8/vhost-vdpa-8",
+            root.join("class/vhost-vdpa/vhost-vdpa-8"),
+        )
+        .expect("link");
+        std::os::unix::fs::symlink(
+            "../../devices/pci0000:00/0000:00:09.0/vdpa9/vhost-vdpa-9",
+            root.join("class/vhost-vdpa/vhost-vdpa-9"),
+        )
+        .expect("link");
+        for path in ["/dev/vhost-vdpa-8", "/dev/vhost-vdpa-9"] {
+            assert_eq!(vhost_vdpa_device(root, path).expect(path), None, "{path}");
         }
     }
 }
