@@ -24,7 +24,7 @@ use ffi::Connection;
 use crate::api::HealthInfo;
 use crate::ledger::{DomainDevices, DomainRef};
 use crate::writer::{WriteError, Writer};
-pub use xml::{pci_addresses, references, References, XmlError};
+pub use xml::{references, References, XmlError};
 
 /// Why the domains could not be listed.
 #[derive(Debug, thiserror::Error)]
