@@ -75,6 +75,9 @@ pub const MAX_WATCH_STREAMS: usize = 1 << 20;
 fn d_max_watchers() -> usize {
     1024
 }
+fn d_max_watchers_per_uid() -> usize {
+    256
+}
 fn d_watch_client_events() -> usize {
     1024
 }
@@ -180,6 +183,12 @@ pub struct ApiConfig {
     /// Watch streams open at once; one more gets RESOURCE_EXHAUSTED. Default 1024.
     #[serde(default = "d_max_watchers")]
     pub max_watch_streams: usize,
+    /// Watch streams one Unix-socket peer uid may hold open at once, so that a reader
+    /// that leaks streams (a monitoring tool) cannot take every slot from the compute
+    /// manager. Streams over TCP (certificate-authenticated controllers) count only
+    /// against `max_watch_streams`. Default 256.
+    #[serde(default = "d_max_watchers_per_uid")]
+    pub max_watch_streams_per_uid: usize,
     /// Events that may wait for one watcher before it is cut off. Default 1024.
     #[serde(default = "d_watch_client_events")]
     pub watch_client_events: usize,
@@ -220,6 +229,7 @@ impl Default for ApiConfig {
             request_log_entries: d_request_log(),
             request_log_in_memory: d_request_log_memory(),
             max_watch_streams: d_max_watchers(),
+            max_watch_streams_per_uid: d_max_watchers_per_uid(),
             watch_client_events: d_watch_client_events(),
             watch_client_bytes: d_watch_client_bytes(),
             tcp: None,
@@ -466,6 +476,11 @@ impl Config {
             (
                 "max_watch_streams",
                 api.max_watch_streams,
+                MAX_WATCH_STREAMS,
+            ),
+            (
+                "max_watch_streams_per_uid",
+                api.max_watch_streams_per_uid,
                 MAX_WATCH_STREAMS,
             ),
             ("watch_buffer", api.watch_buffer, 1 << 24),

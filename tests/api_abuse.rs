@@ -796,6 +796,62 @@ async fn small_window_channel(socket: &Path) -> Channel {
         .expect("connect")
 }
 
+/// One peer uid may hold at most `max_watch_streams_per_uid` streams, below the cap over
+/// all: a reader that leaks streams leaves the others theirs. The refusal names the uid
+/// and the setting; a closed stream gives the uid's place back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_streams_are_capped_per_uid() {
+    const PER_UID: usize = 3;
+    let mut a = start(
+        4,
+        &format!("max_watch_streams = 8\nmax_watch_streams_per_uid = {PER_UID}"),
+    )
+    .await;
+    let mut c = a.client().await;
+    let watch = proto::WatchRequest {
+        from_generation: listing(&mut c).await.host_generation,
+        snapshot: false,
+    };
+    let mut streams = Vec::new();
+    for i in 0..PER_UID {
+        streams.push(
+            c.watch(watch)
+                .await
+                .unwrap_or_else(|e| panic!("watch {i} of {PER_UID}: {e:?}"))
+                .into_inner(),
+        );
+    }
+    let refused = c
+        .watch(watch)
+        .await
+        .expect_err("one more than the uid's cap");
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(
+        refused.message().contains("max_watch_streams_per_uid"),
+        "{}",
+        refused.message()
+    );
+    let details = tonic_types::StatusExt::get_details_error_info(&refused).expect("ErrorInfo");
+    assert_eq!(details.reason, "TOO_MANY_WATCHERS");
+    let uid = nix::unistd::getuid().as_raw().to_string();
+    assert_eq!(details.metadata.get("uid"), Some(&uid));
+    drop(streams.pop());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match c.watch(watch).await {
+            Ok(s) => break streams.push(s.into_inner()),
+            Err(e) if e.code() == Code::ResourceExhausted && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(e) => panic!("the uid's place was never given back: {e:?}"),
+        }
+    }
+    drop(streams);
+    let now = listing(&mut c).await;
+    a.assert_unharmed("the per-uid watch stream cap", &now)
+        .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_streams_are_capped_and_a_closed_one_frees_its_slot() {
     const CAP: usize = 8;
@@ -882,7 +938,8 @@ async fn watch_streams_are_capped_and_a_closed_one_frees_its_slot() {
 async fn a_thousand_concurrent_watch_streams() {
     const STREAMS: usize = 1000;
     const CONNECTIONS: usize = 4;
-    let mut a = start(4, "").await;
+    // All from one uid: its own cap (256 by default) raised to the cap over all.
+    let mut a = start(4, "max_watch_streams_per_uid = 1024").await;
     let mut c = a.client().await;
     let first = listing(&mut c).await;
     let rss0 = a.rss_kib();

@@ -119,6 +119,10 @@ fn every_commented_setting_is_valid() {
     assert_eq!(cfg.api.request_log_entries, a.request_log_entries);
     assert_eq!(cfg.api.request_log_in_memory, a.request_log_in_memory);
     assert_eq!(cfg.api.max_watch_streams, a.max_watch_streams);
+    assert_eq!(
+        cfg.api.max_watch_streams_per_uid,
+        a.max_watch_streams_per_uid
+    );
     assert_eq!(cfg.api.watch_client_events, a.watch_client_events);
     assert_eq!(cfg.api.watch_client_bytes, a.watch_client_bytes);
     assert!(cfg.api.tcp.is_some(), "the [api.tcp] example is listed");

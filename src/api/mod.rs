@@ -115,8 +115,33 @@ pub struct HostDevService {
 #[derive(Debug, Clone)]
 pub struct WatchLimits {
     pub max_streams: usize,
+    /// Streams one Unix-socket peer uid may hold open at once.
+    pub per_uid: usize,
     pub queue: QueueLimits,
     slots: Arc<tokio::sync::Semaphore>,
+    /// Streams open by each Unix-socket peer uid.
+    by_uid: Arc<std::sync::Mutex<std::collections::HashMap<u32, usize>>>,
+}
+
+/// A uid's place among its open Watch streams, given back when dropped.
+struct UidSlot {
+    uid: u32,
+    by_uid: Arc<std::sync::Mutex<std::collections::HashMap<u32, usize>>>,
+}
+
+impl Drop for UidSlot {
+    fn drop(&mut self) {
+        let mut m = match self.by_uid.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if let Some(n) = m.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.uid);
+            }
+        }
+    }
 }
 
 impl WatchLimits {
@@ -124,20 +149,60 @@ impl WatchLimits {
         let max_streams = max_streams.min(tokio::sync::Semaphore::MAX_PERMITS);
         WatchLimits {
             max_streams,
+            per_uid: max_streams,
             queue,
             slots: Arc::new(tokio::sync::Semaphore::new(max_streams)),
+            by_uid: Arc::default(),
         }
     }
 
     /// The limits `[api]` sets.
     pub fn from_config(c: &crate::config::ApiConfig) -> Self {
-        WatchLimits::new(
+        let mut limits = WatchLimits::new(
             c.max_watch_streams,
             QueueLimits {
                 events: c.watch_client_events,
                 bytes: c.watch_client_bytes,
             },
-        )
+        );
+        limits.per_uid = c.max_watch_streams_per_uid;
+        limits
+    }
+
+    /// Takes a place for one more stream: one among all streams, and one among the
+    /// streams of the peer's uid where the peer is on the Unix socket (`uid`).
+    fn take(&self, uid: Option<u32>) -> Result<watch_queue::Slot, ApiError> {
+        let uid_slot = match uid {
+            None => None,
+            Some(uid) => {
+                let mut m = match self.by_uid.lock() {
+                    Ok(g) => g,
+                    Err(p) => p.into_inner(),
+                };
+                let n = m.entry(uid).or_insert(0);
+                if *n >= self.per_uid {
+                    return Err(ApiError::TooManyWatchers {
+                        limit: self.per_uid,
+                        uid: Some(uid),
+                    });
+                }
+                *n += 1;
+                Some(UidSlot {
+                    uid,
+                    by_uid: self.by_uid.clone(),
+                })
+            }
+        };
+        // Dropping `uid_slot` on this refusal gives the uid's place back.
+        let all =
+            self.slots
+                .clone()
+                .try_acquire_owned()
+                .map_err(|_| ApiError::TooManyWatchers {
+                    limit: self.max_streams,
+                    uid: None,
+                })?;
+        Ok(Box::new((all, uid_slot)))
     }
 }
 
@@ -899,11 +964,12 @@ impl HostDev for HostDevService {
             }
             .into());
         }
-        let slot = self.watch.slots.clone().try_acquire_owned().map_err(|_| {
-            ApiError::TooManyWatchers {
-                limit: self.watch.max_streams,
-            }
-        })?;
+        let uid = req
+            .extensions()
+            .get::<UdsConnectInfo>()
+            .and_then(|i| i.peer_cred)
+            .map(|c| c.uid());
+        let slot = self.watch.take(uid)?;
         let convert: watch_queue::Convert = {
             let this = self.clone();
             Box::new(move |e: &Event| this.event_to_proto(e))
@@ -1399,5 +1465,66 @@ impl HostDevService {
             tracing::error!(error = %e, "a hardware action's task failed");
             Err(WriteError::ShuttingDown)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(all: usize, per_uid: usize) -> WatchLimits {
+        let mut l = WatchLimits::new(
+            all,
+            QueueLimits {
+                events: 16,
+                bytes: 1 << 16,
+            },
+        );
+        l.per_uid = per_uid;
+        l
+    }
+
+    /// One uid at its cap leaves the others their streams; the cap over all streams
+    /// still holds across uids and over TCP (no uid); a refusal by the cap over all
+    /// gives the uid's place back, and a closed stream gives both back.
+    #[test]
+    fn watch_streams_are_capped_per_uid_and_in_all() {
+        let l = limits(4, 2);
+        let a1 = l.take(Some(0)).expect("root 1");
+        let _a2 = l.take(Some(0)).expect("root 2");
+        let e = l.take(Some(0)).map(|_| ()).expect_err("root's third");
+        assert!(
+            matches!(
+                e,
+                ApiError::TooManyWatchers {
+                    limit: 2,
+                    uid: Some(0)
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("max_watch_streams_per_uid"), "{e}");
+        let _b1 = l.take(Some(1000)).expect("another uid");
+        let _t = l.take(None).expect("over TCP");
+        let e = l.take(Some(1001)).map(|_| ()).expect_err("all four taken");
+        assert!(
+            matches!(
+                e,
+                ApiError::TooManyWatchers {
+                    limit: 4,
+                    uid: None
+                }
+            ),
+            "{e:?}"
+        );
+        // The refusal left uid 1001 no place: once a stream closes, it has both.
+        drop(a1);
+        let _c1 = l.take(Some(1001)).expect("a slot given back");
+        assert_eq!(
+            l.by_uid.lock().expect("lock").get(&1001).copied(),
+            Some(1),
+            "the refused try took nothing"
+        );
+        assert_eq!(l.by_uid.lock().expect("lock").get(&0).copied(), Some(1));
     }
 }

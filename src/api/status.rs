@@ -56,9 +56,9 @@ pub enum ApiError {
         /// start again with one rather than resume.
         in_snapshot: bool,
     },
-    /// Every Watch stream slot is taken.
-    #[error("too many watch streams: {limit} are open, the limit ([api] max_watch_streams); close one, or share one stream between the consumers of a client")]
-    TooManyWatchers { limit: usize },
+    /// Every Watch stream slot is taken, or every one the caller's uid may hold.
+    #[error("too many watch streams: {limit} are open{}; close one, or share one stream between the consumers of a client", match .uid { Some(u) => format!(" for uid {u}, the limit ([api] max_watch_streams_per_uid)"), None => ", the limit ([api] max_watch_streams)".to_string() })]
+    TooManyWatchers { limit: usize, uid: Option<u32> },
     #[error("{0}")]
     NotFound(String),
     /// libvirt did not answer the fresh domain list a free needs.
@@ -360,8 +360,14 @@ pub fn to_status(e: &ApiError) -> Status {
             let d = ErrorDetails::with_error_info("WATCH_CUT_OFF", ERROR_DOMAIN, meta);
             Status::with_error_details(Code::ResourceExhausted, msg, d)
         }
-        ApiError::TooManyWatchers { limit } => {
-            let meta = HashMap::from([("max_watch_streams".to_string(), limit.to_string())]);
+        ApiError::TooManyWatchers { limit, uid } => {
+            let meta = match uid {
+                Some(u) => HashMap::from([
+                    ("max_watch_streams_per_uid".to_string(), limit.to_string()),
+                    ("uid".to_string(), u.to_string()),
+                ]),
+                None => HashMap::from([("max_watch_streams".to_string(), limit.to_string())]),
+            };
             let d = ErrorDetails::with_error_info("TOO_MANY_WATCHERS", ERROR_DOMAIN, meta);
             Status::with_error_details(Code::ResourceExhausted, msg, d)
         }

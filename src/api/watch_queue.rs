@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use prost::Message;
-use tokio::sync::{Notify, OwnedSemaphorePermit};
+use tokio::sync::Notify;
 use tonic::Status;
 
 use super::proto::WatchEvent;
@@ -108,7 +108,7 @@ pub struct WatchSender(Arc<Shared>);
 pub struct WatchReceiver {
     shared: Arc<Shared>,
     convert: Convert,
-    _slot: Option<OwnedSemaphorePermit>,
+    _slot: Option<Slot>,
 }
 
 impl std::fmt::Debug for WatchReceiver {
@@ -119,12 +119,16 @@ impl std::fmt::Debug for WatchReceiver {
     }
 }
 
+/// What a watcher holds while its stream is open: its places in the stream limits,
+/// given back when dropped.
+pub type Slot = Box<dyn std::any::Any + Send + Sync>;
+
 /// A queue for one watcher; `slot` is its place among the open watch streams, and
 /// `convert` builds a shared change's protobuf when the client takes it.
 pub fn queue(
     limits: QueueLimits,
     convert: Convert,
-    slot: Option<OwnedSemaphorePermit>,
+    slot: Option<Slot>,
 ) -> (WatchSender, WatchReceiver) {
     let shared = Arc::new(Shared {
         inner: Mutex::new(Inner::default()),
@@ -499,7 +503,7 @@ mod tests {
     async fn the_slot_is_released_with_the_reader() {
         let slots = Arc::new(tokio::sync::Semaphore::new(1));
         let permit = slots.clone().try_acquire_owned().expect("one slot");
-        let (_tx, rx) = queue(LIMITS, convert(), Some(permit));
+        let (_tx, rx) = queue(LIMITS, convert(), Some(Box::new(permit)));
         assert!(slots.clone().try_acquire_owned().is_err());
         drop(rx);
         assert!(slots.try_acquire_owned().is_ok());
