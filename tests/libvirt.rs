@@ -257,6 +257,53 @@ async fn release_queries_libvirt_afresh_attach_and_detach() {
     s.stop().await;
 }
 
+/// The release of `vf` by `who` at `generation`, the first since domain `domain` began to
+/// use it, is refused (ABORTED: the fresh listing moved its generation on), and the
+/// device reads attached to that domain; returns the device.
+async fn attached_by_the_fresh_listing(
+    c: &mut HostDevClient<Channel>,
+    vf: &str,
+    who: u128,
+    generation: u64,
+    domain: &str,
+) -> proto::Device {
+    let err = release(c, vf, who, generation)
+        .await
+        .expect_err("the fresh listing attaches it");
+    assert_eq!(err.code(), Code::Aborted, "{vf}: {err:?}");
+    let d = device(c, vf).await;
+    assert_eq!(d.state, ATTACHED, "{d:?}");
+    assert_eq!(
+        d.attached_domain.as_ref().map(|d| d.name.as_str()),
+        Some(domain)
+    );
+    d
+}
+
+/// `stray` (unclaimed, used by a domain) is listed as a stray, and an acting audit that
+/// expects no consumer frees none of `attached`, which stay attached.
+async fn a_stray_and_kept_by_an_audit(
+    c: &mut HostDevClient<Channel>,
+    stray: &str,
+    attached: &[&str],
+) {
+    let list = c
+        .list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list")
+        .into_inner();
+    assert!(
+        list.strays.iter().any(|s| s.address == stray),
+        "the unclaimed VF it uses is a stray: {:?}",
+        list.strays
+    );
+    let rep = reconcile(c, &[], true).await.expect("audit");
+    assert!(rep.orphans.is_empty(), "{rep:?}");
+    for vf in attached {
+        assert_eq!(device(c, vf).await.state, ATTACHED, "{vf}");
+    }
+}
+
 /// A domain that uses a VF through macvtap (`<interface type='direct'>` in passthrough
 /// mode on the VF's interface, as a `macvtap` port is plugged) names the VF only by its
 /// interface's name: the agent finds the VF through sysfs, so the claim attaches and a
@@ -296,33 +343,13 @@ async fn a_vf_used_through_macvtap_is_attached() {
         uuid(0x4501)
     );
     let dom = lv.define_domain_xml(&xml).expect("define");
-    let err = release(&mut c, vf1, 0x4501, claimed.generation)
-        .await
-        .expect_err("the fresh listing attaches it");
-    assert_eq!(err.code(), Code::Aborted, "{err:?}");
-    let d = device(&mut c, vf1).await;
-    assert_eq!(d.state, ATTACHED, "{d:?}");
-    assert_eq!(
-        d.attached_domain.as_ref().map(|d| d.name.as_str()),
-        Some("instance-4501")
-    );
+    let d = attached_by_the_fresh_listing(&mut c, vf1, 0x4501, claimed.generation, "instance-4501")
+        .await;
     let err = release(&mut c, vf1, 0x4501, d.generation)
         .await
         .expect_err("attached");
     assert_eq!(info(&err).0, "ATTACHED", "{err:?}");
-    let list = c
-        .list_devices(proto::ListDevicesRequest {})
-        .await
-        .expect("list")
-        .into_inner();
-    assert!(
-        list.strays.iter().any(|s| s.address == vf2),
-        "the unclaimed VF it uses is a stray: {:?}",
-        list.strays
-    );
-    let rep = reconcile(&mut c, &[], true).await.expect("audit");
-    assert!(rep.orphans.is_empty(), "{rep:?}");
-    assert_eq!(device(&mut c, vf1).await.state, ATTACHED);
+    a_stray_and_kept_by_an_audit(&mut c, vf2, &[vf1]).await;
     dom.undefine().expect("undefine");
     s.stop().await;
 }
@@ -373,33 +400,11 @@ async fn vfs_used_through_an_mdev_or_a_vdpa_device_are_attached() {
     );
     let dom = lv.define_domain_xml(&xml).expect("define");
     for (vf, claimed) in &claims {
-        let err = release(&mut c, vf, 0x4699, claimed.generation)
-            .await
-            .expect_err("the fresh listing attaches it");
-        assert_eq!(err.code(), Code::Aborted, "{vf}: {err:?}");
-        let d = device(&mut c, vf).await;
-        assert_eq!(d.state, ATTACHED, "{d:?}");
-        assert_eq!(
-            d.attached_domain.as_ref().map(|d| d.name.as_str()),
-            Some("instance-4601")
-        );
+        attached_by_the_fresh_listing(&mut c, vf, 0x4699, claimed.generation, "instance-4601")
+            .await;
     }
-    let list = c
-        .list_devices(proto::ListDevicesRequest {})
-        .await
-        .expect("list")
-        .into_inner();
-    assert!(
-        list.strays.iter().any(|s| s.address == vf3),
-        "the unclaimed VF it uses is a stray: {:?}",
-        list.strays
-    );
     // An audit that expects neither consumer frees neither VF: both are in use.
-    let rep = reconcile(&mut c, &[], true).await.expect("audit");
-    assert!(rep.orphans.is_empty(), "{rep:?}");
-    for vf in [vf1, vf2] {
-        assert_eq!(device(&mut c, vf).await.state, ATTACHED);
-    }
+    a_stray_and_kept_by_an_audit(&mut c, vf3, &[vf1, vf2]).await;
     dom.undefine().expect("undefine");
     s.stop().await;
 }

@@ -562,6 +562,32 @@ fn every_event_has_its_own_generation_and_resuming_from_any_misses_none() {
     assert_eq!(w.store.host_generation().expect("stored"), next);
 }
 
+/// A worker with hardware actions over a host of PF `pf` with 4 VFs (groups 20..23) and,
+/// when given, one more device (group 30); with the tree and the VFs' addresses.
+fn pf_worker(
+    dir: &std::path::Path,
+    pf: &str,
+    other: Option<&str>,
+) -> (Worker, crate::simhost::FakeTree, Vec<PciAddress>) {
+    let mut sys = crate::simhost::FakeSys::new();
+    sys.pf(pf, 0x8086, 0x1572, 8, 4);
+    if let Some(o) = other {
+        sys.device(o, 0x8086, 0x1572);
+    }
+    let tree = sys.build();
+    let mut inventory = vec![facts(pf, Some(10), None)];
+    inventory[0].is_pf = true;
+    let vfs = sys.vfs(pf);
+    for (i, a) in vfs.iter().enumerate() {
+        inventory.push(facts(&a.to_string(), Some(20 + i as u32), Some(pf)));
+    }
+    if let Some(o) = other {
+        inventory.push(facts(o, Some(30), None));
+    }
+    let w = hardware_worker(dir, &tree, inventory);
+    (w, tree, vfs)
+}
+
 /// A VF count change as the writer carries it out: begun alone (checked, its devices
 /// held back), written off the writer's thread (here, in place), and recorded alone.
 fn set_vf_count(w: &mut Worker, req: SetVfCount) -> Result<VfCountSet, WriteError> {
@@ -580,19 +606,8 @@ fn set_vf_count(w: &mut Worker, req: SetVfCount) -> Result<VfCountSet, WriteErro
 #[test]
 fn requests_are_decided_while_a_vf_count_is_written() {
     let pf = "0000:3b:00.0";
-    let mut sys = crate::simhost::FakeSys::new();
-    sys.pf(pf, 0x8086, 0x1572, 8, 4);
-    sys.device("0000:5e:00.0", 0x8086, 0x1572);
-    let tree = sys.build();
-    let mut inventory = vec![facts(pf, Some(10), None)];
-    inventory[0].is_pf = true;
-    let vfs = sys.vfs(pf);
-    for (i, a) in vfs.iter().enumerate() {
-        inventory.push(facts(&a.to_string(), Some(20 + i as u32), Some(pf)));
-    }
-    inventory.push(facts("0000:5e:00.0", Some(30), None));
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut w = hardware_worker(dir.path(), &tree, inventory);
+    let (mut w, _tree, vfs) = pf_worker(dir.path(), pf, Some("0000:5e:00.0"));
     let view = w.view_now();
     let generation = |a: PciAddress| view.device(a).next().expect("present").record.generation;
     let (reply, rx) = oneshot::channel();
@@ -656,17 +671,8 @@ fn requests_are_decided_while_a_vf_count_is_written() {
 #[test]
 fn a_claim_after_a_vf_count_write_and_before_the_rescan_finds_no_old_vf() {
     let pf = "0000:3b:00.0";
-    let mut sys = crate::simhost::FakeSys::new();
-    sys.pf(pf, 0x8086, 0x1572, 8, 4);
-    let tree = sys.build();
-    let mut inventory = vec![facts(pf, Some(10), None)];
-    inventory[0].is_pf = true;
-    let vfs = sys.vfs(pf);
-    for (i, a) in vfs.iter().enumerate() {
-        inventory.push(facts(&a.to_string(), Some(20 + i as u32), Some(pf)));
-    }
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut w = hardware_worker(dir.path(), &tree, inventory);
+    let (mut w, tree, vfs) = pf_worker(dir.path(), pf, None);
     let view = w.view_now();
     let generation = |a: PciAddress| view.device(a).next().expect("present").record.generation;
     let old_vf = generation(vfs[0]);
