@@ -541,9 +541,16 @@ impl Writer {
                 end
             }
         };
+        // Recorded from a task of its own, so that this future dropped while the end
+        // waits for room in the queue cannot drop the end with it.
+        let writer = self.clone();
+        let recorded = tokio::spawn(async move {
+            writer
+                .call(|r| Command::EndVfCount(Box::new(written), r))
+                .await
+        });
         unanswered.end = None;
-        self.call(|r| Command::EndVfCount(Box::new(written), r))
-            .await
+        recorded.await.unwrap_or(Err(WriteError::ShuttingDown))
     }
 }
 
