@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Weak};
 
-use super::{BoundMember, ChangeSet, Ledger, LedgerError, Link, Tx, VfioBinding};
+use super::{BoundMember, ChangeSet, DeviceRecord, Ledger, LedgerError, Link, Tx, VfioBinding};
 use crate::pci::{ConsumerId, Generation, PciAddress};
 
 /// What binding a claimed device to vfio-pci covers.
@@ -16,11 +16,10 @@ pub struct BindPlan {
     pub existing: Option<VfioBinding>,
 }
 
-/// A VF count change that holds a device back: its PF, and whether whoever carries the
-/// change out still holds it (the change's token, see [`Ledger::vf_change_began`]).
+/// A VF count change under way, by its PF: whether whoever carries it out still holds it
+/// (the change's token, see [`Ledger::vf_change_began`]).
 #[derive(Debug, Clone)]
 pub(crate) struct Changing {
-    pf: PciAddress,
     alive: Weak<()>,
 }
 
@@ -32,7 +31,7 @@ impl Changing {
 
 impl PartialEq for Changing {
     fn eq(&self, other: &Changing) -> bool {
-        self.pf == other.pf && self.alive.ptr_eq(&other.alive)
+        self.alive.ptr_eq(&other.alive)
     }
 }
 
@@ -89,7 +88,7 @@ impl Ledger {
         {
             // A member whose PF's VF count is being written may be destroyed under the
             // binding.
-            self.check_not_changing(r.address(), r.generation)?;
+            self.check_not_changing(r)?;
             members.push(r.address());
         }
         members.sort();
@@ -169,7 +168,7 @@ impl Ledger {
                 generation,
             });
         }
-        self.check_not_changing(pf, generation)?;
+        self.check_not_changing(rec)?;
         // A lost claim at the PF's address counts too (an earlier instance of the PF that
         // vanished and came back): its owner may still believe it holds the PF and its
         // VFs, as their states say.
@@ -211,47 +210,44 @@ impl Ledger {
         Ok(vfs)
     }
 
-    /// Refuses a device of a PF whose VF count is being written.
-    pub(crate) fn check_not_changing(
-        &self,
-        address: PciAddress,
-        generation: Generation,
-    ) -> Result<(), LedgerError> {
-        match self.changing.get(&address) {
-            Some(c) if c.holds() => Err(LedgerError::VfCountChanging {
-                address,
-                pf: c.pf,
-                generation,
+    /// Refuses a PF whose VF count is being written, and any VF of it: those it had and
+    /// any a rescan finds meanwhile (the kernel creates them one by one, and may destroy
+    /// them again if the write fails part way).
+    pub(crate) fn check_not_changing(&self, rec: &DeviceRecord) -> Result<(), LedgerError> {
+        if self.changing.is_empty() {
+            return Ok(());
+        }
+        let held = |pf: PciAddress| self.changing.get(&pf).is_some_and(Changing::holds);
+        let pf = std::iter::once(rec.address())
+            .chain(rec.facts.physfn)
+            .find(|a| held(*a));
+        match pf {
+            Some(pf) => Err(LedgerError::VfCountChanging {
+                address: rec.address(),
+                pf,
+                generation: rec.generation,
             }),
-            _ => Ok(()),
+            None => Ok(()),
         }
     }
 
-    /// A VF count change of `pf` begins (after [`Self::check_vf_change`] listed `vfs`):
-    /// until [`Self::vf_change_ended`], or until every strong reference to the change's
-    /// token (`alive`) is dropped (its task ended without an answer), no claim takes the
-    /// PF or one of those VFs, no binding covers one, and no other change of the PF's
-    /// count begins. Changes no record: the writer decides other requests meanwhile, on
-    /// the host's other devices.
-    pub fn vf_change_began(&mut self, pf: PciAddress, vfs: &[PciAddress], alive: Weak<()>) {
+    /// A VF count change of `pf` begins (after [`Self::check_vf_change`]): until
+    /// [`Self::vf_change_ended`], or until every strong reference to the change's token
+    /// (`alive`) is dropped (its task ended without an answer), no claim takes the PF or
+    /// a VF of it, no binding covers one, and no other change of the PF's count begins.
+    /// Changes no record: the writer decides other requests meanwhile, on the host's other
+    /// devices.
+    pub fn vf_change_began(&mut self, pf: PciAddress, alive: Weak<()>) {
         let changing = Arc::make_mut(&mut self.changing);
         changing.retain(|_, c| c.holds());
-        for device in std::iter::once(&pf).chain(vfs) {
-            changing.insert(
-                *device,
-                Changing {
-                    pf,
-                    alive: alive.clone(),
-                },
-            );
-        }
+        changing.insert(pf, Changing { alive });
     }
 
     /// The change of `pf`'s VF count is over (written, failed or given up): its devices
     /// are no longer held back.
     pub fn vf_change_ended(&mut self, pf: PciAddress) {
-        if self.changing.values().any(|c| c.pf == pf) {
-            Arc::make_mut(&mut self.changing).retain(|_, c| c.pf != pf);
+        if self.changing.contains_key(&pf) {
+            Arc::make_mut(&mut self.changing).remove(&pf);
         }
     }
 
@@ -408,7 +404,7 @@ mod tests {
         let g = l.record_at(pf).expect("pf").generation;
         let vfs = l.check_vf_change(pf, g).expect("free");
         let token = std::sync::Arc::new(());
-        l.vf_change_began(pf, &vfs, std::sync::Arc::downgrade(&token));
+        l.vf_change_began(pf, std::sync::Arc::downgrade(&token));
         let before = l.clone();
         let vg = l.record_at(vfs[1]).expect("vf").generation;
         let err = l
@@ -421,6 +417,22 @@ mod tests {
         assert_eq!(err.reason(), "VF_COUNT_CHANGING");
         l.claim(&claim_of("0000:3b:00.0", g, 1, "c2"), 2)
             .expect_err("the PF itself");
+        // A VF the kernel creates meanwhile, found by a rescan at a new address, is held
+        // back too (the write may yet fail and the kernel destroy it again).
+        let mut probe = l.clone();
+        let new_vf = super::super::tests::facts("0000:3b:02.4", Some(24), Some("0000:3b:00.0"));
+        probe.apply_devices(vec![(new_vf.address, Some(new_vf))]);
+        let ng = probe
+            .record_at(addr("0000:3b:02.4"))
+            .expect("new VF")
+            .generation;
+        let err = probe
+            .claim(&claim_of("0000:3b:02.4", ng, 1, "c-new"), 2)
+            .expect_err("a VF found while its PF changes");
+        assert!(
+            matches!(err, LedgerError::VfCountChanging { pf: p, .. } if p == pf),
+            "{err:?}"
+        );
         assert!(matches!(
             l.check_vf_change(pf, g),
             Err(LedgerError::VfCountChanging { .. })
@@ -491,11 +503,10 @@ mod tests {
         l.apply_inventory(inventory);
         let g = claim(&mut l, "0000:5e:00.0", 1);
         let pf = addr("0000:3b:00.0");
-        let vfs = l
-            .check_vf_change(pf, l.record_at(pf).expect("pf").generation)
+        l.check_vf_change(pf, l.record_at(pf).expect("pf").generation)
             .expect("no VF claimed");
         let token = std::sync::Arc::new(());
-        l.vf_change_began(pf, &vfs, std::sync::Arc::downgrade(&token));
+        l.vf_change_began(pf, std::sync::Arc::downgrade(&token));
         let err = l
             .bind_plan(addr("0000:5e:00.0"), owner(1).consumer, g)
             .expect_err("a member is held back");

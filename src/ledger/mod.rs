@@ -153,10 +153,10 @@ pub struct Ledger {
     /// lookup is one search of the map, with nothing allocated to walk it.
     related: imbl::OrdMap<Link, Linked>,
     request_log_limit: usize,
-    /// The devices of a PF whose VF count is being written (the PF and the VFs it had),
-    /// each with that change: no claim may take one until the change is done. In memory
-    /// only (a change does not outlive the agent that makes it), and empty but for the
-    /// seconds or minutes the kernel takes.
+    /// The PFs whose VF count is being written, each with its change: no claim may take
+    /// one, or a VF of one, until the change is done. In memory only (a change does not
+    /// outlive the agent that makes it), and empty but for the seconds or minutes the
+    /// kernel takes.
     changing: Arc<BTreeMap<PciAddress, hardware::Changing>>,
 }
 
@@ -688,7 +688,7 @@ impl Ledger {
     fn check_claimable(&self, rec: &DeviceRecord, consumer: ConsumerId) -> Result<(), LedgerError> {
         let address = rec.address();
         let generation = rec.generation;
-        self.check_not_changing(address, generation)?;
+        self.check_not_changing(rec)?;
         if let Some(c) = &rec.claim {
             return Err(LedgerError::AlreadyClaimed {
                 address,

@@ -203,7 +203,7 @@ impl World {
                     Some(Ok(vfs)) => {
                         let token = std::sync::Arc::new(());
                         self.ledger
-                            .vf_change_began(pf, &vfs, std::sync::Arc::downgrade(&token));
+                            .vf_change_began(pf, std::sync::Arc::downgrade(&token));
                         let held: Vec<PciAddress> = std::iter::once(pf).chain(vfs).collect();
                         prop_assert!(self.claims_at(&held).is_empty(), "begun with a claim");
                         self.changing = Some((token, held));
@@ -439,13 +439,20 @@ impl World {
         let l = &self.ledger;
         prop_assert!(l.host_generation() >= prev_gen);
         // While a VF count change is under way, nothing it holds back is claimed, present
-        // or lost (a change begins only with none).
+        // or lost (a change begins only with none): not at the addresses of the PF and
+        // the VFs it had, nor any VF of the PF found meanwhile.
         if let Some((_, held)) = &self.changing {
-            let claimed: Vec<PciAddress> = self
+            let pf = self.address(0);
+            let mut claimed: Vec<PciAddress> = self
                 .claims_at(held)
                 .iter()
                 .map(|id| l.records[id].address())
                 .collect();
+            claimed.extend(
+                l.records()
+                    .filter(|r| r.claim.is_some() && r.facts.physfn == Some(pf))
+                    .map(DeviceRecord::address),
+            );
             prop_assert!(
                 claimed.is_empty(),
                 "claims at {:?} while their PF's VF count changes",

@@ -328,8 +328,7 @@ impl Worker {
         let hw = self.hardware.clone().ok_or(HardwareError::Disabled)?;
         let vfs = self.ledger.check_vf_change(req.pf, req.generation)?;
         let token = Arc::new(());
-        self.ledger
-            .vf_change_began(req.pf, &vfs, Arc::downgrade(&token));
+        self.ledger.vf_change_began(req.pf, Arc::downgrade(&token));
         Ok(VfChange {
             req,
             vfs,
