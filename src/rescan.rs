@@ -346,11 +346,9 @@ impl Rescanner {
         self.turn.clone().try_lock_owned().ok()
     }
 
-    /// Runs a hardware action (a vfio-pci binding, a VF count change's record) with every
-    /// other rescan held off (`held`, from [`Self::hold`]), then rescans the devices
-    /// `then` names from its result, before any other rescan may apply. (A VF count
-    /// change's writes run outside the turn, its devices held back from claims in the
-    /// ledger meanwhile; its begin and its record run in it.) Without it, a hotplug
+    /// Runs a hardware action (a VF count change, a vfio-pci binding) with every other
+    /// rescan held off (`held`, from [`Self::hold`]), then rescans the devices `then`
+    /// names from its result, before any other rescan may apply. Without it, a hotplug
     /// rescan that read sysfs before the action and applied after it would bring back,
     /// free and claimable, the VFs the action destroyed (until their own events were
     /// read). Where the action left a PF held by the kernel (a VF count change that

@@ -518,8 +518,7 @@ impl Writer {
     /// Changes a PF's VF count: checked and recorded by the writer, written off its
     /// thread, so that requests on the host's other devices are decided meanwhile (the
     /// kernel may take minutes); the PF and its VFs are held back from claims until it
-    /// is recorded. [`Self::begin_vf_count`] and [`VfCountRun`] are its steps, for a
-    /// caller with something to do between them.
+    /// is recorded.
     pub async fn set_vf_count(&self, req: SetVfCount) -> Result<VfCountSet, WriteError> {
         let mut run = self.begin_vf_count(req).await?;
         run.write().await;
@@ -533,7 +532,7 @@ impl Writer {
     /// without an answer (it panicked), or the run is dropped before the end is recorded,
     /// as a write that may have destroyed the VFs (the side that hands no destroyed VF
     /// out), with the PF's devices held back until then.
-    pub async fn begin_vf_count(&self, req: SetVfCount) -> Result<VfCountRun, WriteError> {
+    async fn begin_vf_count(&self, req: SetVfCount) -> Result<VfCountRun, WriteError> {
         let change = self.call(|r| Command::BeginVfCount(req, r)).await?;
         let unanswered = EndOnDrop {
             writer: self.clone(),
@@ -549,7 +548,7 @@ impl Writer {
 }
 
 /// A VF count change begun ([`Writer::begin_vf_count`]): to write, then record.
-pub struct VfCountRun {
+struct VfCountRun {
     writer: Writer,
     change: Option<VfChange>,
     written: Option<VfWritten>,
@@ -567,7 +566,7 @@ impl std::fmt::Debug for VfCountRun {
 
 impl VfCountRun {
     /// The PF's VF count, written off the async workers: waits for the kernel.
-    pub async fn write(&mut self) {
+    async fn write(&mut self) {
         let Some(change) = self.change.take() else {
             return;
         };
@@ -585,7 +584,7 @@ impl VfCountRun {
 
     /// Records what was written (writing first, if that was not done yet) and lets the
     /// devices go.
-    pub async fn record(mut self) -> Result<VfCountSet, WriteError> {
+    async fn record(mut self) -> Result<VfCountSet, WriteError> {
         self.write().await;
         let Some(written) = self.written.take() else {
             return Err(WriteError::ShuttingDown);

@@ -1145,11 +1145,10 @@ async fn an_agent_starting_while_a_pf_is_held_is_ready_and_reads_it_later() {
 }
 
 /// A VF count change may keep the kernel busy for minutes (125 VFs on mlx5 take over
-/// one), and it is written off the writer's thread and outside the rescans' turn: claims
-/// and releases of the host's other devices, their vfio-pci bindings and the rescans go
-/// on meanwhile, while a claim of one of the PF's VFs is refused `VF_COUNT_CHANGING`
-/// (retryable) rather than left waiting. Before, the change ran on the writer's thread
-/// in the rescans' turn, and every write and rescan on the host waited for the kernel.
+/// one), and it is written off the writer's thread: claims and releases of the host's
+/// other devices are answered meanwhile, while a claim of one of the PF's VFs is refused
+/// `VF_COUNT_CHANGING` (retryable) rather than left waiting. Before, the change ran on
+/// the writer's thread and every write on the host waited for the kernel.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_devices_are_claimed_and_released_while_a_vf_count_is_written() {
     const PF2: &str = "0000:af:00.0";
@@ -1159,10 +1158,6 @@ async fn other_devices_are_claimed_and_released_while_a_vf_count_is_written() {
     f.vf_driver(PF, "iavf").vf_iommu_groups(PF, 40);
     f.pf(PF2, 0x8086, 0x1572, 8, 2).driver(PF2, "i40e");
     f.vf_driver(PF2, "iavf").vf_iommu_groups(PF2, 60);
-    // A device on vfio-pci, so that the driver is there to bind to.
-    f.device("0000:5e:00.0", 0x10de, 0x1db6)
-        .driver("0000:5e:00.0", "vfio-pci")
-        .iommu_group("0000:5e:00.0", 90);
     let t = f.build();
     let fs = support::faultfs::FaultFs::mount(&[("sriov_numvfs", "4\n")]);
     fs.plant(&t.bus_link(PF).join("sriov_numvfs"), "sriov_numvfs");
@@ -1175,8 +1170,7 @@ async fn other_devices_are_claimed_and_released_while_a_vf_count_is_written() {
         started.0.store(true, std::sync::atomic::Ordering::SeqCst);
         hook()
     });
-    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
-    let s = start_tuned(&t, 3000, 1 << 20, |cfg| {
+    let s = start_tuned(&t, 300, 1 << 20, |cfg| {
         cfg.hardware.vf_count_timeout_ms = 30_000
     })
     .await;
@@ -1206,24 +1200,9 @@ async fn other_devices_are_claimed_and_released_while_a_vf_count_is_written() {
         release(&mut c, &others[1], 1)
             .await
             .expect("released meanwhile");
-        // Hardware actions on other devices too: a binding to vfio-pci, and the release
-        // that gives the driver back.
-        claim(&mut c, &others[0], 1, true)
-            .await
-            .expect("bound meanwhile");
-        release(&mut c, &others[0], 1)
-            .await
-            .expect("given back meanwhile");
-        // And the rescans: their turn is free while the kernel works.
-        drop(s.rescanner.hold().await);
     })
     .await
     .expect("answered while the VF count is written");
-    assert_eq!(
-        device(&mut c, &others[0]).await.expect("VF").driver,
-        "iavf",
-        "its driver given back"
-    );
     let g = device(&mut c, &v).await.expect("VF").generation;
     let e = claim_as(&mut c, &v, 2, false, "vf-mid-change", g)
         .await

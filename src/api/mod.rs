@@ -1319,44 +1319,22 @@ impl HostDev for HostDevService {
             count: r.vf_count,
             autoprobe: r.drivers_autoprobe,
         };
-        // Written or not, show what the kernel has now: the PF and its VFs, before and
-        // after (the rescan finds the new ones through the PF).
-        let then = move |result: &Result<_, WriteError>| {
-            if matches!(result, Err(crate::writer::WriteError::Ledger(_))) {
-                BTreeSet::new()
-            } else {
-                let mut changed = old_vfs;
-                changed.insert(pf);
-                changed
-            }
-        };
-        // Begun and recorded in the rescans' turn, as any hardware action, but not
-        // written in it: the kernel may take minutes, and meanwhile the rescans and the
-        // other hardware actions go on (the PF and its VFs are held back from claims
-        // until the change is recorded). Recorded in the turn again, so that no rescan
-        // that read sysfs while the kernel worked applies after the record. On a task of
-        // its own, so that a caller that goes away does not end it half way.
-        let (rescanner, writer) = (self.rescanner.clone(), self.writer.clone());
-        let held = rescanner.hold().await;
-        let result = tokio::spawn(async move {
-            let mut run = match writer.begin_vf_count(change).await {
-                Ok(run) => run,
-                Err(e) => return rescanner.around(held, async { Err(e) }, then).await.0,
-            };
-            drop(held);
-            run.write().await;
-            let held = rescanner.hold().await;
-            let (out, rescanned) = rescanner.around(held, run.record(), then).await;
-            if let Err(e) = rescanned {
-                tracing::warn!(error = %e, "rescan after a VF count change failed");
-            }
-            out
-        })
-        .await
-        .unwrap_or_else(|e| {
-            tracing::error!(error = %e, "a VF count change's task failed");
-            Err(WriteError::ShuttingDown)
-        });
+        let result = self
+            .after_hardware(
+                move |w| async move { w.set_vf_count(change).await },
+                // Written or not, show what the kernel has now: the PF and its VFs, before
+                // and after (the rescan finds the new ones through the PF).
+                move |result| {
+                    if matches!(result, Err(crate::writer::WriteError::Ledger(_))) {
+                        BTreeSet::new()
+                    } else {
+                        let mut changed = old_vfs;
+                        changed.insert(pf);
+                        changed
+                    }
+                },
+            )
+            .await;
         let done = result.map_err(ApiError::from)?;
         let device = self.present_device(pf);
         Ok(Response::new(proto::SetVfCountResponse {

@@ -197,18 +197,8 @@ fn tick(sysfs: &Path, dev: &Path, empty_overrides: &mut HashSet<PathBuf>) {
         } else {
             empty_overrides.remove(&ov);
         }
-        // sriov_numvfs = 0: the kernel removes every VF, each with a remove event. A
-        // planted file (a link into the fault filesystem) is that filesystem's to play:
-        // not read here, since a read waits while a write to it is held.
-        let numvfs_file = dir.join("sriov_numvfs");
-        let planted = numvfs_file
-            .symlink_metadata()
-            .is_ok_and(|m| m.file_type().is_symlink());
-        let numvfs = if planted {
-            String::new()
-        } else {
-            fs::read_to_string(&numvfs_file).unwrap_or_default()
-        };
+        // sriov_numvfs = 0: the kernel removes every VF, each with a remove event.
+        let numvfs = fs::read_to_string(dir.join("sriov_numvfs")).unwrap_or_default();
         if numvfs.trim() == "0" {
             let Ok(entries) = fs::read_dir(&dir) else {
                 continue;
