@@ -290,6 +290,8 @@ fn code_label(code: Code, reason: Option<&str>) -> Option<&'static str> {
         // The agent answered that it is stopping (a Watch ended by its shutdown, a call
         // that came too late): not a broken connection, and worth telling apart.
         Code::Unavailable if reason == Some("SHUTTING_DOWN") => Some("agent stopping"),
+        // The device's PF is having its VF count written: the agent is fine.
+        Code::Unavailable if reason == Some("VF_COUNT_CHANGING") => Some("device busy"),
         Code::Unavailable => Some("agent unavailable"),
         Code::DeadlineExceeded => Some("timed out"),
         Code::Unimplemented => Some("not supported by this agent"),
@@ -1471,6 +1473,18 @@ mod tests {
             None
         );
         assert_eq!(code_label(Code::ResourceExhausted, None), None);
+    }
+
+    #[test]
+    fn a_device_whose_pf_changes_is_busy_not_the_agent() {
+        assert_eq!(
+            code_label(Code::Unavailable, Some("VF_COUNT_CHANGING")),
+            Some("device busy")
+        );
+        assert_eq!(
+            code_label(Code::Unavailable, Some("STORE_UNAVAILABLE")),
+            Some("agent unavailable")
+        );
     }
 
     #[test]
