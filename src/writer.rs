@@ -519,85 +519,37 @@ impl Writer {
     /// thread, so that requests on the host's other devices are decided meanwhile (the
     /// kernel may take minutes); the PF and its VFs are held back from claims until it
     /// is recorded.
-    pub async fn set_vf_count(&self, req: SetVfCount) -> Result<VfCountSet, WriteError> {
-        let mut run = self.begin_vf_count(req).await?;
-        run.write().await;
-        run.record().await
-    }
-
-    /// Checks a VF count change and holds its PF and the PF's VFs back from claims: the
-    /// first step of [`Self::set_vf_count`].
     ///
     /// Whatever becomes of the writes, the change is recorded: where their task ends
-    /// without an answer (it panicked), or the run is dropped before the end is recorded,
-    /// as a write that may have destroyed the VFs (the side that hands no destroyed VF
-    /// out), with the PF's devices held back until then.
-    async fn begin_vf_count(&self, req: SetVfCount) -> Result<VfCountRun, WriteError> {
+    /// without an answer (it panicked), or this future is dropped before the end is
+    /// recorded, as a write that may have destroyed the VFs (the side that hands no
+    /// destroyed VF out), with the PF's devices held back until then.
+    pub async fn set_vf_count(&self, req: SetVfCount) -> Result<VfCountSet, WriteError> {
         let change = self.call(|r| Command::BeginVfCount(req, r)).await?;
-        let unanswered = EndOnDrop {
+        let mut unanswered = EndOnDrop {
             writer: self.clone(),
             end: Some(change.unanswered("the change was dropped before it was recorded")),
         };
-        Ok(VfCountRun {
-            writer: self.clone(),
-            change: Some(change),
-            written: None,
-            unanswered,
-        })
-    }
-}
-
-/// A VF count change begun ([`Writer::begin_vf_count`]): to write, then record.
-struct VfCountRun {
-    writer: Writer,
-    change: Option<VfChange>,
-    written: Option<VfWritten>,
-    unanswered: EndOnDrop,
-}
-
-impl std::fmt::Debug for VfCountRun {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VfCountRun")
-            .field("change", &self.change)
-            .field("written", &self.written)
-            .finish_non_exhaustive()
-    }
-}
-
-impl VfCountRun {
-    /// The PF's VF count, written off the async workers: waits for the kernel.
-    async fn write(&mut self) {
-        let Some(change) = self.change.take() else {
-            return;
-        };
-        self.written = match tokio::task::spawn_blocking(move || change.write()).await {
-            Ok(w) => Some(w),
+        let written = match tokio::task::spawn_blocking(move || change.write()).await {
+            Ok(w) => w,
             Err(e) => {
                 tracing::error!(error = %e, "the task writing a VF count ended without an answer");
-                self.unanswered.end.take().map(|mut end| {
-                    end.abandoned(e.to_string());
-                    end
-                })
+                let Some(mut end) = unanswered.end.take() else {
+                    return Err(WriteError::ShuttingDown);
+                };
+                end.abandoned(e.to_string());
+                end
             }
-        };
-    }
-
-    /// Records what was written (writing first, if that was not done yet) and lets the
-    /// devices go.
-    async fn record(mut self) -> Result<VfCountSet, WriteError> {
-        self.write().await;
-        let Some(written) = self.written.take() else {
-            return Err(WriteError::ShuttingDown);
         };
         // Recorded from a task of its own, so that this future dropped while the end
         // waits for room in the queue cannot drop the end with it.
-        let writer = self.writer.clone();
+        let writer = self.clone();
         let recorded = tokio::spawn(async move {
             writer
                 .call(|r| Command::EndVfCount(Box::new(written), r))
                 .await
         });
-        self.unanswered.end = None;
+        unanswered.end = None;
         recorded.await.unwrap_or(Err(WriteError::ShuttingDown))
     }
 }

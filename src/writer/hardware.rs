@@ -73,18 +73,16 @@ impl VfChange {
     /// What to record if the writes never answer: a write that may have destroyed the
     /// VFs, under a token of its own that holds the devices back until it is recorded.
     pub fn unanswered(&self, why: &str) -> VfWritten {
-        VfWritten {
+        let mut end = VfWritten {
             req: self.req.clone(),
             vfs: self.vfs.clone(),
             before: 0,
-            result: Err(HardwareError::Abandoned {
-                address: self.req.pf,
-                step: "write sriov_numvfs",
-                why: why.to_string(),
-            }),
+            result: Ok(()),
             written: Written::Vfs,
             token: self.token.clone(),
-        }
+        };
+        end.abandoned(why.to_string());
+        end
     }
 
     /// Reads the PF's counts and writes the new one (blocking: each write is waited on
