@@ -37,6 +37,17 @@ struct Host {
     pf: String,
 }
 
+impl Host {
+    /// The host `f` describes, with PF `pf` and its VFs.
+    fn built(f: &FakeSys, pf: &str) -> Host {
+        Host {
+            tree: f.build(),
+            vfs: f.vfs(pf).iter().map(|a| a.to_string()).collect(),
+            pf: pf.into(),
+        }
+    }
+}
+
 /// A PF on `bus` with 4 VFs (own IOMMU groups from `group`); VF0 is bound to vfio-pci
 /// and has its group node.
 fn host(bus: u8, group: u32) -> Host {
@@ -324,11 +335,7 @@ async fn a_vf_used_through_macvtap_is_attached() {
     for (i, vf) in vfs.iter().enumerate() {
         f.netdev(vf, &format!("ens45f0v{i}"));
     }
-    let h = Host {
-        tree: f.build(),
-        vfs,
-        pf: pf.into(),
-    };
+    let h = Host::built(&f, pf);
     let proc_dir = tempfile::tempdir().expect("proc");
     let s = start(&h, proc_dir.path(), "test:///default", 3_600_000).await;
     let mut c = s.client().await;
@@ -375,11 +382,7 @@ async fn vfs_used_through_an_mdev_or_a_vdpa_device_are_attached() {
     let vfs: Vec<String> = f.vfs(pf).iter().map(|a| a.to_string()).collect();
     f.mdev(&vfs[1], mdev);
     f.vhost_vdpa(&vfs[2], 0).vhost_vdpa(&vfs[3], 1);
-    let h = Host {
-        tree: f.build(),
-        vfs,
-        pf: pf.into(),
-    };
+    let h = Host::built(&f, pf);
     let proc_dir = tempfile::tempdir().expect("proc");
     let s = start(&h, proc_dir.path(), "test:///default", 3_600_000).await;
     let mut c = s.client().await;
