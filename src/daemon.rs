@@ -637,13 +637,20 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
     // READY only now: store loaded, first scan applied, and every listener (the socket,
     // metrics, TCP with its TLS files read) bound. A failure before here exits without
     // it, so systemd sees a failed start rather than a ready service that then stops.
-    if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
-        tracing::debug!(error = %e, "systemd notify failed (not under systemd?)");
-    }
+    notify_systemd(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status("serving"),
+    ]);
     let reload_agent = agent.clone();
     let running = cfg.clone();
     tokio::spawn(async move {
         while hup.recv().await.is_some() {
+            // systemd shows the unit reloading until READY=1 comes back, and the outcome
+            // in its status line (MONOTONIC_USEC is what systemd 253's notify-reload
+            // units match the reload by; older ones ignore it).
+            let mut reloading = vec![sd_notify::NotifyState::Reloading];
+            reloading.extend(sd_notify::NotifyState::monotonic_usec_now().ok());
+            notify_systemd(&reloading);
             let selection = match &config_path {
                 Some(p) => Config::load(p).and_then(|c| {
                     let later = running.restart_only_changes(&c);
@@ -657,15 +664,26 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
                 }),
                 None => Ok(initial_selection.clone()),
             };
-            match selection {
+            let status = match selection {
                 Ok(sel) => match reload_agent.rescan(&sel).await {
-                    Ok(()) => tracing::info!(selection = %sel, "reloaded device selection"),
-                    Err(e) => tracing::error!(error = %e, "rescan after reload failed"),
+                    Ok(()) => {
+                        tracing::info!(selection = %sel, "reloaded device selection");
+                        "serving; reloaded the device selection".to_string()
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "rescan after reload failed");
+                        format!("serving; the rescan after a reload failed: {e}")
+                    }
                 },
                 Err(e) => {
-                    tracing::error!(error = %e, "reload refused; the previous selection stays")
+                    tracing::error!(error = %e, "reload refused; the previous selection stays");
+                    format!("serving; reload refused, the previous selection stays: {e}")
                 }
-            }
+            };
+            notify_systemd(&[
+                sd_notify::NotifyState::Ready,
+                sd_notify::NotifyState::Status(&one_line(&status)),
+            ]);
         }
     });
     // A commit whose outcome is unknown (the disk failed mid-commit) stops the agent as
@@ -700,6 +718,32 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
     Ok(closing)
 }
 
+/// Tells systemd `states` when it runs the agent (`NOTIFY_SOCKET`); elsewhere nothing.
+fn notify_systemd(states: &[sd_notify::NotifyState<'_>]) {
+    if let Err(e) = sd_notify::notify(false, states) {
+        tracing::debug!(error = %e, "systemd notify failed (not under systemd?)");
+    }
+}
+
+/// `text` as one status line for systemd: each run of white space or control
+/// characters (a newline would end the STATUS field) becomes one space, and it is cut
+/// at 400 bytes, on a character boundary.
+fn one_line(text: &str) -> String {
+    let mut line = text
+        .split(|c: char| c.is_whitespace() || c.is_control())
+        .filter(|w| !w.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    if line.len() > 400 {
+        let mut end = 400;
+        while !line.is_char_boundary(end) {
+            end -= 1;
+        }
+        line.truncate(end);
+    }
+    line
+}
+
 /// Completes on SIGTERM or SIGINT.
 pub async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
@@ -717,4 +761,22 @@ pub async fn shutdown_signal() {
         }
     }
     tracing::info!("shutdown requested; draining in-flight calls");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::one_line;
+
+    #[test]
+    fn a_status_is_one_line_of_at_most_400_bytes() {
+        assert_eq!(
+            one_line("refused: line 2\n  | vendor\r\n\tx"),
+            "refused: line 2 | vendor x"
+        );
+        let long = "é".repeat(300);
+        let cut = one_line(&long);
+        assert!(cut.len() <= 400 && cut.len() >= 399, "{}", cut.len());
+        assert!(cut.chars().all(|c| c == 'é'));
+        assert_eq!(one_line(""), "");
+    }
 }

@@ -2,9 +2,9 @@
 //! (a broken config is refused and the old selection stays), SIGTERM drains and exits
 //! cleanly, removing the socket; and the modes of the socket and the state files.
 
+use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 use hostdevd::api::proto;
 use hostdevd::simhost::FakeSys;
@@ -13,7 +13,7 @@ use nix::unistd::Pid;
 
 mod support;
 
-use support::Daemon;
+use support::{notifications_until_ready, Daemon};
 
 fn signal(daemon: &Daemon, s: Signal) {
     let pid = i32::try_from(daemon.0.id()).expect("pid fits");
@@ -64,14 +64,6 @@ async fn managed(socket: &Path) -> Vec<String> {
         .collect()
 }
 
-async fn wait_for(what: &str, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// Runs `cmd CONFIG` (the daemon, or a wrapper that execs it) until its socket answers.
 async fn serve(cmd: &mut Command, cfg_path: &Path, socket: &Path) -> Daemon {
     Daemon::serve(cmd.arg(cfg_path), socket).await
@@ -89,29 +81,61 @@ async fn sighup_reloads_the_selection_and_sigterm_stops_cleanly() {
     let cfg_path = dir.path().join("config.toml");
     std::fs::write(&cfg_path, config(&tree, dir.path(), &["ens1f0"])).expect("config");
     let socket = dir.path().join("hostdevd.sock");
+    // What systemd would be told: READY once serving, and each reload's start and end.
+    let notify_path = dir.path().join("notify.sock");
+    let notify = UnixDatagram::bind(&notify_path).expect("notify socket");
     let daemon = serve(
-        Command::new(env!("CARGO_BIN_EXE_hostdevd")).args(["serve", "--config"]),
+        Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+            .env("NOTIFY_SOCKET", &notify_path)
+            .args(["serve", "--config"]),
         &cfg_path,
         &socket,
     )
     .await;
+    let started = notifications_until_ready(&notify);
+    assert!(
+        started.iter().all(|m| !m.contains("RELOADING=1")),
+        "{started:?}"
+    );
     let first = managed(&socket).await;
     assert_eq!(first.len(), 2, "only ens1f0's VFs: {first:?}");
     assert!(first.iter().all(|a| a.starts_with("0000:3b:")));
 
-    // A broken config on reload is refused; the selection stays.
+    // A broken config on reload is refused; the selection stays, and systemd is told
+    // the reload began (with the monotonic clock systemd 253 matches it by) and how it
+    // ended.
     std::fs::write(&cfg_path, "[[devices]]\nvendor = \"8086\"\n").expect("broken config");
     signal(&daemon, Signal::SIGHUP);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let refused = notifications_until_ready(&notify).join("\n");
+    let lines: Vec<&str> = refused.lines().collect();
+    let at = |what: &str| lines.iter().position(|l| l.starts_with(what));
+    let (began, done) = (at("RELOADING=1"), at("READY=1"));
+    assert!(began.is_some() && began < done, "{lines:?}");
+    assert!(at("MONOTONIC_USEC=").is_some(), "{lines:?}");
+    let status = lines
+        .iter()
+        .find(|l| l.starts_with("STATUS="))
+        .unwrap_or_else(|| panic!("no STATUS= after the reload: {lines:?}"));
+    assert!(
+        status.contains("reload refused") && status.contains("unknown field `vendor`"),
+        "the status names the refusal and its reason: {status}"
+    );
     assert_eq!(managed(&socket).await, first);
 
-    // A good one is applied without a restart.
+    // A good one is applied without a restart, and said to be.
     std::fs::write(&cfg_path, config(&tree, dir.path(), &["ens1f0", "ens2f0"])).expect("config");
     signal(&daemon, Signal::SIGHUP);
-    wait_for("the reloaded selection", async || {
-        managed(&socket).await.len() == 4
-    })
-    .await;
+    let applied = notifications_until_ready(&notify).join("\n");
+    assert!(applied.contains("RELOADING=1"), "{applied}");
+    assert!(
+        applied.contains("STATUS=serving; reloaded the device selection"),
+        "{applied}"
+    );
+    assert_eq!(
+        managed(&socket).await.len(),
+        4,
+        "READY=1 comes after the rescan"
+    );
 
     daemon.terminate().await;
     assert!(!socket.exists(), "socket removed on a clean stop");

@@ -14,7 +14,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 mod support;
 
-use support::Daemon;
+use support::{notifications, Daemon};
 
 struct Pem {
     cert: String,
@@ -182,20 +182,6 @@ fn tcp_without_tls_files_is_refused_at_config_time() {
     let err = hostdevd::config::Config::parse("[api.tcp]\nlisten = \"127.0.0.1:7443\"\n")
         .expect_err("TCP without TLS");
     assert!(err.to_string().contains("missing field"), "{err}");
-}
-
-/// What the daemon told systemd (`NOTIFY_SOCKET`), read without waiting longer than
-/// `wait`: each datagram as text.
-fn notifications(sock: &std::os::unix::net::UnixDatagram, wait: Duration) -> Vec<String> {
-    sock.set_read_timeout(Some(wait)).expect("read timeout");
-    let mut got = Vec::new();
-    let mut buf = [0u8; 4096];
-    while let Ok(n) = sock.recv(&mut buf) {
-        got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
-        sock.set_read_timeout(Some(Duration::from_millis(200)))
-            .expect("read timeout");
-    }
-    got
 }
 
 /// READY=1 goes to systemd only once every listener is bound: a TCP listener whose

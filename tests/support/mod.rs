@@ -75,6 +75,48 @@ impl Drop for Daemon {
     }
 }
 
+/// What a daemon told systemd (`NOTIFY_SOCKET` bound to `sock`), read without waiting
+/// longer than `wait` for the first datagram or 200 ms for each next: each as text.
+pub fn notifications(
+    sock: &std::os::unix::net::UnixDatagram,
+    wait: std::time::Duration,
+) -> Vec<String> {
+    sock.set_read_timeout(Some(wait)).expect("read timeout");
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = sock.recv(&mut buf) {
+        got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        sock.set_read_timeout(Some(std::time::Duration::from_millis(200)))
+            .expect("read timeout");
+    }
+    got
+}
+
+/// The datagrams a daemon sends systemd up to and including the first that says
+/// READY=1; fails loudly after 30 s without one.
+pub fn notifications_until_ready(sock: &std::os::unix::net::UnixDatagram) -> Vec<String> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        assert!(!left.is_zero(), "no READY=1 within 30 s; got {got:?}");
+        sock.set_read_timeout(Some(left)).expect("read timeout");
+        match sock.recv(&mut buf) {
+            Ok(n) => {
+                let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+                let ready = text.lines().any(|l| l == "READY=1");
+                got.push(text);
+                if ready {
+                    return got;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => panic!("no READY=1 within 30 s ({e}); got {got:?}"),
+        }
+    }
+}
+
 /// A config for a daemon on `tree` with libvirt off: its socket at
 /// `<dir>/hostdevd.sock`, its state in `state`, then `extra` (more TOML).
 pub fn config_in(
