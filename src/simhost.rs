@@ -741,6 +741,32 @@ impl FakeTree {
         p
     }
 
+    /// Puts mediated device `uuid` (made with [`FakeSys::mdev`]) in IOMMU group `group`
+    /// the way binding it to vfio_mdev does: its `iommu_group` link, the group's
+    /// directory, and the group node `<dev>/vfio/N`, which is returned.
+    pub fn mdev_vfio_node(&self, uuid: &str, group: u32) -> PathBuf {
+        let mdev = fs::canonicalize(self.sysfs.join("bus/mdev/devices").join(uuid))
+            .unwrap_or_else(|e| panic!("mdev {uuid}: {e}"));
+        let grel = PathBuf::from("kernel/iommu_groups").join(group.to_string());
+        mkdir(&self.sysfs.join(&grel).join("devices"));
+        let rel = mdev
+            .strip_prefix(fs::canonicalize(&self.sysfs).expect("sysfs root"))
+            .expect("the mdev is in the tree")
+            .to_path_buf();
+        link(&self.sysfs, &rel, "iommu_group", &grel);
+        link(&self.sysfs, &grel.join("devices"), uuid, &rel);
+        self.vfio_node(group)
+    }
+
+    /// Creates the vhost-vdpa node `<dev>/vhost-vdpa-N` (a regular file stands in for the
+    /// character device) of a vDPA device made with [`FakeSys::vhost_vdpa`].
+    pub fn vhost_vdpa_node(&self, n: u32) -> PathBuf {
+        mkdir(&self.dev);
+        let p = self.dev.join(format!("vhost-vdpa-{n}"));
+        write(&p, "");
+        p
+    }
+
     /// Gives device `a` the iommufd interface's device node `vfioN` the way a kernel of
     /// Linux 6.6 or later does once it is bound to vfio-pci: the directory
     /// `vfio-dev/vfioN` under the device, and `<dev>/vfio/devices/vfioN` (a regular file

@@ -1,7 +1,7 @@
 //! Who holds a device's VFIO nodes open: a scan of a proc tree's file descriptors for
-//! links to a group node (`<dev_root>/vfio/N`) or a per-device node of the iommufd
-//! interface (`<dev_root>/vfio/devices/vfioX`), naming each holder and, for QEMU, its
-//! domain.
+//! links to a group node (`<dev_root>/vfio/N`), a per-device node of the iommufd
+//! interface (`<dev_root>/vfio/devices/vfioX`), or the node of a device made on it (a
+//! mediated device's, a vhost-vdpa node), naming each holder and, for QEMU, its domain.
 //!
 //! Why: a VFIO group can be opened by one process at a time, so an open group node means
 //! the device is in use whatever any database says (I3). Since Linux 6.6 a device bound
@@ -46,7 +46,59 @@ pub enum VfioError {
         #[source]
         source: SysfsError,
     },
+    /// The mediated or vDPA devices made on a function could not be listed, so a node
+    /// that shows it in use may be unknown: an error too, never an empty answer.
+    #[error("cannot list the mediated and vDPA devices made on {what}: {}", source.full_message())]
+    MadeOn {
+        what: String,
+        #[source]
+        source: SysfsError,
+    },
 }
+
+/// The nodes of the devices made on each function at `addresses` now (see
+/// [`crate::sysfs::MadeOn`]), in the order asked (none for a function with none): each
+/// mediated device's VFIO group node (`<dev_root>/vfio/N`) and device nodes
+/// (`<dev_root>/vfio/devices/vfioX`), and each vhost-vdpa node
+/// (`<dev_root>/vhost-vdpa-N`). A process holding any of them uses the function as
+/// surely as one holding the function's own group. Sysfs is not read at all where
+/// nothing can be made on a function ([`made_on_possible`]).
+pub fn made_on_nodes(
+    sysfs_root: &Path,
+    dev_root: &Path,
+    addresses: &[PciAddress],
+) -> Result<Vec<Vec<PathBuf>>, VfioError> {
+    let mut per_function = vec![Vec::new(); addresses.len()];
+    if addresses.is_empty() || !made_on_possible(sysfs_root) {
+        return Ok(per_function);
+    }
+    let listed = |source| VfioError::MadeOn {
+        what: match addresses {
+            [one] => one.to_string(),
+            many => format!("{} functions", many.len()),
+        },
+        source,
+    };
+    let made = crate::sysfs::made_on(sysfs_root, addresses).map_err(listed)?;
+    for (address, nodes) in addresses.iter().zip(per_function.iter_mut()) {
+        let Some(made) = made.get(address) else {
+            continue;
+        };
+        for (dir, group) in &made.mdevs {
+            nodes.extend(group.map(|g| dev_root.join("vfio").join(g.to_string())));
+            nodes.extend(
+                vfio_device_nodes(dir, dev_root).map_err(|source| VfioError::MadeOn {
+                    what: address.to_string(),
+                    source,
+                })?,
+            );
+        }
+        nodes.extend(made.vhost_vdpa.iter().map(|n| dev_root.join(n)));
+    }
+    Ok(per_function)
+}
+
+pub use crate::sysfs::made_on_possible;
 
 /// The iommufd interface's nodes of the devices at `addresses`, as sysfs lists them now:
 /// `<dev_root>/vfio/devices/vfioX` for each `vfioX` under a device's `vfio-dev`
@@ -83,14 +135,20 @@ pub fn device_nodes_possible(dev_root: &Path) -> bool {
     }
 }
 
-/// "VFIO group /dev/vfio/12" or "VFIO device node /dev/vfio/devices/vfio3": for
-/// messages.
+/// "VFIO group /dev/vfio/12", "VFIO device node /dev/vfio/devices/vfio3" or
+/// "vhost-vdpa node /dev/vhost-vdpa-0": for messages.
 pub fn describe_node(node: &Path) -> String {
     let is_device = node
         .parent()
         .and_then(Path::file_name)
         .is_some_and(|d| d == "devices");
-    let kind = if is_device {
+    let is_vdpa = node
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("vhost-vdpa-"));
+    let kind = if is_vdpa {
+        "vhost-vdpa node"
+    } else if is_device {
         "VFIO device node"
     } else {
         "VFIO group"

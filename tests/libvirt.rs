@@ -1068,6 +1068,109 @@ async fn a_held_vfio_device_node_blocks_the_free() {
     s.stop().await;
 }
 
+/// A process outside libvirt (a QEMU started by hand, a DPDK application, a container
+/// runtime) that holds a mediated device made on a VF (its own VFIO group) or a vDPA
+/// device's vhost-vdpa node uses the VF though it holds none of the VF's own nodes:
+/// Release is refused naming it, an acting audit protects both VFs, and the list of
+/// such devices that cannot be read refuses the free as unprovable. None of the
+/// refusals changes anything; once the processes are gone the releases go through.
+/// Before, both VFs read as unused to the holder check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_mdev_or_vhost_vdpa_node_made_on_a_vf_blocks_the_free() {
+    let _lv = test_driver();
+    let pf = "0000:47:00.0";
+    let mdev = "7e1d2c3b-4a5f-4e6a-8b7c-9d0e1f2a3b4c";
+    let mut f = FakeSys::new();
+    f.pf(pf, 0x15b3, 0x101d, 64, 4)
+        .driver(pf, "mlx5_core")
+        .iommu_group(pf, 169)
+        .vf_iommu_groups(pf, 170)
+        .vf_driver(pf, "mlx5_core");
+    let vfs: Vec<String> = f.vfs(pf).iter().map(|a| a.to_string()).collect();
+    f.mdev(&vfs[1], mdev).vhost_vdpa(&vfs[2], 5);
+    let h = Host::built(&f, pf);
+    let mdev_group = h.tree.mdev_vfio_node(mdev, 400);
+    let vdpa_node = h.tree.vhost_vdpa_node(5);
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let q1 = fake_qemu(proc_dir.path(), 4747, 0x4701, &[&mdev_group]);
+    let q2 = fake_qemu(proc_dir.path(), 4748, 0x4702, &[&vdpa_node]);
+    let s = start(&h, proc_dir.path(), "test:///default", 3_600_000).await;
+    let mut c = s.client().await;
+    let (vf0, vf1, vf2) = (h.vfs[0].as_str(), h.vfs[1].as_str(), h.vfs[2].as_str());
+    let claims = [
+        (vf0, claim(&mut c, vf0, 0x4700).await.generation),
+        (vf1, claim(&mut c, vf1, 0x4701).await.generation),
+        (vf2, claim(&mut c, vf2, 0x4702).await.generation),
+    ];
+
+    let err = release(&mut c, vf1, 0x4701, claims[1].1)
+        .await
+        .expect_err("an mdev made on it is held open");
+    let meta = held_by(&err, 4747, "instance-4701");
+    assert_eq!(meta["vfio_group"], mdev_group.display().to_string());
+    let err = release(&mut c, vf2, 0x4702, claims[2].1)
+        .await
+        .expect_err("its vDPA device's vhost-vdpa node is held open");
+    held_by(&err, 4748, "instance-4702");
+    assert!(
+        err.message()
+            .contains(&format!("vhost-vdpa node {}", vdpa_node.display())),
+        "{}",
+        err.message()
+    );
+
+    let rep = reconcile(&mut c, &[], true).await.expect("reconcile");
+    let mut protected: Vec<(String, u32)> = rep
+        .protections
+        .iter()
+        .map(|p| (p.address.clone(), p.holder_pid))
+        .collect();
+    protected.sort();
+    assert_eq!(protected, vec![(vf1.into(), 4747), (vf2.into(), 4748)]);
+    let orphans: Vec<&str> = rep
+        .orphans
+        .iter()
+        .filter_map(|o| o.device.as_ref().map(|d| d.address.as_str()))
+        .collect();
+    assert_eq!(orphans, vec![vf0], "only VF0 is unused: {rep:?}");
+    assert_eq!(device(&mut c, vf0).await.state, FREE, "the audit freed VF0");
+    for (a, g) in &claims[1..] {
+        let d = device(&mut c, a).await;
+        assert_eq!((d.state, d.generation), (CLAIMED, *g), "{a}");
+    }
+
+    // Both processes exit, but the kernel's list of vhost-vdpa nodes cannot be read:
+    // nothing proves either VF unused, so the free is refused and nothing changes.
+    std::fs::remove_dir_all(&q1).expect("process gone");
+    std::fs::remove_dir_all(&q2).expect("process gone");
+    let class = h.tree.sysfs_root().join("class/vhost-vdpa");
+    let aside = h.tree.sysfs_root().join("class/vhost-vdpa.aside");
+    std::fs::rename(&class, &aside).expect("set the list aside");
+    std::fs::write(&class, "").expect("odd file");
+    let err = release(&mut c, vf1, 0x4701, claims[1].1)
+        .await
+        .expect_err("the devices made on it are unknown");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert_eq!(info(&err).0, "VFIO_HOLDERS_UNKNOWN");
+    assert!(
+        err.message().contains("class/vhost-vdpa"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(device(&mut c, vf1).await.generation, claims[1].1);
+
+    std::fs::remove_file(&class).expect("rm");
+    std::fs::rename(&aside, &class).expect("the list back");
+    for (a, g) in &claims[1..] {
+        let who = if *a == vf1 { 0x4701 } else { 0x4702 };
+        release(&mut c, a, who, *g)
+            .await
+            .unwrap_or_else(|e| panic!("nobody holds what is made on {a} any more: {e:?}"));
+        assert_eq!(device(&mut c, a).await.state, FREE, "{a}");
+    }
+    s.stop().await;
+}
+
 /// The real daemon binary over a `test:///PATH/host.xml` that pre-defines a running
 /// domain: attached on claim by its own UUID, strays reported, a foreign claim refused
 /// naming the domain, an acting audit with a wrong owner list frees nothing.

@@ -1,6 +1,7 @@
 //! The checks made right before any free (Release, acting Reconcile): libvirt's domains
 //! listed afresh and applied to the ledger, so the writer decides with that view, and the
-//! VFIO holders of the device's group and device nodes scanned from the proc tree.
+//! VFIO holders of the device's group and device nodes (and those of mediated and vDPA
+//! devices made on it) scanned from the proc tree.
 //!
 //! Why fresh: the poller's view may be seconds old, and the seed race is exactly a VM
 //! that appeared after someone's snapshot. Why under one lock: the poller takes the same
@@ -27,7 +28,8 @@ const INLINE_NODE_CHECKS: usize = 4;
 
 /// The VFIO nodes that would show one device in use: its IOMMU group's nodes, named
 /// without any I/O, and the members of that group (the device first), whose device
-/// nodes sysfs lists when the check runs.
+/// nodes sysfs lists when the check runs, as it lists the nodes of mediated and vDPA
+/// devices made on the device itself.
 #[derive(Debug, Clone, Default)]
 pub struct VfioCheck {
     pub group_nodes: Vec<PathBuf>,
@@ -161,12 +163,13 @@ impl FreeGuard {
             return Ok(Vec::new());
         }
         // One device (a Release): a node that does not exist cannot be held open, and
-        // asking costs a stat or three, less than the thread hand-off a blocking task
+        // asking costs a stat or five, less than the thread hand-off a blocking task
         // needs. Usually none exists, sysfs is not listed and the proc tree not read.
         if let [one] = devices.as_slice() {
             if one.group_nodes.len() <= INLINE_NODE_CHECKS
                 && !one.group_nodes.iter().any(|n| n.symlink_metadata().is_ok())
                 && !crate::vfio::device_nodes_possible(&self.dev_root)
+                && !crate::vfio::made_on_possible(&self.sysfs_root)
             {
                 return Ok(vec![None]);
             }
@@ -177,6 +180,14 @@ impl FreeGuard {
             self.dev_root.clone(),
         );
         tokio::task::spawn_blocking(move || {
+            // Devices made on each function itself (not on its group's peers: each mdev
+            // has a group of its own, and a vDPA device none at all), listed once for all.
+            let functions: Vec<_> = devices
+                .iter()
+                .filter_map(|d| d.members.first().copied())
+                .collect();
+            let mut made_on =
+                crate::vfio::made_on_nodes(&sysfs_root, &dev_root, &functions)?.into_iter();
             let mut per_device = Vec::with_capacity(devices.len());
             for d in devices {
                 let mut nodes = d.group_nodes;
@@ -185,6 +196,9 @@ impl FreeGuard {
                     &dev_root,
                     &d.members,
                 )?);
+                if !d.members.is_empty() {
+                    nodes.extend(made_on.next().unwrap_or_default());
+                }
                 per_device.push(nodes);
             }
             // A node that does not exist cannot be held open; without any, the proc tree

@@ -304,7 +304,7 @@ pub fn virtfn_index(name: &str) -> Option<u32> {
 }
 
 /// N of a name `<prefix>N` (decimal, at most 10 digits), or `None` for any other name.
-fn numbered(prefix: &str, name: &str) -> Option<u32> {
+pub(crate) fn numbered(prefix: &str, name: &str) -> Option<u32> {
     let digits = name.strip_prefix(prefix)?;
     if digits.is_empty() || digits.len() > 10 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;

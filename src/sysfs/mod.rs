@@ -15,6 +15,7 @@ pub mod names;
 pub mod render;
 mod scan;
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -88,6 +89,105 @@ pub fn vhost_vdpa_device(sysfs_root: &Path, path: &str) -> Result<Option<PciAddr
     pci_function_above(sysfs_root, &link)
 }
 
+/// Where the kernel lists mediated devices and vhost-vdpa nodes, relative to the sysfs
+/// root: each directory exists only while its module is loaded (mdev, vhost_vdpa).
+const MDEV_DEVICES: &str = "bus/mdev/devices";
+const VHOST_VDPA_CLASS: &str = "class/vhost-vdpa";
+
+/// Devices made on a PCI function that a process can hold open without opening any node
+/// of the function itself: mediated devices (a vGPU or another slice, each in an IOMMU
+/// group of its own) and vDPA devices' vhost-vdpa nodes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MadeOn {
+    /// Each mediated device's directory, with the IOMMU group it is in (`None` while it
+    /// is in none: bound to no VFIO driver).
+    pub mdevs: Vec<(PathBuf, Option<u32>)>,
+    /// The names of the vhost-vdpa nodes (`vhost-vdpa-N`) of vDPA devices on it.
+    pub vhost_vdpa: Vec<String>,
+}
+
+/// Whether any device can be made on a PCI function under this root now: false only when
+/// neither the mdev bus nor the vhost-vdpa class exists (neither module loaded). Any other
+/// failure to stat them proves nothing, so it counts as possible.
+pub fn made_on_possible(sysfs_root: &Path) -> bool {
+    [MDEV_DEVICES, VHOST_VDPA_CLASS]
+        .iter()
+        .any(|d| match sysfs_root.join(d).symlink_metadata() {
+            Err(e) => e.kind() != io::ErrorKind::NotFound,
+            Ok(_) => true,
+        })
+}
+
+/// The mediated devices and vhost-vdpa nodes made on each of the functions at
+/// `addresses` now (see [`MadeOn`]), found from the kernel's lists of them (each read
+/// once, however many functions are asked about): an mdev whose parent is the function,
+/// a vhost-vdpa node anywhere below it (under an auxiliary device, as mlx5's are).
+/// Functions with none are left out. A list that cannot be read is an error, never an
+/// empty answer: a device left out could be one in use.
+pub fn made_on(
+    sysfs_root: &Path,
+    addresses: &[PciAddress],
+) -> Result<BTreeMap<PciAddress, MadeOn>, SysfsError> {
+    let mut out: BTreeMap<PciAddress, MadeOn> = BTreeMap::new();
+    if addresses.is_empty() {
+        return Ok(out);
+    }
+    let root = std::fs::canonicalize(sysfs_root).unwrap_or_else(|_| sysfs_root.to_path_buf());
+    let asked = |a: Option<PciAddress>| a.filter(|a| addresses.contains(a));
+    for (name, target) in listed(&sysfs_root.join(MDEV_DEVICES))? {
+        let parent = target
+            .parent()
+            .filter(|p| p.starts_with(&root))
+            .and_then(Path::file_name)
+            .and_then(|n| n.to_str()?.parse().ok());
+        if let (true, Some(function)) = (uuid::Uuid::parse_str(&name).is_ok(), asked(parent)) {
+            let group =
+                attr::read_link_name(&target.join("iommu_group"))?.and_then(|g| g.parse().ok());
+            out.entry(function).or_default().mdevs.push((target, group));
+        }
+    }
+    for (name, target) in listed(&sysfs_root.join(VHOST_VDPA_CLASS))? {
+        let numbered = attr::numbered("vhost-vdpa-", &name).is_some();
+        if let (true, Some(function)) = (numbered, asked(function_above(&root, &target))) {
+            out.entry(function).or_default().vhost_vdpa.push(name);
+        }
+    }
+    Ok(out)
+}
+
+/// Each entry of the kernel's list `dir` (links to devices) with the directory it
+/// resolves to, sorted by name; none when the list does not exist. An entry removed while
+/// it is read is left out: that device is gone.
+fn listed(dir: &Path) -> Result<Vec<(String, PathBuf)>, SysfsError> {
+    let list_err = |source| SysfsError::ListDir {
+        path: dir.to_path_buf(),
+        source,
+    };
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(list_err(e)),
+    };
+    let mut out = Vec::new();
+    for entry in entries {
+        let path = entry.map_err(list_err)?.path();
+        let Some(name) = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .map(str::to_string)
+        else {
+            continue;
+        };
+        match std::fs::canonicalize(&path) {
+            Ok(target) => out.push((name, target)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(source) => return Err(SysfsError::ReadLink { path, source }),
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
 /// The nearest directory above `link`'s target, within the sysfs tree, named as a PCI
 /// function. `None` when the link is absent or dangling (the device is gone) or no PCI
 /// function is above it.
@@ -103,10 +203,16 @@ fn pci_function_above(sysfs_root: &Path, link: &Path) -> Result<Option<PciAddres
         }
     };
     let root = std::fs::canonicalize(sysfs_root).unwrap_or_else(|_| sysfs_root.to_path_buf());
-    Ok(target
+    Ok(function_above(&root, &target))
+}
+
+/// The nearest directory at or above `target` (resolved), below the resolved sysfs
+/// `root`, named as a PCI function.
+fn function_above(root: &Path, target: &Path) -> Option<PciAddress> {
+    target
         .ancestors()
-        .take_while(|dir| *dir != root && dir.starts_with(&root))
-        .find_map(|dir| dir.file_name()?.to_str()?.parse().ok()))
+        .take_while(|dir| *dir != root && dir.starts_with(root))
+        .find_map(|dir| dir.file_name()?.to_str()?.parse().ok())
 }
 
 /// The default sysfs mount point. The only place this literal may appear; everything
@@ -527,5 +633,90 @@ mod tests {
         for path in ["/dev/vhost-vdpa-8", "/dev/vhost-vdpa-9"] {
             assert_eq!(vhost_vdpa_device(root, path).expect(path), None, "{path}");
         }
+    }
+
+    /// The devices made on functions, read from the kernel's lists once for all the
+    /// functions asked about: an mdev by its parent (with its IOMMU group once it has
+    /// one), a vhost-vdpa node by the function above it, also under an auxiliary device;
+    /// functions asked about with none, and devices on functions not asked about, are
+    /// left out. Without either list nothing is possible; a list that cannot be read is
+    /// an error.
+    #[test]
+    fn devices_made_on_functions_are_found_from_the_kernels_lists() {
+        let gpu = "0000:5e:00.0";
+        let (m1, m2) = (
+            "c2177883-f1bb-47f0-914d-32a22e3a8804",
+            "0b3e7c1d-4a5f-4e6a-8b7c-9d0e1f2a3b4c",
+        );
+        let bare = FakeSys::new().build();
+        assert!(!made_on_possible(bare.sysfs_root()));
+        assert_eq!(
+            made_on(bare.sysfs_root(), &[addr(gpu)]).expect("read"),
+            BTreeMap::new()
+        );
+
+        let mut f = FakeSys::new();
+        f.device(gpu, 0x10de, 0x1eb8).mdev(gpu, m1).mdev(gpu, m2);
+        f.pf("0000:3b:00.0", 0x15b3, 0x101d, 8, 3);
+        let vfs: Vec<String> = f
+            .vfs("0000:3b:00.0")
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+        f.vhost_vdpa(&vfs[1], 3).vhost_vdpa(&vfs[2], 4);
+        let t = f.build();
+        let root = t.sysfs_root();
+        assert!(made_on_possible(root));
+        let group_node = t.mdev_vfio_node(m2, 300);
+        assert_eq!(group_node, t.dev_root().join("vfio/300"));
+        // mlx5: a vDPA device under an auxiliary device of the GPU's function (as good a
+        // PCI function as any for the test).
+        let aux = root.join("devices/pci0000:5e/0000:5e:00.0/mlx5_core.vnet.0/vdpa7");
+        std::fs::create_dir_all(aux.join("vhost-vdpa-7")).expect("aux");
+        std::os::unix::fs::symlink(
+            "../../devices/pci0000:5e/0000:5e:00.0/mlx5_core.vnet.0/vdpa7/vhost-vdpa-7",
+            root.join("class/vhost-vdpa/vhost-vdpa-7"),
+        )
+        .expect("link");
+        let asked = [addr(gpu), addr(&vfs[0]), addr(&vfs[1])];
+        let made = made_on(root, &asked).expect("read");
+        assert_eq!(
+            made.keys().copied().collect::<Vec<_>>(),
+            vec![addr(&vfs[1]), addr(gpu)],
+            "VF0 has none, VF2 was not asked about"
+        );
+        let on_gpu = &made[&addr(gpu)];
+        let mut groups: Vec<(String, Option<u32>)> = on_gpu
+            .mdevs
+            .iter()
+            .map(|(dir, g)| {
+                (
+                    dir.file_name()
+                        .expect("a name")
+                        .to_string_lossy()
+                        .into_owned(),
+                    *g,
+                )
+            })
+            .collect();
+        groups.sort();
+        assert_eq!(
+            groups,
+            vec![(m2.to_string(), Some(300)), (m1.to_string(), None)]
+        );
+        assert_eq!(on_gpu.vhost_vdpa, vec!["vhost-vdpa-7".to_string()]);
+        assert_eq!(
+            made[&addr(&vfs[1])].vhost_vdpa,
+            vec!["vhost-vdpa-3".to_string()]
+        );
+        assert!(made[&addr(&vfs[1])].mdevs.is_empty());
+
+        // A list that cannot be read (here not a directory, which even root cannot list):
+        // an error naming it, not an empty answer.
+        let class = root.join("class/vhost-vdpa");
+        std::fs::remove_dir_all(&class).expect("rm");
+        std::fs::write(&class, "").expect("a file where the list was");
+        let err = made_on(root, &asked).expect_err("unreadable list");
+        assert!(err.to_string().contains("class/vhost-vdpa"), "{err}");
     }
 }
