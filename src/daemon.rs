@@ -229,6 +229,7 @@ impl Agent {
             selection,
             writer.clone(),
         ));
+        let guard = Arc::new(FreeGuard::from_config(cfg, writer.metrics().clone()));
         let agent = Agent {
             writer,
             rescanner,
@@ -262,7 +263,7 @@ impl Agent {
                     },
                 })),
             }),
-            guard: Arc::new(FreeGuard::from_config(cfg)),
+            guard,
             _poller: None,
         };
         agent.rescanner.full(None).await?;

@@ -39,6 +39,8 @@ pub struct Metrics {
     /// Batches decided and committed on the requesting worker's thread, the writer
     /// thread being idle.
     inline_batches: AtomicU64,
+    /// Passes over the proc tree for VFIO holders.
+    holder_scans: AtomicU64,
 }
 
 /// What a request did, for counting.
@@ -123,6 +125,17 @@ impl Metrics {
     /// One kernel uevent handled.
     pub fn uevent(&self) {
         self.uevents.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A pass over the proc tree for the holders of VFIO and vhost-vdpa nodes, made for
+    /// the checks before frees and in audits (shared by those that waited for it).
+    pub fn holder_scan(&self) {
+        self.holder_scans.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Passes over the proc tree made so far (see [`Self::holder_scan`]).
+    pub fn holder_scans(&self) -> u64 {
+        self.holder_scans.load(Ordering::Relaxed)
     }
 
     /// A full rescan because uevents were lost (overflow) or the socket failed.
@@ -330,6 +343,13 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         "gauge",
         "1 when libvirt answered the last query.",
         u8::from(libvirt_up),
+    );
+    single(
+        &mut out,
+        "hostdevd_vfio_holder_scans_total",
+        "counter",
+        "Passes over /proc for processes holding VFIO or vhost-vdpa nodes, before frees and in audits; checks that arrive while one runs share the next.",
+        m.holder_scans.load(Ordering::Relaxed),
     );
     single(
         &mut out,

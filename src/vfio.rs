@@ -203,9 +203,8 @@ pub fn holders_of(
     proc_root: &Path,
     nodes: &[&Path],
 ) -> Result<BTreeMap<PathBuf, Vec<Holder>>, VfioError> {
-    let mut out: BTreeMap<PathBuf, Vec<Holder>> = BTreeMap::new();
     if nodes.is_empty() {
-        return Ok(out);
+        return Ok(BTreeMap::new());
     }
     // The kernel reports an fd's target as a resolved absolute path, so compare against
     // both the node as configured and its resolved form (a dev root behind a symlink).
@@ -213,6 +212,69 @@ pub fn holders_of(
         .iter()
         .map(|n| (*n, std::fs::canonicalize(n).ok()))
         .collect();
+    scan_fds(proc_root, |target, keys| {
+        for (node, resolved) in &wanted {
+            if target == *node || resolved.as_deref() == Some(target) {
+                keys.push(node.to_path_buf());
+            }
+        }
+    })
+}
+
+/// Every process's open nodes that show a device in use, in one pass over the proc tree:
+/// VFIO group and device nodes (anything under `<dev_root>/vfio/`) and vhost-vdpa nodes
+/// (`<dev_root>/vhost-vdpa-N`), with their holders, keyed by the node as the kernel
+/// reports it (see [`HolderMap::of`]). Shared by every check that waits for the same
+/// pass, whatever nodes each asks about.
+pub fn holders_under(proc_root: &Path, dev_root: &Path) -> Result<HolderMap, VfioError> {
+    let mut roots = vec![dev_root.to_path_buf()];
+    roots.extend(
+        std::fs::canonicalize(dev_root)
+            .ok()
+            .filter(|r| r != dev_root),
+    );
+    let vfio: Vec<PathBuf> = roots.iter().map(|r| r.join("vfio")).collect();
+    let by_node = scan_fds(proc_root, |target, keys| {
+        let vdpa = target
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("vhost-vdpa-"))
+            && target
+                .parent()
+                .is_some_and(|p| roots.iter().any(|r| r == p));
+        if vdpa || vfio.iter().any(|v| target.starts_with(v)) {
+            keys.push(target.to_path_buf());
+        }
+    })?;
+    Ok(HolderMap(by_node))
+}
+
+/// The holders of the nodes [`holders_under`] looks for, from one pass.
+#[derive(Debug, Clone, Default)]
+pub struct HolderMap(BTreeMap<PathBuf, Vec<Holder>>);
+
+impl HolderMap {
+    /// The holders of `node`, named as configured or as the kernel resolves it (a dev
+    /// root behind a symlink); empty when none held it during the pass.
+    pub fn of(&self, node: &Path) -> &[Holder] {
+        if let Some(h) = self.0.get(node) {
+            return h;
+        }
+        std::fs::canonicalize(node)
+            .ok()
+            .and_then(|r| self.0.get(&r))
+            .map_or(&[], Vec::as_slice)
+    }
+}
+
+/// One pass over the processes under `proc_root`: for each file descriptor's target,
+/// `keys` adds the keys it counts under; each key gets every process that has a
+/// descriptor counted under it (once, sorted by pid).
+fn scan_fds(
+    proc_root: &Path,
+    mut keys: impl FnMut(&Path, &mut Vec<PathBuf>),
+) -> Result<BTreeMap<PathBuf, Vec<Holder>>, VfioError> {
+    let mut out: BTreeMap<PathBuf, Vec<Holder>> = BTreeMap::new();
     let entries = std::fs::read_dir(proc_root).map_err(|source| VfioError::ProcRoot {
         path: proc_root.to_path_buf(),
         source,
@@ -238,7 +300,8 @@ pub fn holders_of(
             Err(e) if gone(&e) => continue,
             Err(e) => return Err(unreadable(fd_dir, e)),
         };
-        let mut held: Vec<&Path> = Vec::new();
+        let mut held: Vec<PathBuf> = Vec::new();
+        let mut found = Vec::new();
         for fd in fds {
             let fd = match fd {
                 Ok(fd) => fd,
@@ -250,11 +313,10 @@ pub fn holders_of(
                 Err(e) if gone(&e) => continue,
                 Err(e) => return Err(unreadable(fd.path(), e)),
             };
-            for (node, resolved) in &wanted {
-                if (target == *node || resolved.as_deref() == Some(target.as_path()))
-                    && !held.contains(node)
-                {
-                    held.push(node);
+            keys(&target, &mut found);
+            for key in found.drain(..) {
+                if !held.contains(&key) {
+                    held.push(key);
                 }
             }
         }
@@ -263,9 +325,7 @@ pub fn holders_of(
         }
         let holder = describe_process(pid, &dir);
         for node in held {
-            out.entry(node.to_path_buf())
-                .or_default()
-                .push(holder.clone());
+            out.entry(node).or_default().push(holder.clone());
         }
     }
     for list in out.values_mut() {

@@ -775,6 +775,82 @@ async fn vfio_holder_blocks_the_free_until_it_exits() {
     s.stop().await;
 }
 
+/// An evacuation's burst of releases on a host with VFIO nodes: every release needs a
+/// pass over the proc tree that began after it arrived, and they share passes instead
+/// of making one each, all at once; each is still answered from its own devices' nodes
+/// (the one VF a process holds is refused, the rest are freed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_releases_shares_the_passes_over_the_proc_tree() {
+    let _lv = test_driver();
+    let pf = "0000:48:00.0";
+    let mut f = FakeSys::new();
+    f.pf(pf, 0x8086, 0x1572, 64, 24)
+        .driver(pf, "i40e")
+        .iommu_group(pf, 499)
+        .vf_iommu_groups(pf, 500);
+    let vfs: Vec<String> = f.vfs(pf).iter().map(|a| a.to_string()).collect();
+    for vf in &vfs {
+        f.driver(vf, "vfio-pci");
+    }
+    let tree = f.build();
+    for g in 500..500 + vfs.len() as u32 {
+        tree.vfio_node(g);
+    }
+    let held_node = tree.dev_root().join("vfio/505");
+    let h = Host {
+        tree,
+        vfs: vfs.clone(),
+        pf: pf.into(),
+    };
+    // A host's worth of processes, so that a pass takes a while; one holds VF5's group.
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let log = proc_dir.path().join("log");
+    for pid in 1000..2500 {
+        let fd = proc_dir.path().join(format!("{pid}/fd"));
+        std::fs::create_dir_all(&fd).expect("fd dir");
+        for n in 0..8 {
+            symlink(&log, fd.join(n.to_string())).expect("fd");
+        }
+    }
+    fake_qemu(proc_dir.path(), 4848, 0x4805, &[&held_node]);
+    let s = start(&h, proc_dir.path(), "test:///default", 3_600_000).await;
+    let mut c = s.client().await;
+    let mut claims = Vec::new();
+    for (k, vf) in vfs.iter().enumerate() {
+        let who = 0x4800 + k as u128;
+        claims.push((vf.clone(), who, claim(&mut c, vf, who).await.generation));
+    }
+    let mut clients = Vec::new();
+    for _ in &claims {
+        clients.push(s.client().await);
+    }
+    let passes_before = s.writer.metrics().holder_scans();
+    let tasks: Vec<_> = claims
+        .iter()
+        .cloned()
+        .zip(clients)
+        .map(|((vf, who, g), mut c)| {
+            tokio::spawn(async move { (vf.clone(), release(&mut c, &vf, who, g).await) })
+        })
+        .collect();
+    for t in tasks {
+        let (vf, r) = t.await.expect("task");
+        if vf == vfs[5] {
+            held_by(&r.expect_err("VF5's group is held"), 4848, "instance-4805");
+        } else {
+            r.unwrap_or_else(|e| panic!("{vf}: {e:?}"));
+            assert_eq!(device(&mut c, &vf).await.state, FREE, "{vf}");
+        }
+    }
+    let passes = s.writer.metrics().holder_scans() - passes_before;
+    assert!(
+        (1..=vfs.len() as u64 / 2).contains(&passes),
+        "{} releases at once made {passes} passes over the proc tree",
+        vfs.len()
+    );
+    s.stop().await;
+}
+
 /// A device attached to a domain whose QEMU holds its VFIO group open: Release fails the
 /// fresh checks (the group is held), but the ledger refuses it anyway, so the answer is
 /// the ledger's, FAILED_PRECONDITION ATTACHED naming the domain, which says what to do

@@ -10,17 +10,19 @@
 //!
 //! Why shared: a free needs a listing that began after it arrived, not one of its own.
 //! Frees that arrive while a listing is under way all wait for the next one, so an
-//! evacuation's burst of releases costs two listings, not one each in a queue.
+//! evacuation's burst of releases costs two listings, not one each in a queue. The passes
+//! over the proc tree are shared the same way.
 
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::api::status::ApiError;
 use crate::config::Config;
 use crate::domains::{DomainsError, Libvirt};
-use crate::vfio::{Holder, VfioError};
+use crate::metrics::Metrics;
+use crate::vfio::{Holder, HolderMap, VfioError};
 use crate::writer::Writer;
 
 /// Up to this many group nodes are checked for existence on the calling task.
@@ -60,6 +62,10 @@ pub struct FreeGuard {
     pub order: Arc<tokio::sync::Mutex<()>>,
     /// The fresh listings begun and applied here, so that frees share them.
     lists: Listings,
+    /// The passes over the proc tree, shared the same way.
+    scans: Scans,
+    /// Where the passes are counted.
+    metrics: Arc<Metrics>,
 }
 
 /// Numbers the fresh listings, so that a caller can tell whether one that began after it
@@ -100,8 +106,9 @@ impl Listings {
 pub type OrderGuard = tokio::sync::OwnedMutexGuard<()>;
 
 impl FreeGuard {
-    pub fn from_config(cfg: &Config) -> FreeGuard {
+    pub fn from_config(cfg: &Config, metrics: Arc<Metrics>) -> FreeGuard {
         FreeGuard {
+            metrics,
             libvirt: cfg.libvirt.enabled.then(|| {
                 Arc::new(Libvirt::new(
                     cfg.libvirt.uri.clone(),
@@ -114,6 +121,7 @@ impl FreeGuard {
             sysfs_root: cfg.sysfs_root.clone(),
             order: Arc::new(tokio::sync::Mutex::new(())),
             lists: Listings::default(),
+            scans: Scans::default(),
         }
     }
 
@@ -156,12 +164,14 @@ impl FreeGuard {
     }
 
     /// For each device, in order, the first of its nodes found held open (`None`: none
-    /// is): its device nodes listed from sysfs and one proc scan for all of them, off the
-    /// async threads.
+    /// is): its device nodes and those of devices made on it listed from sysfs, off the
+    /// async threads, and then a pass over the proc tree that began after this call
+    /// arrived, shared with every other check waiting for one (see [`Scans`]).
     pub async fn held(&self, devices: Vec<VfioCheck>) -> Result<Vec<Option<Held>>, VfioError> {
         if devices.is_empty() {
             return Ok(Vec::new());
         }
+        let arrived = self.scans.arrive();
         // One device (a Release): a node that does not exist cannot be held open, and
         // asking costs a stat or five, less than the thread hand-off a blocking task
         // needs. Usually none exists, sysfs is not listed and the proc tree not read.
@@ -174,12 +184,8 @@ impl FreeGuard {
                 return Ok(vec![None]);
             }
         }
-        let (proc_root, sysfs_root, dev_root) = (
-            self.proc_root.clone(),
-            self.sysfs_root.clone(),
-            self.dev_root.clone(),
-        );
-        tokio::task::spawn_blocking(move || {
+        let (sysfs_root, dev_root) = (self.sysfs_root.clone(), self.dev_root.clone());
+        let (per_device, any) = tokio::task::spawn_blocking(move || {
             // Devices made on each function itself (not on its group's peers: each mdev
             // has a group of its own, and a vDPA device none at all), listed once for all.
             let functions: Vec<_> = devices
@@ -203,34 +209,108 @@ impl FreeGuard {
             }
             // A node that does not exist cannot be held open; without any, the proc tree
             // need not be read at all (a host without VFIO, the demo).
-            let refs: Vec<&Path> = per_device
+            let any = per_device
                 .iter()
                 .flatten()
-                .map(PathBuf::as_path)
-                .filter(|n| n.symlink_metadata().is_ok())
-                .collect();
-            let held = if refs.is_empty() {
-                Default::default()
-            } else {
-                crate::vfio::holders_of(&proc_root, &refs)?
-            };
-            Ok(per_device
-                .into_iter()
-                .map(|nodes| {
-                    nodes.into_iter().find_map(|n| {
-                        let h = held.get(&n).and_then(|h| h.first()).cloned();
-                        h.map(|h| (n, h))
-                    })
-                })
-                .collect())
+                .any(|n| n.symlink_metadata().is_ok());
+            Ok::<_, VfioError>((per_device, any))
         })
         .await
-        .unwrap_or_else(|e| {
-            Err(VfioError::ProcRoot {
-                path: self.proc_root.clone(),
-                source: std::io::Error::other(e.to_string()),
+        .unwrap_or_else(|e| Err(self.scan_failed(e)))?;
+        if !any {
+            return Ok(vec![None; per_device.len()]);
+        }
+        let holders = self.scan_after(arrived).await?;
+        Ok(per_device
+            .into_iter()
+            .map(|nodes| {
+                nodes.into_iter().find_map(|n| {
+                    let h = holders.of(&n).first().cloned();
+                    h.map(|h| (n, h))
+                })
             })
-        })
+            .collect())
+    }
+
+    /// The holders found by a pass over the proc tree that began after `arrived` (see
+    /// [`Scans::arrive`]): one that ran while this call waited for the pass before it, or
+    /// else its own. One pass runs at a time, whoever asks (a burst of releases, audits
+    /// of any reader), and a failed pass serves no one but its caller.
+    async fn scan_after(&self, arrived: u64) -> Result<Arc<HolderMap>, VfioError> {
+        let queued = Queued::join(&self.scans.queued);
+        let mut last = self.scans.last.lock().await;
+        drop(queued);
+        // A pass's answer is kept only while checks wait that it may serve: it names
+        // every process holding a node, with its command line.
+        let keep = || self.scans.queued.load(Ordering::SeqCst) > 0;
+        if let Some((n, holders)) = &*last {
+            if *n > arrived {
+                let holders = holders.clone();
+                if !keep() {
+                    *last = None;
+                }
+                return Ok(holders);
+            }
+        }
+        let n = self.scans.begun.fetch_add(1, Ordering::SeqCst) + 1;
+        let (proc_root, dev_root) = (self.proc_root.clone(), self.dev_root.clone());
+        let holders =
+            tokio::task::spawn_blocking(move || crate::vfio::holders_under(&proc_root, &dev_root))
+                .await
+                .unwrap_or_else(|e| Err(self.scan_failed(e)))?;
+        let holders = Arc::new(holders);
+        *last = keep().then(|| (n, holders.clone()));
+        self.metrics.holder_scan();
+        Ok(holders)
+    }
+
+    /// A blocking task that ended without an answer (it panicked): nothing is known.
+    fn scan_failed(&self, e: tokio::task::JoinError) -> VfioError {
+        VfioError::ProcRoot {
+            path: self.proc_root.clone(),
+            source: std::io::Error::other(e.to_string()),
+        }
+    }
+}
+
+/// The passes over the proc tree for VFIO holders, numbered so that a check can tell
+/// whether one that began after it arrived is done. Why shared: a pass reads every
+/// process's open files, and an evacuation's burst of releases, or audits sent by any
+/// reader, would otherwise each make one, all at once on the blocking threads. Checks
+/// that arrive while a pass runs all wait for the next one, so a burst costs two passes
+/// and no more than one runs at a time.
+#[derive(Debug, Default)]
+struct Scans {
+    /// How many passes have begun (changed only under `last`'s lock).
+    begun: AtomicU64,
+    /// The last pass that succeeded, with its number, while checks wait that it may
+    /// serve; locked while a pass runs.
+    last: tokio::sync::Mutex<Option<(u64, Arc<HolderMap>)>>,
+    /// How many checks wait for `last`'s lock.
+    queued: AtomicUsize,
+}
+
+/// One check counted in [`Scans::queued`] until it has the lock, or gives up waiting
+/// (its caller went away).
+struct Queued<'a>(&'a AtomicUsize);
+
+impl<'a> Queued<'a> {
+    fn join(count: &'a AtomicUsize) -> Queued<'a> {
+        count.fetch_add(1, Ordering::SeqCst);
+        Queued(count)
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Scans {
+    /// Taken when a check arrives, before it waits for a pass.
+    fn arrive(&self) -> u64 {
+        self.begun.load(Ordering::SeqCst)
     }
 }
 
@@ -238,7 +318,7 @@ impl FreeGuard {
 mod tests {
     use std::time::Duration;
 
-    use super::{FreeGuard, Listings};
+    use super::{FreeGuard, Listings, VfioCheck};
     use crate::api::status::ApiError;
 
     /// A free that cannot take the order within the libvirt timeout (an acting audit
@@ -246,7 +326,10 @@ mod tests {
     /// is free it is taken.
     #[tokio::test]
     async fn a_free_kept_waiting_for_the_order_is_refused_as_busy() {
-        let mut g = FreeGuard::from_config(&crate::config::Config::default());
+        let mut g = FreeGuard::from_config(
+            &crate::config::Config::default(),
+            crate::metrics::Metrics::new(),
+        );
         g.timeout = Duration::from_millis(50);
         let held = g.order.clone().lock_owned().await;
         let e = g.take_order("0000:3b:02.0").await.expect_err("held");
@@ -297,5 +380,59 @@ mod tests {
         let two = l.begin();
         l.applied(two);
         assert!(l.served(a) && l.served(b));
+    }
+
+    /// Checks that arrive while a pass over the proc tree runs all wait for the next pass
+    /// and share it (one pass for all of them, each answered from it); a check arriving
+    /// after that pass makes its own, and a process gone by then no longer holds the node.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn checks_that_arrive_during_a_pass_share_the_next_one() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let (proc_root, dev_root) = (dir.path().join("proc"), dir.path().join("dev"));
+        std::fs::create_dir_all(dev_root.join("vfio")).expect("dev");
+        let node = dev_root.join("vfio/7");
+        std::fs::write(&node, "").expect("node");
+        let qemu = proc_root.join("4242");
+        std::fs::create_dir_all(qemu.join("fd")).expect("proc");
+        std::fs::write(qemu.join("comm"), "qemu-system-x86\n").expect("comm");
+        std::os::unix::fs::symlink(&node, qemu.join("fd/30")).expect("fd");
+        let metrics = crate::metrics::Metrics::new();
+        let cfg = crate::config::Config {
+            proc_root,
+            dev_root,
+            ..Default::default()
+        };
+        let g = std::sync::Arc::new(FreeGuard::from_config(&cfg, metrics.clone()));
+        let check = || VfioCheck {
+            group_nodes: vec![node.clone()],
+            members: Vec::new(),
+        };
+
+        // A pass is under way (its lock held): three checks arrive and wait.
+        let running = g.scans.last.lock().await;
+        let waiting: Vec<_> = (0..3)
+            .map(|_| {
+                let (g, c) = (g.clone(), check());
+                tokio::spawn(async move { g.held(vec![c]).await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(metrics.holder_scans(), 0);
+        drop(running);
+        for w in waiting {
+            let held = w.await.expect("task").expect("check");
+            let (n, h) = held[0].clone().expect("held");
+            assert_eq!((n, h.pid), (node.clone(), 4242));
+        }
+        assert_eq!(metrics.holder_scans(), 1, "one pass served all three");
+        assert!(
+            g.scans.last.lock().await.is_none(),
+            "a pass's answer is let go once no check waits for it"
+        );
+
+        // Later, after the process is gone: a pass of its own, which sees that.
+        std::fs::remove_dir_all(&qemu).expect("exit");
+        assert_eq!(g.held(vec![check()]).await.expect("check"), vec![None]);
+        assert_eq!(metrics.holder_scans(), 2);
     }
 }
