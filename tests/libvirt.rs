@@ -803,7 +803,7 @@ async fn a_burst_of_releases_shares_the_passes_over_the_proc_tree() {
         pf: pf.into(),
     };
     // A host's worth of processes, so that a pass takes a while; one holds VF5's group.
-    let proc_dir = tempfile::tempdir().expect("proc");
+    let proc_dir = tempfile::tempdir_in(hostdevd::simhost::scratch_base()).expect("proc");
     let log = proc_dir.path().join("log");
     for pid in 1000..2500 {
         let fd = proc_dir.path().join(format!("{pid}/fd"));

@@ -63,7 +63,7 @@ pub struct FreeGuard {
     /// The fresh listings begun and applied here, so that frees share them.
     lists: Listings,
     /// The passes over the proc tree, shared the same way.
-    scans: Scans,
+    scans: Arc<Scans>,
     /// Where the passes are counted.
     metrics: Arc<Metrics>,
 }
@@ -121,7 +121,7 @@ impl FreeGuard {
             sysfs_root: cfg.sysfs_root.clone(),
             order: Arc::new(tokio::sync::Mutex::new(())),
             lists: Listings::default(),
-            scans: Scans::default(),
+            scans: Arc::default(),
         }
     }
 
@@ -238,15 +238,12 @@ impl FreeGuard {
     /// of any reader), and a failed pass serves no one but its caller.
     async fn scan_after(&self, arrived: u64) -> Result<Arc<HolderMap>, VfioError> {
         let queued = Queued::join(&self.scans.queued);
-        let mut last = self.scans.last.lock().await;
+        let mut last = self.scans.last.clone().lock_owned().await;
         drop(queued);
-        // A pass's answer is kept only while checks wait that it may serve: it names
-        // every process holding a node, with its command line.
-        let keep = || self.scans.queued.load(Ordering::SeqCst) > 0;
         if let Some((n, holders)) = &*last {
             if *n > arrived {
                 let holders = holders.clone();
-                if !keep() {
+                if !self.scans.keep() {
                     *last = None;
                 }
                 return Ok(holders);
@@ -254,18 +251,32 @@ impl FreeGuard {
         }
         let n = self.scans.begun.fetch_add(1, Ordering::SeqCst) + 1;
         let (proc_root, dev_root) = (self.proc_root.clone(), self.dev_root.clone());
-        let holders =
-            tokio::task::spawn_blocking(move || crate::vfio::holders_under(&proc_root, &dev_root))
-                .await
-                .unwrap_or_else(|e| Err(self.scan_failed(e)))?;
-        let holders = Arc::new(holders);
-        *last = keep().then(|| (n, holders.clone()));
-        self.metrics.holder_scan();
-        Ok(holders)
+        let (scans, metrics) = (self.scans.clone(), self.metrics.clone());
+        // The pass holds the lock until it ends and leaves its answer for those waiting,
+        // even if this caller goes away meanwhile (a client that disconnects): a caller
+        // that came and went must not leave a pass running beside the next one.
+        let pass = tokio::spawn(async move {
+            let holders = tokio::task::spawn_blocking(move || {
+                crate::vfio::holders_under(&proc_root, &dev_root)
+            })
+            .await
+            .map_err(|e| e.to_string())?
+            .map(Arc::new);
+            if let Ok(holders) = &holders {
+                *last = scans.keep().then(|| (n, holders.clone()));
+                metrics.holder_scan();
+            }
+            Ok::<_, String>(holders)
+        });
+        match pass.await {
+            Ok(Ok(holders)) => holders,
+            Ok(Err(e)) => Err(self.scan_failed(e)),
+            Err(e) => Err(self.scan_failed(e.to_string())),
+        }
     }
 
-    /// A blocking task that ended without an answer (it panicked): nothing is known.
-    fn scan_failed(&self, e: tokio::task::JoinError) -> VfioError {
+    /// A task that ended without an answer (it panicked): nothing is known.
+    fn scan_failed(&self, e: impl ToString) -> VfioError {
         VfioError::ProcRoot {
             path: self.proc_root.clone(),
             source: std::io::Error::other(e.to_string()),
@@ -285,7 +296,7 @@ struct Scans {
     begun: AtomicU64,
     /// The last pass that succeeded, with its number, while checks wait that it may
     /// serve; locked while a pass runs.
-    last: tokio::sync::Mutex<Option<(u64, Arc<HolderMap>)>>,
+    last: Arc<tokio::sync::Mutex<Option<(u64, Arc<HolderMap>)>>>,
     /// How many checks wait for `last`'s lock.
     queued: AtomicUsize,
 }
@@ -312,11 +323,19 @@ impl Scans {
     fn arrive(&self) -> u64 {
         self.begun.load(Ordering::SeqCst)
     }
+
+    /// Whether a pass's answer is to be kept: only while checks wait that it may serve,
+    /// since it names every process holding a node, with its command line.
+    fn keep(&self) -> bool {
+        self.queued.load(Ordering::SeqCst) > 0
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
+
+    use std::sync::atomic::Ordering;
 
     use super::{FreeGuard, Listings, VfioCheck};
     use crate::api::status::ApiError;
@@ -434,5 +453,57 @@ mod tests {
         std::fs::remove_dir_all(&qemu).expect("exit");
         assert_eq!(g.held(vec![check()]).await.expect("check"), vec![None]);
         assert_eq!(metrics.holder_scans(), 2);
+    }
+
+    /// A check whose caller goes away while its pass runs (a client that disconnects)
+    /// leaves the pass running to its end, still holding the lock and counted, so the
+    /// next check waits for it instead of starting a second pass beside it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pass_whose_caller_went_away_still_runs_alone_to_its_end() {
+        let dir = tempfile::tempdir_in(crate::simhost::scratch_base()).expect("tmp");
+        let (proc_root, dev_root) = (dir.path().join("proc"), dir.path().join("dev"));
+        std::fs::create_dir_all(dev_root.join("vfio")).expect("dev");
+        let node = dev_root.join("vfio/7");
+        std::fs::write(&node, "").expect("node");
+        // Enough processes that a pass takes a while (tens of milliseconds at least).
+        let other = dir.path().join("log");
+        for pid in 1000..4000 {
+            let fd = proc_root.join(format!("{pid}/fd"));
+            std::fs::create_dir_all(&fd).expect("proc");
+            for n in 0..8 {
+                std::os::unix::fs::symlink(&other, fd.join(n.to_string())).expect("fd");
+            }
+        }
+        let metrics = crate::metrics::Metrics::new();
+        let cfg = crate::config::Config {
+            proc_root,
+            dev_root,
+            ..Default::default()
+        };
+        let g = std::sync::Arc::new(FreeGuard::from_config(&cfg, metrics.clone()));
+        let check = || VfioCheck {
+            group_nodes: vec![node.clone()],
+            members: Vec::new(),
+        };
+        let first = {
+            let (g, c) = (g.clone(), check());
+            tokio::spawn(async move { g.held(vec![c]).await })
+        };
+        while g.scans.begun.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        first.abort();
+        assert!(first.await.is_err(), "the caller went away");
+        assert!(
+            g.scans.last.try_lock().is_err(),
+            "the abandoned pass still runs, holding the lock"
+        );
+        assert_eq!(g.held(vec![check()]).await.expect("check"), vec![None]);
+        assert_eq!(
+            metrics.holder_scans(),
+            2,
+            "the abandoned pass ran to its end, then the next check's own"
+        );
     }
 }
