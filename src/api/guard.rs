@@ -296,10 +296,13 @@ struct Scans {
     begun: AtomicU64,
     /// The last pass that succeeded, with its number, while checks wait that it may
     /// serve; locked while a pass runs.
-    last: Arc<tokio::sync::Mutex<Option<(u64, Arc<HolderMap>)>>>,
+    last: Arc<tokio::sync::Mutex<Option<Pass>>>,
     /// How many checks wait for `last`'s lock.
     queued: AtomicUsize,
 }
+
+/// A pass's number and its answer.
+type Pass = (u64, Arc<HolderMap>);
 
 /// One check counted in [`Scans::queued`] until it has the lock, or gives up waiting
 /// (its caller went away).
