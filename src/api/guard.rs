@@ -166,7 +166,7 @@ impl FreeGuard {
     /// For each device, in order, the first of its nodes found held open (`None`: none
     /// is): its device nodes and those of devices made on it listed from sysfs, off the
     /// async threads, and then a pass over the proc tree that began after this call
-    /// arrived, shared with every other check waiting for one (see [`Scans`]).
+    /// arrived, shared with every other check waiting for one (see `Scans`).
     pub async fn held(&self, devices: Vec<VfioCheck>) -> Result<Vec<Option<Held>>, VfioError> {
         if devices.is_empty() {
             return Ok(Vec::new());
