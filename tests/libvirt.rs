@@ -66,6 +66,34 @@ fn host(bus: u8, group: u32) -> Host {
     Host { tree, vfs, pf }
 }
 
+/// An mlx5 PF at `pf` in IOMMU group `group` with 4 VFs in the groups after it, every
+/// function on mlx5_core: the host and its VFs' addresses.
+fn mlx5(pf: &str, group: u32) -> (FakeSys, Vec<String>) {
+    let mut f = FakeSys::new();
+    f.pf(pf, 0x15b3, 0x101d, 64, 4)
+        .driver(pf, "mlx5_core")
+        .iommu_group(pf, group)
+        .vf_iommu_groups(pf, group + 1)
+        .vf_driver(pf, "mlx5_core");
+    let vfs = f.vfs(pf).iter().map(|a| a.to_string()).collect();
+    (f, vfs)
+}
+
+/// An i40e PF at `pf` in IOMMU group `group` with `n` VFs in the groups after it, every
+/// VF on vfio-pci: the host and its VFs' addresses.
+fn vfio_pci_vfs(pf: &str, n: u32, group: u32) -> (FakeSys, Vec<String>) {
+    let mut f = FakeSys::new();
+    f.pf(pf, 0x8086, 0x1572, 64, n)
+        .driver(pf, "i40e")
+        .iommu_group(pf, group)
+        .vf_iommu_groups(pf, group + 1);
+    let vfs: Vec<String> = f.vfs(pf).iter().map(|a| a.to_string()).collect();
+    for vf in &vfs {
+        f.driver(vf, "vfio-pci");
+    }
+    (f, vfs)
+}
+
 type Server = support::server::TestServer;
 
 async fn start(h: &Host, proc_root: &Path, libvirt: &str, poll_ms: u64) -> Server {
@@ -175,6 +203,31 @@ async fn release(
     .map(|r| r.into_inner())
 }
 
+/// Releases each `(address, consumer, generation)` of `held` at once, each from a
+/// client of its own: each address with its answer, in `held`'s order.
+async fn release_at_once(
+    s: &Server,
+    held: &[(String, u128, u64)],
+) -> Vec<(String, Result<proto::ReleaseResponse, tonic::Status>)> {
+    let mut clients = Vec::new();
+    for _ in held {
+        clients.push(s.client().await);
+    }
+    let tasks: Vec<_> = held
+        .iter()
+        .cloned()
+        .zip(clients)
+        .map(|((vf, who, g), mut c)| {
+            tokio::spawn(async move { (vf.clone(), release(&mut c, &vf, who, g).await) })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.expect("release task"));
+    }
+    answers
+}
+
 async fn reconcile(
     c: &mut HostDevClient<Channel>,
     expected: &[u128],
@@ -194,6 +247,17 @@ async fn reconcile(
     })
     .await
     .map(|r| r.into_inner())
+}
+
+/// An audit's protected devices with their holders' pids, by address.
+fn protected(rep: &proto::ReconcileResponse) -> Vec<(String, u32)> {
+    let mut protected: Vec<(String, u32)> = rep
+        .protections
+        .iter()
+        .map(|p| (p.address.clone(), p.holder_pid))
+        .collect();
+    protected.sort();
+    protected
 }
 
 fn info(s: &tonic::Status) -> (String, HashMap<String, String>) {
@@ -373,13 +437,7 @@ async fn vfs_used_through_an_mdev_or_a_vdpa_device_are_attached() {
     let lv = test_driver();
     let pf = "0000:46:00.0";
     let mdev = "5b0c8e3a-2f1d-4c7e-9a66-0d9f1e2c3b4a";
-    let mut f = FakeSys::new();
-    f.pf(pf, 0x15b3, 0x101d, 64, 4)
-        .driver(pf, "mlx5_core")
-        .iommu_group(pf, 159)
-        .vf_iommu_groups(pf, 160)
-        .vf_driver(pf, "mlx5_core");
-    let vfs: Vec<String> = f.vfs(pf).iter().map(|a| a.to_string()).collect();
+    let (mut f, vfs) = mlx5(pf, 159);
     f.mdev(&vfs[1], mdev);
     f.vhost_vdpa(&vfs[2], 0).vhost_vdpa(&vfs[3], 1);
     let h = Host::built(&f, pf);
@@ -433,21 +491,8 @@ async fn concurrent_releases_each_see_a_domain_started_before_them() {
         .define_domain_xml(&domain_xml("fresh-3c-b", 0x3c0b, &[&vfs[1]], &[]))
         .expect("define");
     dom.create().expect("start");
-    let mut clients = Vec::new();
-    for _ in &held {
-        clients.push(s.client().await);
-    }
-    let tasks: Vec<_> = held
-        .iter()
-        .cloned()
-        .zip(clients)
-        .map(|((vf, who, g), mut c)| {
-            tokio::spawn(async move { (vf.clone(), release(&mut c, &vf, who, g).await) })
-        })
-        .collect();
     let mut freed = Vec::new();
-    for t in tasks {
-        let (vf, r) = t.await.expect("release task");
+    for (vf, r) in release_at_once(&s, &held).await {
         match r {
             Ok(_) => freed.push(vf),
             Err(e) => {
@@ -783,15 +828,7 @@ async fn vfio_holder_blocks_the_free_until_it_exits() {
 async fn a_burst_of_releases_shares_the_passes_over_the_proc_tree() {
     let _lv = test_driver();
     let pf = "0000:48:00.0";
-    let mut f = FakeSys::new();
-    f.pf(pf, 0x8086, 0x1572, 64, 24)
-        .driver(pf, "i40e")
-        .iommu_group(pf, 499)
-        .vf_iommu_groups(pf, 500);
-    let vfs: Vec<String> = f.vfs(pf).iter().map(|a| a.to_string()).collect();
-    for vf in &vfs {
-        f.driver(vf, "vfio-pci");
-    }
+    let (f, vfs) = vfio_pci_vfs(pf, 24, 499);
     let tree = f.build();
     for g in 500..500 + vfs.len() as u32 {
         tree.vfio_node(g);
@@ -820,21 +857,8 @@ async fn a_burst_of_releases_shares_the_passes_over_the_proc_tree() {
         let who = 0x4800 + k as u128;
         claims.push((vf.clone(), who, claim(&mut c, vf, who).await.generation));
     }
-    let mut clients = Vec::new();
-    for _ in &claims {
-        clients.push(s.client().await);
-    }
     let passes_before = s.writer.metrics().holder_scans();
-    let tasks: Vec<_> = claims
-        .iter()
-        .cloned()
-        .zip(clients)
-        .map(|((vf, who, g), mut c)| {
-            tokio::spawn(async move { (vf.clone(), release(&mut c, &vf, who, g).await) })
-        })
-        .collect();
-    for t in tasks {
-        let (vf, r) = t.await.expect("task");
+    for (vf, r) in release_at_once(&s, &claims).await {
         if vf == vfs[5] {
             held_by(&r.expect_err("VF5's group is held"), 4848, "instance-4805");
         } else {
@@ -1044,17 +1068,9 @@ fn fake_qemu(proc_root: &Path, pid: u32, domain: u128, nodes: &[&Path]) -> std::
 async fn a_held_vfio_device_node_blocks_the_free() {
     let _lv = test_driver();
     let pf = "0000:3f:00.0";
-    let mut f = FakeSys::new();
-    f.pf(pf, 0x8086, 0x1572, 64, 4)
-        .driver(pf, "i40e")
-        .iommu_group(pf, 159)
-        .vf_iommu_groups(pf, 160);
-    let vfs: Vec<String> = f.vfs(pf).iter().map(|a| a.to_string()).collect();
+    let (mut f, vfs) = vfio_pci_vfs(pf, 4, 159);
     // VF2 and VF3 share IOMMU group 162.
     f.iommu_group(&vfs[3], 162);
-    for vf in &vfs {
-        f.driver(vf, "vfio-pci");
-    }
     let tree = f.build();
     for g in 160..=162 {
         tree.vfio_node(g);
@@ -1099,13 +1115,7 @@ async fn a_held_vfio_device_node_blocks_the_free() {
 
     let rep = reconcile(&mut c, &[], true).await.expect("reconcile");
     assert!(rep.orphans.is_empty(), "{rep:?}");
-    let mut protected: Vec<(String, u32)> = rep
-        .protections
-        .iter()
-        .map(|p| (p.address.clone(), p.holder_pid))
-        .collect();
-    protected.sort();
-    assert_eq!(protected, vec![(vf.into(), 4343), (peer.into(), 4344)]);
+    assert_eq!(protected(&rep), [(vf.into(), 4343), (peer.into(), 4344)]);
     assert!(
         rep.protections
             .iter()
@@ -1156,13 +1166,7 @@ async fn a_held_mdev_or_vhost_vdpa_node_made_on_a_vf_blocks_the_free() {
     let _lv = test_driver();
     let pf = "0000:47:00.0";
     let mdev = "7e1d2c3b-4a5f-4e6a-8b7c-9d0e1f2a3b4c";
-    let mut f = FakeSys::new();
-    f.pf(pf, 0x15b3, 0x101d, 64, 4)
-        .driver(pf, "mlx5_core")
-        .iommu_group(pf, 169)
-        .vf_iommu_groups(pf, 170)
-        .vf_driver(pf, "mlx5_core");
-    let vfs: Vec<String> = f.vfs(pf).iter().map(|a| a.to_string()).collect();
+    let (mut f, vfs) = mlx5(pf, 169);
     f.mdev(&vfs[1], mdev).vhost_vdpa(&vfs[2], 5);
     let h = Host::built(&f, pf);
     let mdev_group = h.tree.mdev_vfio_node(mdev, 400);
@@ -1196,13 +1200,7 @@ async fn a_held_mdev_or_vhost_vdpa_node_made_on_a_vf_blocks_the_free() {
     );
 
     let rep = reconcile(&mut c, &[], true).await.expect("reconcile");
-    let mut protected: Vec<(String, u32)> = rep
-        .protections
-        .iter()
-        .map(|p| (p.address.clone(), p.holder_pid))
-        .collect();
-    protected.sort();
-    assert_eq!(protected, vec![(vf1.into(), 4747), (vf2.into(), 4748)]);
+    assert_eq!(protected(&rep), [(vf1.into(), 4747), (vf2.into(), 4748)]);
     let orphans: Vec<&str> = rep
         .orphans
         .iter()

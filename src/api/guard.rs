@@ -404,31 +404,61 @@ mod tests {
         assert!(l.served(a) && l.served(b));
     }
 
+    /// A guard over a proc tree and a dev root of its own (in the fake trees' scratch
+    /// space), with one VFIO group node.
+    struct Fixture {
+        dir: tempfile::TempDir,
+        proc_root: std::path::PathBuf,
+        node: std::path::PathBuf,
+        metrics: std::sync::Arc<crate::metrics::Metrics>,
+        guard: std::sync::Arc<FreeGuard>,
+    }
+
+    impl Fixture {
+        fn new() -> Fixture {
+            let dir = tempfile::tempdir_in(crate::simhost::scratch_base()).expect("tmp");
+            let (proc_root, dev_root) = (dir.path().join("proc"), dir.path().join("dev"));
+            std::fs::create_dir_all(&proc_root).expect("proc");
+            std::fs::create_dir_all(dev_root.join("vfio")).expect("dev");
+            let node = dev_root.join("vfio/7");
+            std::fs::write(&node, "").expect("node");
+            let metrics = crate::metrics::Metrics::new();
+            let cfg = crate::config::Config {
+                proc_root: proc_root.clone(),
+                dev_root,
+                ..Default::default()
+            };
+            let guard = std::sync::Arc::new(FreeGuard::from_config(&cfg, metrics.clone()));
+            Fixture {
+                dir,
+                proc_root,
+                node,
+                metrics,
+                guard,
+            }
+        }
+
+        /// The check of a device whose group node is the fixture's.
+        fn check(&self) -> VfioCheck {
+            VfioCheck {
+                group_nodes: vec![self.node.clone()],
+                members: Vec::new(),
+            }
+        }
+    }
+
     /// Checks that arrive while a pass over the proc tree runs all wait for the next pass
     /// and share it (one pass for all of them, each answered from it); a check arriving
     /// after that pass makes its own, and a process gone by then no longer holds the node.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn checks_that_arrive_during_a_pass_share_the_next_one() {
-        let dir = tempfile::tempdir().expect("tmp");
-        let (proc_root, dev_root) = (dir.path().join("proc"), dir.path().join("dev"));
-        std::fs::create_dir_all(dev_root.join("vfio")).expect("dev");
-        let node = dev_root.join("vfio/7");
-        std::fs::write(&node, "").expect("node");
-        let qemu = proc_root.join("4242");
+        let f = Fixture::new();
+        let qemu = f.proc_root.join("4242");
         std::fs::create_dir_all(qemu.join("fd")).expect("proc");
         std::fs::write(qemu.join("comm"), "qemu-system-x86\n").expect("comm");
-        std::os::unix::fs::symlink(&node, qemu.join("fd/30")).expect("fd");
-        let metrics = crate::metrics::Metrics::new();
-        let cfg = crate::config::Config {
-            proc_root,
-            dev_root,
-            ..Default::default()
-        };
-        let g = std::sync::Arc::new(FreeGuard::from_config(&cfg, metrics.clone()));
-        let check = || VfioCheck {
-            group_nodes: vec![node.clone()],
-            members: Vec::new(),
-        };
+        std::os::unix::fs::symlink(&f.node, qemu.join("fd/30")).expect("fd");
+        let (g, metrics, node) = (f.guard.clone(), f.metrics.clone(), f.node.clone());
+        let check = || f.check();
 
         // A pass is under way (its lock held): three checks arrive and wait.
         let running = g.scans.last.lock().await;
@@ -463,31 +493,18 @@ mod tests {
     /// next check waits for it instead of starting a second pass beside it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_pass_whose_caller_went_away_still_runs_alone_to_its_end() {
-        let dir = tempfile::tempdir_in(crate::simhost::scratch_base()).expect("tmp");
-        let (proc_root, dev_root) = (dir.path().join("proc"), dir.path().join("dev"));
-        std::fs::create_dir_all(dev_root.join("vfio")).expect("dev");
-        let node = dev_root.join("vfio/7");
-        std::fs::write(&node, "").expect("node");
+        let f = Fixture::new();
         // Enough processes that a pass takes a while (tens of milliseconds at least).
-        let other = dir.path().join("log");
+        let other = f.dir.path().join("log");
         for pid in 1000..4000 {
-            let fd = proc_root.join(format!("{pid}/fd"));
+            let fd = f.proc_root.join(format!("{pid}/fd"));
             std::fs::create_dir_all(&fd).expect("proc");
             for n in 0..8 {
                 std::os::unix::fs::symlink(&other, fd.join(n.to_string())).expect("fd");
             }
         }
-        let metrics = crate::metrics::Metrics::new();
-        let cfg = crate::config::Config {
-            proc_root,
-            dev_root,
-            ..Default::default()
-        };
-        let g = std::sync::Arc::new(FreeGuard::from_config(&cfg, metrics.clone()));
-        let check = || VfioCheck {
-            group_nodes: vec![node.clone()],
-            members: Vec::new(),
-        };
+        let (g, metrics) = (f.guard.clone(), f.metrics.clone());
+        let check = || f.check();
         let first = {
             let (g, c) = (g.clone(), check());
             tokio::spawn(async move { g.held(vec![c]).await })

@@ -563,6 +563,18 @@ mod tests {
         }
     }
 
+    /// mlx5's layout: vDPA device 7, with its vhost-vdpa node, under an auxiliary device
+    /// of the function 0000:5e:00.0.
+    fn mlx5_vdpa_on_5e(root: &Path) {
+        let aux = root.join("devices/pci0000:5e/0000:5e:00.0/mlx5_core.vnet.0/vdpa7");
+        std::fs::create_dir_all(aux.join("vhost-vdpa-7")).expect("aux");
+        std::os::unix::fs::symlink(
+            "../../devices/pci0000:5e/0000:5e:00.0/mlx5_core.vnet.0/vdpa7/vhost-vdpa-7",
+            root.join("class/vhost-vdpa/vhost-vdpa-7"),
+        )
+        .expect("link");
+    }
+
     /// A mediated device names the function it is made on, and a vhost-vdpa node the
     /// function its vDPA device sits on, directly or under an auxiliary device (mlx5's
     /// layout); names that are not theirs, devices gone and devices on no PCI function
@@ -606,13 +618,7 @@ mod tests {
             assert_eq!(vhost_vdpa_device(root, path).expect(path), None, "{path}");
         }
         // mlx5: the vDPA device under an auxiliary device of the function.
-        let aux = root.join("devices/pci0000:5e/0000:5e:00.0/mlx5_core.vnet.0/vdpa7");
-        std::fs::create_dir_all(aux.join("vhost-vdpa-7")).expect("aux");
-        std::os::unix::fs::symlink(
-            "../../devices/pci0000:5e/0000:5e:00.0/mlx5_core.vnet.0/vdpa7/vhost-vdpa-7",
-            root.join("class/vhost-vdpa/vhost-vdpa-7"),
-        )
-        .expect("link");
+        mlx5_vdpa_on_5e(root);
         assert_eq!(
             vhost_vdpa_device(root, "/dev/vhost-vdpa-7").expect("read"),
             Some(addr(gpu))
@@ -671,13 +677,7 @@ mod tests {
         assert_eq!(group_node, t.dev_root().join("vfio/300"));
         // mlx5: a vDPA device under an auxiliary device of the GPU's function (as good a
         // PCI function as any for the test).
-        let aux = root.join("devices/pci0000:5e/0000:5e:00.0/mlx5_core.vnet.0/vdpa7");
-        std::fs::create_dir_all(aux.join("vhost-vdpa-7")).expect("aux");
-        std::os::unix::fs::symlink(
-            "../../devices/pci0000:5e/0000:5e:00.0/mlx5_core.vnet.0/vdpa7/vhost-vdpa-7",
-            root.join("class/vhost-vdpa/vhost-vdpa-7"),
-        )
-        .expect("link");
+        mlx5_vdpa_on_5e(root);
         let asked = [addr(gpu), addr(&vfs[0]), addr(&vfs[1])];
         let made = made_on(root, &asked).expect("read");
         assert_eq!(
