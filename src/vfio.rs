@@ -224,8 +224,9 @@ pub fn holders_of(
 /// Every process's open nodes that show a device in use, in one pass over the proc tree:
 /// VFIO group and device nodes (anything under `<dev_root>/vfio/`) and vhost-vdpa nodes
 /// (`<dev_root>/vhost-vdpa-N`), with their holders, keyed by the node as the kernel
-/// reports it (see [`HolderMap::of`]). Shared by every check that waits for the same
-/// pass, whatever nodes each asks about.
+/// reports it: resolved, so look a node up as configured and as resolved (see
+/// [`HolderMap::of`]). Shared by every check that waits for the same pass, whatever
+/// nodes each asks about.
 pub fn holders_under(proc_root: &Path, dev_root: &Path) -> Result<HolderMap, VfioError> {
     let mut roots = vec![dev_root.to_path_buf()];
     roots.extend(
@@ -254,16 +255,11 @@ pub fn holders_under(proc_root: &Path, dev_root: &Path) -> Result<HolderMap, Vfi
 pub struct HolderMap(BTreeMap<PathBuf, Vec<Holder>>);
 
 impl HolderMap {
-    /// The holders of `node`, named as configured or as the kernel resolves it (a dev
-    /// root behind a symlink); empty when none held it during the pass.
+    /// The holders of `node` as the kernel names it (resolved: a dev root behind a
+    /// symlink reads as its target); empty when none held it during the pass. Reads
+    /// nothing from the file system, so it may run on an async thread.
     pub fn of(&self, node: &Path) -> &[Holder] {
-        if let Some(h) = self.0.get(node) {
-            return h;
-        }
-        std::fs::canonicalize(node)
-            .ok()
-            .and_then(|r| self.0.get(&r))
-            .map_or(&[], Vec::as_slice)
+        self.0.get(node).map_or(&[], Vec::as_slice)
     }
 }
 

@@ -208,12 +208,24 @@ impl FreeGuard {
                 per_device.push(nodes);
             }
             // A node that does not exist cannot be held open; without any, the proc tree
-            // need not be read at all (a host without VFIO, the demo).
-            let any = per_device
-                .iter()
-                .flatten()
-                .any(|n| n.symlink_metadata().is_ok());
-            Ok::<_, VfioError>((per_device, any))
+            // need not be read at all (a host without VFIO, the demo). Each that exists
+            // is looked up as configured and as resolved (the kernel names an open file
+            // by its resolved path), resolved here, off the async threads.
+            let existing: Vec<Vec<(PathBuf, Option<PathBuf>)>> = per_device
+                .into_iter()
+                .map(|nodes| {
+                    nodes
+                        .into_iter()
+                        .filter(|n| n.symlink_metadata().is_ok())
+                        .map(|n| {
+                            let resolved = std::fs::canonicalize(&n).ok().filter(|r| *r != n);
+                            (n, resolved)
+                        })
+                        .collect()
+                })
+                .collect();
+            let any = existing.iter().any(|nodes| !nodes.is_empty());
+            Ok::<_, VfioError>((existing, any))
         })
         .await
         .unwrap_or_else(|e| Err(self.scan_failed(e)))?;
@@ -224,9 +236,10 @@ impl FreeGuard {
         Ok(per_device
             .into_iter()
             .map(|nodes| {
-                nodes.into_iter().find_map(|n| {
-                    let h = holders.of(&n).first().cloned();
-                    h.map(|h| (n, h))
+                nodes.into_iter().find_map(|(n, resolved)| {
+                    let by_name = holders.of(&n).first();
+                    let h = by_name.or_else(|| holders.of(resolved.as_deref()?).first());
+                    h.cloned().map(|h| (n, h))
                 })
             })
             .collect())
@@ -525,5 +538,41 @@ mod tests {
             2,
             "the abandoned pass ran to its end, then the next check's own"
         );
+    }
+
+    /// A dev root behind a symlink: the kernel names an open node by its resolved path,
+    /// and the check still finds its holder; a process holding only other nodes (a
+    /// terminal, another VFIO group) holds nothing of the device's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_holder_is_found_through_a_dev_root_behind_a_symlink() {
+        let dir = tempfile::tempdir_in(crate::simhost::scratch_base()).expect("tmp");
+        let real = dir.path().join("realdev");
+        std::fs::create_dir_all(real.join("vfio")).expect("dev");
+        std::fs::write(real.join("vfio/7"), "").expect("node");
+        std::fs::write(real.join("vfio/8"), "").expect("node");
+        std::fs::write(real.join("tty"), "").expect("tty");
+        let dev_root = dir.path().join("dev");
+        std::os::unix::fs::symlink(&real, &dev_root).expect("dev link");
+        let proc_root = dir.path().join("proc");
+        for (pid, node) in [(4242, real.join("vfio/7")), (4343, real.join("vfio/8"))] {
+            let fd = proc_root.join(format!("{pid}/fd"));
+            std::fs::create_dir_all(&fd).expect("proc");
+            std::os::unix::fs::symlink(real.join("tty"), fd.join("0")).expect("fd");
+            std::os::unix::fs::symlink(&node, fd.join("30")).expect("fd");
+        }
+        let cfg = crate::config::Config {
+            proc_root,
+            dev_root: dev_root.clone(),
+            ..Default::default()
+        };
+        let g = FreeGuard::from_config(&cfg, crate::metrics::Metrics::new());
+        let node = dev_root.join("vfio/7");
+        let check = VfioCheck {
+            group_nodes: vec![node.clone()],
+            members: Vec::new(),
+        };
+        let held = g.held(vec![check]).await.expect("check");
+        let (n, h) = held[0].clone().expect("held through the link");
+        assert_eq!((n, h.pid), (node, 4242));
     }
 }
