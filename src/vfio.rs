@@ -190,37 +190,6 @@ impl Holder {
     }
 }
 
-/// The processes under `proc_root` with a file descriptor linked to `node` (a group node
-/// or a device node).
-pub fn holders(proc_root: &Path, node: &Path) -> Result<Vec<Holder>, VfioError> {
-    let mut by_node = holders_of(proc_root, &[node])?;
-    Ok(by_node.remove(node).unwrap_or_default())
-}
-
-/// One pass over the proc tree for several VFIO nodes (an audit checks many devices):
-/// the holders of each node that has any, keyed by the node as given.
-pub fn holders_of(
-    proc_root: &Path,
-    nodes: &[&Path],
-) -> Result<BTreeMap<PathBuf, Vec<Holder>>, VfioError> {
-    if nodes.is_empty() {
-        return Ok(BTreeMap::new());
-    }
-    // The kernel reports an fd's target as a resolved absolute path, so compare against
-    // both the node as configured and its resolved form (a dev root behind a symlink).
-    let wanted: Vec<(&Path, Option<PathBuf>)> = nodes
-        .iter()
-        .map(|n| (*n, std::fs::canonicalize(n).ok()))
-        .collect();
-    scan_fds(proc_root, |target, keys| {
-        for (node, resolved) in &wanted {
-            if target == *node || resolved.as_deref() == Some(target) {
-                keys.push(node.to_path_buf());
-            }
-        }
-    })
-}
-
 /// Every process's open nodes that show a device in use, in one pass over the proc tree:
 /// VFIO group and device nodes (anything under `<dev_root>/vfio/`) and vhost-vdpa nodes
 /// (`<dev_root>/vhost-vdpa-N`), with their holders, keyed by the node as the kernel
@@ -479,7 +448,17 @@ mod tests {
         let d = proc_dir("5");
         symlink("/nonexistent/x", d.join("fd/1")).expect("link");
 
-        let h = holders(&proc_root, &node).expect("scan");
+        let dev = t.path().join("dev");
+        // Also a vhost-vdpa node, and open files that are no device's: a terminal, a node
+        // outside the dev root.
+        let vdpa = dev.join("vhost-vdpa-2");
+        std::fs::write(&vdpa, "").expect("node");
+        let v = proc_dir("777");
+        symlink(&vdpa, v.join("fd/5")).expect("link");
+        symlink(dev.join("tty"), v.join("fd/0")).expect("link");
+        symlink("/elsewhere/vfio/7", v.join("fd/6")).expect("link");
+        let all = holders_under(&proc_root, &dev).expect("scan");
+        let h = all.of(&node);
         assert_eq!(h.len(), 1, "{h:?}");
         assert_eq!(h[0].pid, 4242);
         assert_eq!(h[0].command, "qemu-system-x86");
@@ -488,15 +467,21 @@ mod tests {
             h[0].describe(),
             "pid 4242 (qemu-system-x86, domain vm1 5f0c2d4e-8a52-4c1b-9d6e-0a1b2c3d4e5f)"
         );
-        let h = holders(&proc_root, &other).expect("scan");
+        let h = all.of(&other);
         assert_eq!(h.len(), 1);
         assert_eq!((h[0].pid, h[0].command.as_str()), (17, ""));
         assert_eq!(h[0].describe(), "pid 17");
-        let unused = t.path().join("dev/vfio/9");
-        assert!(holders(&proc_root, &unused).expect("scan").is_empty());
-        let many = holders_of(&proc_root, &[&node, &other, &unused]).expect("scan");
-        assert_eq!(many.len(), 2);
-        let err = holders(&t.path().join("no-proc"), &node).expect_err("missing root");
+        assert_eq!(
+            all.of(&vdpa).iter().map(|h| h.pid).collect::<Vec<_>>(),
+            [777]
+        );
+        assert!(all.of(&dev.join("vfio/9")).is_empty());
+        assert!(
+            all.of(&dev.join("tty")).is_empty(),
+            "not a node that shows use"
+        );
+        assert!(all.of(Path::new("/elsewhere/vfio/7")).is_empty());
+        let err = holders_under(&t.path().join("no-proc"), &dev).expect_err("missing root");
         assert!(err.to_string().contains("no-proc"), "{err}");
     }
 
@@ -527,7 +512,7 @@ mod tests {
         std::fs::write(&node, "").expect("node");
         std::fs::create_dir_all(proc_root.join("300")).expect("mkdir");
         std::fs::write(proc_root.join("300/fd"), "").expect("not a directory");
-        let err = holders(&proc_root, &node).expect_err("unreadable");
+        let err = holders_under(&proc_root, &t.path().join("dev")).expect_err("unreadable");
         assert!(
             matches!(&err, VfioError::Process { pid: 300, .. }),
             "{err:?}"

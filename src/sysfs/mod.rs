@@ -133,7 +133,8 @@ pub fn made_on(
         return Ok(out);
     }
     let root = std::fs::canonicalize(sysfs_root).unwrap_or_else(|_| sysfs_root.to_path_buf());
-    let asked = |a: Option<PciAddress>| a.filter(|a| addresses.contains(a));
+    let wanted: std::collections::BTreeSet<PciAddress> = addresses.iter().copied().collect();
+    let asked = |a: Option<PciAddress>| a.filter(|a| wanted.contains(a));
     for (name, target) in listed(&sysfs_root.join(MDEV_DEVICES))? {
         let parent = target
             .parent()
