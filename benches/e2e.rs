@@ -225,20 +225,31 @@ impl CpuMark {
     }
 }
 
-/// The daemon's count of durable commits and the seconds they took, read from its
-/// metrics listener at `addr`.
-fn commits(addr: std::net::SocketAddr) -> (u64, f64) {
+/// The daemon's metrics, as its listener at `addr` serves them.
+fn scrape(addr: std::net::SocketAddr) -> String {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).expect("connect to the metrics listener");
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
         .expect("ask for metrics");
     let mut text = String::new();
     s.read_to_string(&mut text).expect("read metrics");
+    text
+}
+
+/// The value of the unlabelled metric `name` in `text`; `None` when the agent does not
+/// serve it (an older build under `HOSTDEVD_BENCH_BIN`).
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The daemon's count of durable commits and the seconds they took, read from its
+/// metrics listener at `addr`.
+fn commits(addr: std::net::SocketAddr) -> (u64, f64) {
+    let text = scrape(addr);
     let value = |name: &str| -> f64 {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or_else(|| panic!("{name} in the metrics"))
+        metric(&text, name).unwrap_or_else(|| panic!("{name} in the metrics"))
     };
     (
         value("hostdevd_store_commit_seconds_count") as u64,
@@ -342,9 +353,21 @@ fn start_daemon(tree: &FakeTree, dir: &Path, state: &Path) -> Daemon {
 /// The daemon on `tree` logging at `log`, with `extra` appended to its config (a
 /// `[libvirt]` table).
 fn start_daemon_with(tree: &FakeTree, dir: &Path, state: &Path, log: &str, extra: &str) -> Daemon {
+    start_daemon_top(tree, dir, state, "", log, extra)
+}
+
+/// [`start_daemon_with`], with `top` (top-level keys) before the config's first table.
+fn start_daemon_top(
+    tree: &FakeTree,
+    dir: &Path,
+    state: &Path,
+    top: &str,
+    log: &str,
+    extra: &str,
+) -> Daemon {
     let socket = dir.join("hostdevd.sock");
     let cfg = format!(
-        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n[log]\nfilter = {log:?}\n{extra}",
+        "{top}sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n[log]\nfilter = {log:?}\n{extra}",
         tree.sysfs_root(),
         tree.dev_root(),
         state,
@@ -633,6 +656,12 @@ async fn main() {
     // 7. Reconcile against 500 libvirt domains vs listing them alone.
     if want("reconcile") {
         reconcile_rows(&mut t, &big_tree, disk.path(), runs).await;
+    }
+
+    // 7b. Frees where every VF's VFIO group node exists, so that each release reads the
+    // proc tree for holders: one release, then a burst, and the passes they made.
+    if want("holders") {
+        holder_rows(&mut t, disk.path(), runs).await;
     }
 
     // 8. Watch fan-out: 100 watchers vs 1, 10,000 changes.
@@ -1436,6 +1465,112 @@ async fn free_at_once(
         out.push(t.await.expect("release task"));
     }
     (out, t0.elapsed().as_secs_f64())
+}
+
+/// Frees on a host where every VF's VFIO group node exists (as once they are bound to
+/// vfio-pci), so that each release reads a proc tree for the processes holding them:
+/// a tree of `PROCS` processes with `FDS` open files each, none of them a VFIO node
+/// (every check must read it all). One release alone, then the other VFs at once from a
+/// client each, as an evacuation's burst comes; the passes over the proc tree each made,
+/// from the agent's metrics. Passes are shared: the checks that arrive while one runs
+/// read the next.
+async fn holder_rows(t: &mut Table, disk: &Path, runs: usize) {
+    const VFS: u32 = 64;
+    const PROCS: u32 = 1000;
+    const FDS: u32 = 16;
+    let tree = host(VFS);
+    for g in 1000..1000 + VFS {
+        tree.vfio_node(g);
+    }
+    let proc_dir = tempfile::tempdir_in(hostdevd::simhost::scratch_base()).expect("proc dir");
+    let open = proc_dir.path().join("open-file");
+    std::fs::write(&open, "").expect("a file to hold open");
+    for pid in 1..=PROCS {
+        let fd = proc_dir.path().join(format!("{}/fd", 10_000 + pid));
+        std::fs::create_dir_all(&fd).expect("fd dir");
+        for n in 0..FDS {
+            std::os::unix::fs::symlink(&open, fd.join(n.to_string())).expect("fd link");
+        }
+    }
+    let dir = tempfile::tempdir_in(disk).expect("dir");
+    let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port");
+    let d = start_daemon_top(
+        &tree,
+        dir.path(),
+        &dir.path().join("state"),
+        &format!("proc_root = {:?}\n", proc_dir.path()),
+        "warn",
+        &format!("[libvirt]\nenabled = false\n[metrics]\nlisten = \"{metrics_addr}\"\n"),
+    );
+    let (mut c, _) = wait_ready(&d).await;
+    let passes = || metric(&scrape(metrics_addr), "hostdevd_vfio_holder_scans_total");
+    let mut held: Vec<(String, proto::Owner, u64)> = Vec::new();
+    for (k, (address, g)) in free_vfs(&mut c).await.into_iter().enumerate() {
+        let who = owner(0xf000_0000 + k as u128);
+        let r = c
+            .claim(claim_at(
+                address.clone(),
+                g,
+                who.clone(),
+                format!("hold-{k}"),
+            ))
+            .await
+            .expect("claim")
+            .into_inner();
+        held.push((address, who, r.generation));
+    }
+    let (mut one, mut burst, mut burst_passes) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..=runs {
+        let (freed, took_one) = free_at_once(&d.socket, held[..1].to_vec(), round).await;
+        let before = passes();
+        let (mut freed_all, took_burst) = free_at_once(&d.socket, held[1..].to_vec(), round).await;
+        let made = before.zip(passes()).map(|(b, a)| a - b);
+        freed_all.insert(0, freed[0].clone());
+        for (k, (address, who, g)) in freed_all.into_iter().enumerate() {
+            let r = c
+                .claim(claim_at(
+                    address.clone(),
+                    g,
+                    who.clone(),
+                    format!("again-{round}-{k}"),
+                ))
+                .await
+                .expect("claim back")
+                .into_inner();
+            held[k] = (address, who, r.generation);
+        }
+        if round > 0 {
+            one.push(took_one);
+            burst.push(took_burst);
+            burst_passes.extend(made);
+        }
+    }
+    drop(c);
+    drop(d);
+    let (o, o0, o1) = median_spread(one);
+    let (b, b0, b1) = median_spread(burst);
+    let passes = if burst_passes.is_empty() {
+        "passes not counted (no hostdevd_vfio_holder_scans_total)".to_string()
+    } else {
+        let (p, p0, p1) = median_spread(burst_passes);
+        format!("{p:.0} passes over the proc tree a burst ({p0:.0}–{p1:.0})")
+    };
+    t.row(
+        &format!("context, not a goal: frees with every VF's VFIO group node present, each reading a proc tree of {PROCS} processes with {FDS} open files each: one release, then {} at once from as many clients, {runs} rounds", VFS - 1),
+        &format!("one release {:.1} ms ({:.1}–{:.1})", o * 1e3, o0 * 1e3, o1 * 1e3),
+        format!(
+            "{} at once, until the last is answered, {:.1} ms ({:.1}–{:.1}) = {:.1}× one release; {passes}",
+            VFS - 1,
+            b * 1e3,
+            b0 * 1e3,
+            b1 * 1e3,
+            b / o
+        ),
+        "—",
+        None,
+    );
 }
 
 /// Claims every free VF but `keep`, each for a consumer of its own numbered from
