@@ -1528,19 +1528,7 @@ async fn holder_rows(t: &mut Table, disk: &Path, runs: usize) {
         let (mut freed_all, took_burst) = free_at_once(&d.socket, held[1..].to_vec(), round).await;
         let made = before.zip(passes()).map(|(b, a)| a - b);
         freed_all.insert(0, freed[0].clone());
-        for (k, (address, who, g)) in freed_all.into_iter().enumerate() {
-            let r = c
-                .claim(claim_at(
-                    address.clone(),
-                    g,
-                    who.clone(),
-                    format!("again-{round}-{k}"),
-                ))
-                .await
-                .expect("claim back")
-                .into_inner();
-            held[k] = (address, who, r.generation);
-        }
+        claim_back(&mut c, freed_all, &mut held, &format!("again-{round}")).await;
         if round > 0 {
             one.push(took_one);
             burst.push(took_burst);
@@ -1571,6 +1559,30 @@ async fn holder_rows(t: &mut Table, disk: &Path, runs: usize) {
         "—",
         None,
     );
+}
+
+/// Claims back, untimed, every device of `freed` (address, owner, generation after its
+/// release) for the same owner, and puts its new generation in `held` at the same place:
+/// for a round of frees to start again. Request ids are `<tag>-<k>`.
+async fn claim_back(
+    c: &mut HostDevClient<Channel>,
+    freed: Vec<(String, proto::Owner, u64)>,
+    held: &mut [(String, proto::Owner, u64)],
+    tag: &str,
+) {
+    for (k, (address, who, g)) in freed.into_iter().enumerate() {
+        let r = c
+            .claim(claim_at(
+                address.clone(),
+                g,
+                who.clone(),
+                format!("{tag}-{k}"),
+            ))
+            .await
+            .expect("claim back")
+            .into_inner();
+        held[k] = (address, who, r.generation);
+    }
 }
 
 /// Claims every free VF but `keep`, each for a consumer of its own numbered from
@@ -1897,20 +1909,7 @@ async fn reconcile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path, runs: us
         let (freed, took_one) = free_at_once(&d.socket, held[..1].to_vec(), round).await;
         let (mut freed_all, took_burst) = free_at_once(&d.socket, held[1..].to_vec(), round).await;
         freed_all.insert(0, freed[0].clone());
-        // Claimed back for the next round.
-        for (k, (address, who, g)) in freed_all.into_iter().enumerate() {
-            let r = c
-                .claim(claim_at(
-                    address.clone(),
-                    g,
-                    who.clone(),
-                    format!("reclaim-{round}-{k}"),
-                ))
-                .await
-                .expect("claim back")
-                .into_inner();
-            held[k] = (address, who, r.generation);
-        }
+        claim_back(&mut c, freed_all, &mut held, &format!("reclaim-{round}")).await;
         if round > 0 {
             free_base.push(took_base);
             one_free.push(took_one);
