@@ -265,6 +265,13 @@ fn scan_fds(
             Err(e) if gone(&e) => continue,
             Err(e) => return Err(unreadable(fd_dir, e)),
         };
+        // Each descriptor's link is read relative to the directory held open: one lookup
+        // of its name, not a walk through the proc root and the process's directory.
+        let at = match std::fs::File::open(&fd_dir) {
+            Ok(at) => at,
+            Err(e) if gone(&e) => continue,
+            Err(e) => return Err(unreadable(fd_dir, e)),
+        };
         let mut held: Vec<PathBuf> = Vec::new();
         let mut found = Vec::new();
         for fd in fds {
@@ -273,10 +280,15 @@ fn scan_fds(
                 Err(e) if gone(&e) => break,
                 Err(e) => return Err(unreadable(fd_dir, e)),
             };
-            let target = match std::fs::read_link(fd.path()) {
-                Ok(t) => t,
-                Err(e) if gone(&e) => continue,
-                Err(e) => return Err(unreadable(fd.path(), e)),
+            let target = match nix::fcntl::readlinkat(&at, fd.file_name().as_os_str()) {
+                Ok(t) => PathBuf::from(t),
+                Err(e) => {
+                    let e = std::io::Error::from(e);
+                    if gone(&e) {
+                        continue;
+                    }
+                    return Err(unreadable(fd.path(), e));
+                }
             };
             keys(&target, &mut found);
             for key in found.drain(..) {
