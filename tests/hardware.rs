@@ -1013,6 +1013,29 @@ async fn sriov_numvfs_writes_wait_for_the_vf_count_timeout() {
 
 /// A switch for a fault-filesystem hook that waits while it is on, at most 20 s (long
 /// past any bound the tests wait for): the kernel holding a device.
+/// The fake host with the PF's `sriov_numvfs` on the fault filesystem, where a write
+/// hangs (as the kernel's device lock keeps one) until the hold is released, and an
+/// agent whose VF count writes give up after `vf_count_timeout_ms`.
+async fn hung_vf_count_write(
+    vf_count_timeout_ms: u64,
+) -> (
+    FakeTree,
+    support::faultfs::FaultFs,
+    Hold,
+    support::server::TestServer,
+) {
+    let t = tree();
+    let fs = support::faultfs::FaultFs::mount(&[("sriov_numvfs", "4\n")]);
+    fs.plant(&t.bus_link(PF).join("sriov_numvfs"), "sriov_numvfs");
+    let hang = Hold::on();
+    fs.during_write("sriov_numvfs", hang.hook());
+    let s = start_tuned(&t, 300, 1 << 20, |cfg| {
+        cfg.hardware.vf_count_timeout_ms = vf_count_timeout_ms
+    })
+    .await;
+    (t, fs, hang, s)
+}
+
 #[derive(Clone)]
 struct Hold(std::sync::Arc<std::sync::atomic::AtomicBool>);
 
@@ -1053,15 +1076,7 @@ impl Hold {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vf_count_change_left_running_does_not_hold_the_rescans() {
     let _alone = alone().await;
-    let t = tree();
-    let fs = support::faultfs::FaultFs::mount(&[("sriov_numvfs", "4\n")]);
-    fs.plant(&t.bus_link(PF).join("sriov_numvfs"), "sriov_numvfs");
-    let hang = Hold::on();
-    fs.during_write("sriov_numvfs", hang.hook());
-    let s = start_tuned(&t, 300, 1 << 20, |cfg| {
-        cfg.hardware.vf_count_timeout_ms = 300
-    })
-    .await;
+    let (_t, fs, hang, s) = hung_vf_count_write(300).await;
     let mut c = s.client().await;
     let v = vf(&mut c, 0).await;
     let pf = device(&mut c, PF).await.expect("PF");
@@ -1232,15 +1247,7 @@ async fn other_devices_are_claimed_and_released_while_a_vf_count_is_written() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vf_count_change_dropped_mid_write_is_recorded_as_destroying_the_vfs() {
     let _alone = alone().await;
-    let t = tree();
-    let fs = support::faultfs::FaultFs::mount(&[("sriov_numvfs", "4\n")]);
-    fs.plant(&t.bus_link(PF).join("sriov_numvfs"), "sriov_numvfs");
-    let hang = Hold::on();
-    fs.during_write("sriov_numvfs", hang.hook());
-    let s = start_tuned(&t, 300, 1 << 20, |cfg| {
-        cfg.hardware.vf_count_timeout_ms = 30_000
-    })
-    .await;
+    let (_t, _fs, hang, s) = hung_vf_count_write(30_000).await;
     let mut c = s.client().await;
     let v = vf(&mut c, 0).await;
     let old = device(&mut c, &v).await.expect("VF").generation;
