@@ -317,21 +317,28 @@ pub(crate) fn numbered(prefix: &str, name: &str) -> Option<u32> {
 /// sorted; none when the directory does not exist (not bound, or the device is gone).
 /// Entries of any other name are not device nodes and are left out.
 pub fn vfio_device_names(device_dir: &Path) -> Result<Vec<String>, SysfsError> {
-    let dir = device_dir.join("vfio-dev");
+    let mut names = names_in(&device_dir.join("vfio-dev"))?;
+    names.retain(|n| numbered("vfio", n).is_some());
+    Ok(names)
+}
+
+/// The names of the entries of directory `dir` that are UTF-8 (no kernel name is
+/// anything else), sorted; none when the directory does not exist. A listing that fails
+/// part way is an error, never a shorter list.
+pub(crate) fn names_in(dir: &Path) -> Result<Vec<String>, SysfsError> {
     let list_err = |source| SysfsError::ListDir {
-        path: dir.clone(),
+        path: dir.to_path_buf(),
         source,
     };
-    let entries = match fs::read_dir(&dir) {
+    let entries = match fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(list_err(e)),
     };
     let mut names = Vec::new();
     for entry in entries {
-        let name = entry.map_err(list_err)?.file_name();
-        if let Some(name) = name.to_str().filter(|n| numbered("vfio", n).is_some()) {
-            names.push(name.to_string());
+        if let Ok(name) = entry.map_err(list_err)?.file_name().into_string() {
+            names.push(name);
         }
     }
     names.sort();

@@ -160,32 +160,15 @@ pub fn made_on(
 /// resolves to, sorted by name; none when the list does not exist. An entry removed while
 /// it is read is left out: that device is gone.
 fn listed(dir: &Path) -> Result<Vec<(String, PathBuf)>, SysfsError> {
-    let list_err = |source| SysfsError::ListDir {
-        path: dir.to_path_buf(),
-        source,
-    };
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(list_err(e)),
-    };
     let mut out = Vec::new();
-    for entry in entries {
-        let path = entry.map_err(list_err)?.path();
-        let Some(name) = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .map(str::to_string)
-        else {
-            continue;
-        };
+    for name in attr::names_in(dir)? {
+        let path = dir.join(&name);
         match std::fs::canonicalize(&path) {
             Ok(target) => out.push((name, target)),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(source) => return Err(SysfsError::ReadLink { path, source }),
         }
     }
-    out.sort();
     Ok(out)
 }
 
