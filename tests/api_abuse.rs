@@ -169,6 +169,25 @@ async fn device(c: &mut HostDevClient<Channel>, address: &str) -> proto::Device 
     .expect("present")
 }
 
+/// `n` Watch streams of `watch` on one connection, each opened before the next;
+/// fails loudly naming the first one refused.
+async fn open_watches(
+    c: &mut HostDevClient<Channel>,
+    watch: proto::WatchRequest,
+    n: usize,
+) -> Vec<tonic::Streaming<proto::WatchEvent>> {
+    let mut streams = Vec::new();
+    for i in 0..n {
+        streams.push(
+            c.watch(watch)
+                .await
+                .unwrap_or_else(|e| panic!("watch {i} of {n}: {e:?}"))
+                .into_inner(),
+        );
+    }
+    streams
+}
+
 async fn listing(c: &mut HostDevClient<Channel>) -> proto::ListDevicesResponse {
     c.list_devices(proto::ListDevicesRequest {})
         .await
@@ -812,15 +831,7 @@ async fn watch_streams_are_capped_per_uid() {
         from_generation: listing(&mut c).await.host_generation,
         snapshot: false,
     };
-    let mut streams = Vec::new();
-    for i in 0..PER_UID {
-        streams.push(
-            c.watch(watch)
-                .await
-                .unwrap_or_else(|e| panic!("watch {i} of {PER_UID}: {e:?}"))
-                .into_inner(),
-        );
-    }
+    let mut streams = open_watches(&mut c, watch, PER_UID).await;
     let refused = c
         .watch(watch)
         .await
@@ -862,15 +873,7 @@ async fn watch_streams_are_capped_and_a_closed_one_frees_its_slot() {
         from_generation: first.host_generation,
         snapshot: false,
     };
-    let mut streams = Vec::new();
-    for i in 0..CAP {
-        streams.push(
-            c.watch(watch)
-                .await
-                .unwrap_or_else(|e| panic!("watch {i} of {CAP}: {e:?}"))
-                .into_inner(),
-        );
-    }
+    let mut streams = open_watches(&mut c, watch, CAP).await;
     let refused = c.watch(watch).await.expect_err("one more than the cap");
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     assert!(
