@@ -162,11 +162,8 @@ pub fn made_on(
 fn listed(dir: &Path) -> Result<Vec<(String, PathBuf)>, SysfsError> {
     let mut out = Vec::new();
     for name in attr::names_in(dir)? {
-        let path = dir.join(&name);
-        match std::fs::canonicalize(&path) {
-            Ok(target) => out.push((name, target)),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(source) => return Err(SysfsError::ReadLink { path, source }),
+        if let Some(target) = resolved(&dir.join(&name))? {
+            out.push((name, target));
         }
     }
     Ok(out)
@@ -176,18 +173,24 @@ fn listed(dir: &Path) -> Result<Vec<(String, PathBuf)>, SysfsError> {
 /// function. `None` when the link is absent or dangling (the device is gone) or no PCI
 /// function is above it.
 fn pci_function_above(sysfs_root: &Path, link: &Path) -> Result<Option<PciAddress>, SysfsError> {
-    let target = match std::fs::canonicalize(link) {
-        Ok(t) => t,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => {
-            return Err(SysfsError::ReadLink {
-                path: link.to_path_buf(),
-                source,
-            })
-        }
+    let Some(target) = resolved(link)? else {
+        return Ok(None);
     };
     let root = std::fs::canonicalize(sysfs_root).unwrap_or_else(|_| sysfs_root.to_path_buf());
     Ok(function_above(&root, &target))
+}
+
+/// Where `link` leads, resolved; `None` when it is absent or dangling (the device is
+/// gone).
+fn resolved(link: &Path) -> Result<Option<PathBuf>, SysfsError> {
+    match std::fs::canonicalize(link) {
+        Ok(t) => Ok(Some(t)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(SysfsError::ReadLink {
+            path: link.to_path_buf(),
+            source,
+        }),
+    }
 }
 
 /// The nearest directory at or above `target` (resolved), below the resolved sysfs
