@@ -71,12 +71,18 @@ fn d_watch_bytes() -> usize {
 }
 /// The most Watch streams a configuration may allow.
 pub const MAX_WATCH_STREAMS: usize = 1 << 20;
+/// The most `[api] max_connections_per_uid` may be set to (the kernel's own limit on open
+/// files, `fs.nr_open`, defaults to 1,048,576).
+pub const MAX_CONNECTIONS_PER_UID: usize = 1 << 20;
 
 fn d_max_watchers() -> usize {
     1024
 }
 fn d_max_watchers_per_uid() -> usize {
     256
+}
+fn d_max_connections_per_uid() -> usize {
+    512
 }
 fn d_watch_client_events() -> usize {
     1024
@@ -189,6 +195,14 @@ pub struct ApiConfig {
     /// against `max_watch_streams`. Default 256.
     #[serde(default = "d_max_watchers_per_uid")]
     pub max_watch_streams_per_uid: usize,
+    /// Connections one peer uid may hold open on the Unix socket at once; one more is
+    /// closed as soon as it is accepted (and logged, and counted in
+    /// `hostdevd_connections_refused_total`). Each connection holds a file descriptor,
+    /// so a client that leaks them (a channel per call, never closed) would otherwise
+    /// take every descriptor the agent may open, and with them its reads of sysfs and
+    /// /proc. One connection carries any number of calls and Watch streams. Default 512.
+    #[serde(default = "d_max_connections_per_uid")]
+    pub max_connections_per_uid: usize,
     /// Events that may wait for one watcher before it is cut off. Default 1024.
     #[serde(default = "d_watch_client_events")]
     pub watch_client_events: usize,
@@ -230,6 +244,7 @@ impl Default for ApiConfig {
             request_log_in_memory: d_request_log_memory(),
             max_watch_streams: d_max_watchers(),
             max_watch_streams_per_uid: d_max_watchers_per_uid(),
+            max_connections_per_uid: d_max_connections_per_uid(),
             watch_client_events: d_watch_client_events(),
             watch_client_bytes: d_watch_client_bytes(),
             tcp: None,
@@ -482,6 +497,11 @@ impl Config {
                 "max_watch_streams_per_uid",
                 api.max_watch_streams_per_uid,
                 MAX_WATCH_STREAMS,
+            ),
+            (
+                "max_connections_per_uid",
+                api.max_connections_per_uid,
+                MAX_CONNECTIONS_PER_UID,
             ),
             ("watch_buffer", api.watch_buffer, 1 << 24),
             ("request_log_entries", api.request_log_entries, 10_000_000),

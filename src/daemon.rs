@@ -9,7 +9,6 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::api::guard::FreeGuard;
 use crate::api::proto::host_dev_server::HostDevServer;
@@ -116,6 +115,25 @@ impl Closing {
             std::thread::sleep(Duration::from_millis(10));
         }
         thread.join().is_ok()
+    }
+}
+
+/// Raises the soft limit on open files to the hard one. systemd starts services with a
+/// soft limit of 1024 (and a hard one of 524288), and every API connection holds a
+/// descriptor: clients up to `[api] max_connections_per_uid` each, with the agent's own
+/// reads of sysfs and /proc beside them, need more than 1024. A limit that cannot be
+/// read or raised is left as it is, with a warning.
+fn raise_open_files_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::debug!(from = soft, to = hard, "open files limit raised"),
+            Err(e) => {
+                tracing::warn!(error = %e, soft, hard, "the open files limit could not be raised")
+            }
+        },
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "the open files limit could not be read"),
     }
 }
 
@@ -527,7 +545,8 @@ pub fn bind_socket(
 }
 
 /// Serves the API, health and reflection on a listener until `shutdown` completes;
-/// in-flight calls drain before it returns.
+/// in-flight calls drain before it returns. Connections are admitted through the
+/// service's per-uid limit ([`crate::api::connections`]).
 pub async fn serve(
     listener: UnixListener,
     service: HostDevService,
@@ -538,9 +557,10 @@ pub async fn serve(
         shutdown.await;
         streams.stop_streams();
     };
+    let incoming = crate::api::connections::incoming(listener, service.connections().clone());
     routes(tonic::transport::Server::builder(), service)
         .await?
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await?;
     Ok(())
 }
@@ -577,6 +597,7 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(DaemonError::Signal)?;
     let group = socket_group(cfg.api.socket_group.as_deref())?;
+    raise_open_files_limit();
     let (agent, closing) = Agent::start(&cfg).await?;
     let listener = bind_socket(&cfg.api.socket, cfg.socket_mode()?, group)?;
     let service = agent
@@ -584,7 +605,8 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
             writer_uids: cfg.api.writer_uids.clone(),
             writer_gids: cfg.api.writer_gids.clone(),
         })
-        .with_watch_limits(WatchLimits::from_config(&cfg.api));
+        .with_watch_limits(WatchLimits::from_config(&cfg.api))
+        .with_connection_limit(cfg.api.max_connections_per_uid);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     if let Some(addr) = cfg.metrics.listen {
         let l = tokio::net::TcpListener::bind(addr)

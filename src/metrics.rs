@@ -41,6 +41,12 @@ pub struct Metrics {
     inline_batches: AtomicU64,
     /// Passes over the proc tree for VFIO holders.
     holder_scans: AtomicU64,
+    /// Connections open on the API socket.
+    connections: AtomicU64,
+    /// Connections closed at once: their uid held `[api] max_connections_per_uid`.
+    connections_refused: AtomicU64,
+    /// Accepts on the API socket that failed for want of descriptors or memory.
+    accept_failures: AtomicU64,
 }
 
 /// What a request did, for counting.
@@ -136,6 +142,44 @@ impl Metrics {
     /// Passes over the proc tree made so far (see [`Self::holder_scan`]).
     pub fn holder_scans(&self) -> u64 {
         self.holder_scans.load(Ordering::Relaxed)
+    }
+
+    /// A connection admitted on the API socket.
+    pub fn connection_opened(&self) {
+        self.connections.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An admitted connection closed.
+    pub fn connection_closed(&self) {
+        // Never below zero, whatever the order of updates.
+        let _ = self
+            .connections
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+
+    /// Connections open on the API socket now.
+    pub fn connections(&self) -> u64 {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    /// A connection closed at once, its uid holding as many as it may.
+    pub fn connection_refused(&self) {
+        self.connections_refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Connections refused so far (see [`Self::connection_refused`]).
+    pub fn connections_refused(&self) -> u64 {
+        self.connections_refused.load(Ordering::Relaxed)
+    }
+
+    /// An accept that failed for want of file descriptors or memory.
+    pub fn accept_failed(&self) {
+        self.accept_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Accepts failed so far (see [`Self::accept_failed`]).
+    pub fn accept_failures(&self) -> u64 {
+        self.accept_failures.load(Ordering::Relaxed)
     }
 
     /// A full rescan because uevents were lost (overflow) or the socket failed.
@@ -245,6 +289,30 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         "counter",
         "Claims, releases and transfers decided (and committed, when they changed something) on the async worker that received them, the writer thread being idle.",
         m.inline_batches(),
+    );
+    single(
+        &mut out,
+        "hostdevd_connections",
+        "gauge",
+        "Connections open on the API's Unix socket.",
+        m.connections(),
+    );
+    single(
+        &mut out,
+        "hostdevd_connections_refused_total",
+        "counter",
+        "Connections on the API's Unix socket closed at once: their peer uid held [api] max_connections_per_uid open connections.",
+        m.connections_refused(),
+    );
+    single(
+        &mut out,
+        "hostdevd_accept_failures_total",
+        "counter",
+        &format!(
+            "Accepts on the API's Unix socket that failed for want of file descriptors or memory (each followed by a {} ms pause).",
+            crate::api::connections::ACCEPT_PAUSE.as_millis()
+        ),
+        m.accept_failures(),
     );
     single(
         &mut out,

@@ -1,7 +1,6 @@
 //! Prometheus metrics, scraped over HTTP from the real daemon binary after real claims
 //! and real rejections, the ledger's and the service's own checks'.
 
-use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -10,22 +9,7 @@ use hostdevd::simhost::FakeSys;
 
 mod support;
 
-use support::Daemon;
-
-fn scrape(port: u16) -> std::io::Result<String> {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)?;
-    Ok(out)
-}
-
-fn value(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-        .and_then(|l| l[series.len()..].trim().parse().ok())
-}
+use support::{scrape, value, Daemon};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_states_requests_rejections_and_commits() {

@@ -2,6 +2,7 @@
 //! wiring of each RPC to the writer (mutations) or the published view (reads).
 
 pub mod codec;
+pub mod connections;
 pub mod convert;
 pub mod guard;
 pub mod status;
@@ -108,6 +109,8 @@ pub struct HostDevService {
     /// shutdown does not wait forever for them.
     stopping: Arc<tokio::sync::watch::Sender<bool>>,
     watch: WatchLimits,
+    /// The Unix socket's open connections by peer uid, and their limit.
+    connections: Arc<connections::Connections>,
 }
 
 /// The limits on Watch streams: how many may be open, and how much each may have
@@ -220,6 +223,10 @@ impl HostDevService {
         info: Arc<AgentInfo>,
         guard: Arc<guard::FreeGuard>,
     ) -> Self {
+        let connections = connections::Connections::new(
+            crate::config::ApiConfig::default().max_connections_per_uid,
+            writer.metrics().clone(),
+        );
         HostDevService {
             writer,
             access,
@@ -228,6 +235,7 @@ impl HostDevService {
             guard,
             stopping: Arc::new(tokio::sync::watch::channel(false).0),
             watch: WatchLimits::default(),
+            connections,
         }
     }
 
@@ -235,6 +243,18 @@ impl HostDevService {
     pub fn with_watch_limits(mut self, watch: WatchLimits) -> Self {
         self.watch = watch;
         self
+    }
+
+    /// Replaces the default limit on connections per Unix-socket peer uid (`[api]
+    /// max_connections_per_uid`).
+    pub fn with_connection_limit(mut self, per_uid: usize) -> Self {
+        self.connections = connections::Connections::new(per_uid, self.writer.metrics().clone());
+        self
+    }
+
+    /// The Unix socket's connections by peer uid, which the accept loop admits through.
+    pub fn connections(&self) -> &Arc<connections::Connections> {
+        &self.connections
     }
 
     /// Ends every open watch stream (with UNAVAILABLE, SHUTTING_DOWN) and refuses new ones.

@@ -13,6 +13,25 @@ pub mod server;
 
 pub use fakesys::{FakeSys, PfLayout};
 
+/// `GET /metrics` from the agent's metrics listener on 127.0.0.1:`port`: the whole
+/// HTTP response.
+pub fn scrape(port: u16) -> std::io::Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    Ok(out)
+}
+
+/// The value of one series (name and labels, exactly) in a scrape.
+pub fn value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l[series.len()..].trim().parse().ok())
+}
+
 /// A child process (a daemon started by a test) that is killed and reaped when the
 /// test ends, pass or fail.
 pub struct Daemon(pub std::process::Child);

@@ -1,0 +1,361 @@
+//! The API socket's accept loop: at most `[api] max_connections_per_uid` open
+//! connections for one peer uid, and a pause, not a spin, while accepting fails for want
+//! of file descriptors or memory.
+//!
+//! Every connection holds a descriptor for as long as its client keeps it. A client that
+//! leaks connections (a channel made per call and never closed) would otherwise take
+//! every descriptor the agent may open, and then the agent's own reads of sysfs and
+//! `/proc` fail too. And once accepting fails with `EMFILE`, the connection stays queued,
+//! so the next accept fails the same way at once: tonic's loop retries without pause, and
+//! one CPU spins for as long as the descriptors stay taken (measured: 2.99 s of CPU in a
+//! 3 s flood at a limit of 64 descriptors).
+
+use std::collections::HashMap;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use futures_util::Stream;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{UnixListener, UnixStream};
+use tonic::transport::server::{Connected, UdsConnectInfo};
+
+use crate::metrics::Metrics;
+
+/// How long accepting pauses after it failed for want of descriptors or memory.
+pub const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+
+/// How often at most a warning is logged for refused connections or failed accepts (each
+/// names how many there were since the last one).
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// Open connections by peer uid (`None`: the kernel gave no credentials), against the
+/// limit for one uid.
+#[derive(Debug)]
+pub struct Connections {
+    per_uid: usize,
+    open: Mutex<HashMap<Option<u32>, usize>>,
+    /// Keeps the `hostdevd_connections` gauge and the refusal counters.
+    metrics: Arc<Metrics>,
+}
+
+impl Connections {
+    pub fn new(per_uid: usize, metrics: Arc<Metrics>) -> Arc<Connections> {
+        Arc::new(Connections {
+            per_uid,
+            open: Mutex::new(HashMap::new()),
+            metrics,
+        })
+    }
+
+    /// A place for one more connection of `uid`; `None` while it holds `per_uid`.
+    pub fn admit(self: &Arc<Self>, uid: Option<u32>) -> Option<Slot> {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let n = open.entry(uid).or_default();
+        if *n >= self.per_uid {
+            if *n == 0 {
+                open.remove(&uid);
+            }
+            return None;
+        }
+        *n += 1;
+        self.metrics.connection_opened();
+        Some(Slot {
+            of: Arc::clone(self),
+            uid,
+        })
+    }
+
+    /// Connections open now, over all uids.
+    pub fn open(&self) -> usize {
+        self.open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .sum()
+    }
+
+    /// Connections open now for `uid`.
+    pub fn open_for(&self, uid: Option<u32>) -> usize {
+        self.open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&uid)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// One connection's place, given back when it is dropped (when the connection closes).
+#[derive(Debug)]
+pub struct Slot {
+    of: Arc<Connections>,
+    uid: Option<u32>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut open = self.of.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&self.uid) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                open.remove(&self.uid);
+            }
+            self.of.metrics.connection_closed();
+        }
+    }
+}
+
+/// An accepted connection, holding its place.
+#[derive(Debug)]
+pub struct Conn {
+    stream: UnixStream,
+    _slot: Slot,
+}
+
+impl Connected for Conn {
+    type ConnectInfo = UdsConnectInfo;
+
+    fn connect_info(&self) -> UdsConnectInfo {
+        self.stream.connect_info()
+    }
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+/// Whether an accept failed for want of something that closing connections gives back:
+/// retrying at once would fail the same way.
+fn exhausted(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+/// A warning at most every [`WARN_EVERY`], counting what happened in between.
+#[derive(Debug, Default)]
+struct Quiet {
+    last: Option<Instant>,
+    since: u64,
+}
+
+impl Quiet {
+    /// Counts one more; the count to report when a warning is due.
+    fn due(&mut self) -> Option<u64> {
+        self.since += 1;
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|l| now.duration_since(l) < WARN_EVERY)
+        {
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.since))
+    }
+}
+
+struct Accepting {
+    listener: UnixListener,
+    conns: Arc<Connections>,
+    refused: Quiet,
+    failed: Quiet,
+}
+
+/// The connections accepted on `listener` that `conns` admits. A connection over its
+/// uid's limit is closed at once (its client sees the connection end; the agent logs it
+/// and counts it in `hostdevd_connections_refused_total`). An accept that fails for want
+/// of descriptors or memory is counted in `hostdevd_accept_failures_total` and followed
+/// by a pause of [`ACCEPT_PAUSE`]; other failures go to the server, which goes on.
+pub fn incoming(
+    listener: UnixListener,
+    conns: Arc<Connections>,
+) -> impl Stream<Item = io::Result<Conn>> {
+    let state = Accepting {
+        listener,
+        conns,
+        refused: Quiet::default(),
+        failed: Quiet::default(),
+    };
+    futures_util::stream::unfold(state, |mut s| async move {
+        loop {
+            match s.listener.accept().await {
+                Ok((stream, _)) => {
+                    let uid = stream.peer_cred().ok().map(|c| c.uid());
+                    if let Some(slot) = s.conns.admit(uid) {
+                        let conn = Conn {
+                            stream,
+                            _slot: slot,
+                        };
+                        return Some((Ok(conn), s));
+                    }
+                    drop(stream);
+                    s.conns.metrics.connection_refused();
+                    if let Some(n) = s.refused.due() {
+                        tracing::warn!(
+                            uid = ?uid,
+                            limit = s.conns.per_uid,
+                            refused = n,
+                            "connection refused: its uid holds as many open connections as [api] max_connections_per_uid allows (a client that opens a connection per call and keeps them?)"
+                        );
+                    }
+                }
+                Err(e) if exhausted(&e) => {
+                    s.conns.metrics.accept_failed();
+                    if let Some(n) = s.failed.due() {
+                        tracing::warn!(
+                            error = %e,
+                            failed = n,
+                            open = s.conns.open(),
+                            "accepting a connection failed for want of file descriptors or memory; accepting pauses {} ms after each failure",
+                            ACCEPT_PAUSE.as_millis()
+                        );
+                    }
+                    tokio::time::sleep(ACCEPT_PAUSE).await;
+                }
+                Err(e) => return Some((Err(e), s)),
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_uid_holds_at_most_its_limit_and_a_closed_connection_gives_its_place_back() {
+        let c = Connections::new(2, Metrics::new());
+        let a1 = c.admit(Some(1)).expect("first");
+        let a2 = c.admit(Some(1)).expect("second");
+        assert!(c.admit(Some(1)).is_none(), "a third for uid 1");
+        // Others keep theirs, and a peer without credentials counts as one more uid.
+        let b = c.admit(Some(2)).expect("uid 2");
+        let n1 = c.admit(None).expect("no credentials");
+        let n2 = c.admit(None).expect("no credentials, second");
+        assert!(c.admit(None).is_none(), "a third without credentials");
+        assert_eq!(c.open(), 5);
+        assert_eq!(c.open_for(Some(1)), 2);
+        drop(a1);
+        assert_eq!(c.open_for(Some(1)), 1);
+        let a3 = c.admit(Some(1)).expect("the place given back");
+        assert_eq!(c.metrics.connections(), 5);
+        drop((a2, a3, b, n1, n2));
+        assert_eq!(c.open(), 0);
+        assert_eq!(c.metrics.connections(), 0);
+        assert!(
+            c.open.lock().expect("lock").is_empty(),
+            "no uid is kept once it has no connection"
+        );
+    }
+
+    #[test]
+    fn a_limit_of_zero_admits_nothing_and_keeps_no_entry() {
+        let c = Connections::new(0, Metrics::new());
+        assert!(c.admit(Some(7)).is_none());
+        assert!(c.open.lock().expect("lock").is_empty());
+    }
+
+    #[test]
+    fn only_exhausted_resources_pause_accepting() {
+        for errno in [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM] {
+            assert!(exhausted(&io::Error::from_raw_os_error(errno)), "{errno}");
+        }
+        for errno in [libc::ECONNABORTED, libc::EINTR, libc::EPROTO] {
+            assert!(!exhausted(&io::Error::from_raw_os_error(errno)), "{errno}");
+        }
+    }
+
+    #[test]
+    fn warnings_are_spaced_and_count_what_they_skipped() {
+        let mut q = Quiet::default();
+        assert_eq!(q.due(), Some(1));
+        assert_eq!(q.due(), None);
+        assert_eq!(q.due(), None);
+        q.last = Some(Instant::now() - WARN_EVERY);
+        assert_eq!(q.due(), Some(3), "the two skipped and this one");
+    }
+
+    #[tokio::test]
+    async fn connections_over_the_limit_are_closed_and_the_rest_served() {
+        let dir = tempfile::tempdir_in(crate::simhost::scratch_base()).expect("tempdir");
+        let path = dir.path().join("s.sock");
+        let listener = UnixListener::bind(&path).expect("bind");
+        let metrics = Metrics::new();
+        let conns = Connections::new(2, Arc::clone(&metrics));
+        let accepted = incoming(listener, Arc::clone(&conns));
+        let mut accepted = Box::pin(accepted);
+        let mut clients = Vec::new();
+        for _ in 0..3 {
+            clients.push(UnixStream::connect(&path).await.expect("connect"));
+        }
+        use futures_util::StreamExt;
+        let first = accepted.next().await.expect("one").expect("accepted");
+        let second = accepted.next().await.expect("two").expect("accepted");
+        assert_eq!(conns.open(), 2);
+        // The third is refused while the stream waits for a fourth: its client reads EOF.
+        let waiting = tokio::spawn(async move {
+            let fourth = accepted.next().await;
+            (fourth, accepted)
+        });
+        let mut third = clients.pop().expect("third");
+        let mut byte = [0u8; 1];
+        let n = tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio::io::AsyncReadExt::read(&mut third, &mut byte),
+        )
+        .await
+        .expect("the refused connection is closed")
+        .unwrap_or(0);
+        assert_eq!(n, 0, "nothing is served on a refused connection");
+        assert_eq!(metrics.connections_refused(), 1);
+        drop(first);
+        let _again = UnixStream::connect(&path).await.expect("connect again");
+        let (fourth, _accepted) = waiting.await.expect("task");
+        let _fourth = fourth
+            .expect("four")
+            .expect("admitted once a place was free");
+        assert_eq!(conns.open(), 2);
+        drop(second);
+    }
+}
