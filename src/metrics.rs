@@ -45,7 +45,7 @@ pub struct Metrics {
     connections: AtomicU64,
     /// Connections closed at once: their uid held `[api] max_connections_per_uid`.
     connections_refused: AtomicU64,
-    /// Accepts on the API socket that failed for want of descriptors or memory.
+    /// Accepts on the API's listeners that failed for want of descriptors or memory.
     accept_failures: AtomicU64,
 }
 
@@ -309,7 +309,7 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         "hostdevd_accept_failures_total",
         "counter",
         &format!(
-            "Accepts on the API's Unix socket that failed for want of file descriptors or memory (each followed by a {} ms pause).",
+            "Accepts on the API's listeners (the Unix socket, the TCP listener) that failed for want of file descriptors or memory (each followed by a {} ms pause).",
             crate::api::connections::ACCEPT_PAUSE.as_millis()
         ),
         m.accept_failures(),

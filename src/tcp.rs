@@ -56,7 +56,11 @@ pub async fn serve_tls(
         shutdown.await;
         streams.stop_streams();
     };
-    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let incoming = crate::api::connections::pausing(
+        tonic::transport::server::TcpIncoming::from(listener),
+        service.connections().metrics().clone(),
+        "the TCP listener",
+    );
     routes(builder, service)
         .await?
         .serve_with_incoming_shutdown(incoming, shutdown)

@@ -12,7 +12,7 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
@@ -82,16 +82,7 @@ async fn start_under(base: &Path, vfs: u32, extra_api: &str, open_files: Option<
     );
     let cfg_path = dir.path().join("config.toml");
     std::fs::write(&cfg_path, cfg).expect("config");
-    let mut cmd = match open_files {
-        None => Command::new(env!("CARGO_BIN_EXE_hostdevd")),
-        Some(n) => {
-            let mut c = Command::new("prlimit");
-            c.arg(format!("--nofile={n}:{n}"))
-                .arg("--")
-                .arg(env!("CARGO_BIN_EXE_hostdevd"));
-            c
-        }
-    };
+    let mut cmd = support::hostdevd_limited(open_files);
     let mut daemon = Daemon(
         cmd.args(["serve", "--config"])
             .arg(&cfg_path)

@@ -14,7 +14,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 mod support;
 
-use support::{notifications, Daemon};
+use support::{notifications, scrape, value, Daemon};
 
 struct Pem {
     cert: String,
@@ -78,47 +78,83 @@ fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
     p
 }
 
+/// The real daemon with a TCP listener (mutual TLS, certificates made here) on a fake
+/// host, its config followed by `extra` (TOML), limited to `open_files` descriptors
+/// (through util-linux's `prlimit`) where one is given.
+struct TlsAgent {
+    _daemon: Daemon,
+    port: u16,
+    ca: Pem,
+    /// Signed by the configured CA.
+    client: Pem,
+    /// Signed by another CA.
+    rogue: Pem,
+    _dir: tempfile::TempDir,
+    _tree: hostdevd::simhost::FakeTree,
+}
+
+impl TlsAgent {
+    fn start(extra: &str, open_files: Option<u32>) -> TlsAgent {
+        let mut f = FakeSys::new();
+        f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
+            .vf_iommu_groups("0000:3b:00.0", 50);
+        let tree = f.build();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (ca_pem, issuer) = ca("hostdevd test CA");
+        let server = leaf(&["localhost"], "hostdevd", &issuer);
+        let client = leaf(&[], "nova-compute", &issuer);
+        let (_, rogue_issuer) = ca("someone else");
+        let rogue = leaf(&[], "intruder", &rogue_issuer);
+        let port = free_port();
+        let cfg = format!(
+            "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n{extra}\n[libvirt]\nenabled = false\n[api]\nsocket = {:?}\n[api.tcp]\nlisten = \"127.0.0.1:{port}\"\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n",
+            tree.sysfs_root(),
+            tree.dev_root(),
+            dir.path().join("state"),
+            dir.path().join("hostdevd.sock"),
+            write(dir.path(), "server.pem", &server.cert),
+            write(dir.path(), "server.key", &server.key),
+            write(dir.path(), "ca.pem", &ca_pem.cert),
+        );
+        let cfg_path = write(dir.path(), "config.toml", &cfg);
+        let mut cmd = support::hostdevd_limited(open_files);
+        let daemon = Daemon(
+            cmd.args(["serve", "--config"])
+                .arg(&cfg_path)
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("start hostdevd"),
+        );
+        TlsAgent {
+            _daemon: daemon,
+            port,
+            ca: ca_pem,
+            client,
+            rogue,
+            _dir: dir,
+            _tree: tree,
+        }
+    }
+
+    /// A client with the CA-signed certificate, once the listener serves (30 s at most).
+    async fn client(&self) -> HostDevClient<Channel> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match connect(self.port, &self.ca, Some(&self.client)).await {
+                Ok(c) => return c,
+                Err(e) if Instant::now() > deadline => panic!("daemon never served TLS: {e}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_requires_a_client_certificate_from_the_configured_ca() {
-    let mut f = FakeSys::new();
-    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
-        .vf_iommu_groups("0000:3b:00.0", 50);
-    let tree = f.build();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (ca_pem, issuer) = ca("hostdevd test CA");
-    let server = leaf(&["localhost"], "hostdevd", &issuer);
-    let client = leaf(&[], "nova-compute", &issuer);
-    let (_, rogue_issuer) = ca("someone else");
-    let rogue = leaf(&[], "intruder", &rogue_issuer);
-    let port = free_port();
-    let cfg = format!(
-        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[libvirt]\nenabled = false\n[api]\nsocket = {:?}\n[api.tcp]\nlisten = \"127.0.0.1:{port}\"\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n",
-        tree.sysfs_root(),
-        tree.dev_root(),
-        dir.path().join("state"),
-        dir.path().join("hostdevd.sock"),
-        write(dir.path(), "server.pem", &server.cert),
-        write(dir.path(), "server.key", &server.key),
-        write(dir.path(), "ca.pem", &ca_pem.cert),
-    );
-    let cfg_path = write(dir.path(), "config.toml", &cfg);
-    let _daemon = Daemon(
-        Command::new(env!("CARGO_BIN_EXE_hostdevd"))
-            .args(["serve", "--config"])
-            .arg(&cfg_path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start hostdevd"),
-    );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut c = loop {
-        match connect(port, &ca_pem, Some(&client)).await {
-            Ok(c) => break c,
-            Err(e) if Instant::now() > deadline => panic!("daemon never served TLS: {e}"),
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-        }
-    };
+    let a = TlsAgent::start("", None);
+    let (port, ca_pem, rogue) = (a.port, &a.ca, &a.rogue);
+    let mut c = a.client().await;
     let list = c
         .list_devices(proto::ListDevicesRequest {})
         .await
@@ -149,7 +185,7 @@ async fn tcp_requires_a_client_certificate_from_the_configured_ca() {
     assert!(claimed.generation > vf.generation);
 
     // No client certificate: the handshake (or the first call) fails; no RPC runs.
-    match connect(port, &ca_pem, None).await {
+    match connect(port, ca_pem, None).await {
         Err(_) => {}
         Ok(mut anon) => {
             let r = anon.list_devices(proto::ListDevicesRequest {}).await;
@@ -157,7 +193,7 @@ async fn tcp_requires_a_client_certificate_from_the_configured_ca() {
         }
     }
     // A certificate from another CA: refused the same way.
-    match connect(port, &ca_pem, Some(&rogue)).await {
+    match connect(port, ca_pem, Some(rogue)).await {
         Err(_) => {}
         Ok(mut r) => {
             let res = r.list_devices(proto::ListDevicesRequest {}).await;
@@ -175,6 +211,46 @@ async fn tcp_requires_a_client_certificate_from_the_configured_ca() {
         .into_inner();
     let claimed_now = after.devices.iter().filter(|d| d.owner.is_some()).count();
     assert_eq!(claimed_now, 1);
+}
+
+/// An agent whose descriptors are all taken by TCP connections (a limit of 64, a flood
+/// of 100 that never starts a handshake) pauses accepting on the TCP listener as on the
+/// Unix socket (`tests/api_abuse.rs`): about one failed accept per 100 ms pause while the
+/// flood is held, not one after another as fast as they fail. Once the flood closes, a
+/// client with a certificate is served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tcp_flood_that_takes_every_descriptor_pauses_accepting() {
+    const FLOOD: usize = 100;
+    const HOLD: Duration = Duration::from_secs(2);
+    let metrics = free_port();
+    let a = TlsAgent::start(
+        &format!("[metrics]\nlisten = \"127.0.0.1:{metrics}\""),
+        Some(64),
+    );
+    let mut c = a.client().await;
+    c.list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("list over mTLS");
+    drop(c);
+    let failures = |text: &str| value(text, "hostdevd_accept_failures_total").expect("the counter");
+    let at_start = failures(&scrape(metrics).expect("scrape"));
+    let flood: Vec<std::net::TcpStream> = (0..FLOOD)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", a.port)).expect("connect"))
+        .collect();
+    tokio::time::sleep(HOLD).await;
+    drop(flood);
+    let mut c = a.client().await;
+    c.list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("served again after the flood");
+    let failed = failures(&scrape(metrics).expect("scrape after the flood")) - at_start;
+    eprintln!("{failed} TCP accepts failed while {FLOOD} connections were held for {HOLD:?}");
+    // About 20 with the pause (a slow machine makes fewer, never more); without it, the
+    // accept loop fails as fast as it can retry.
+    assert!(
+        (1.0..=100.0).contains(&failed),
+        "{failed} accepts failed while the flood held every descriptor for {HOLD:?} (expected 1 to 100)"
+    );
 }
 
 #[test]

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use futures_util::Stream;
+use futures_util::{Stream, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tonic::transport::server::{Connected, UdsConnectInfo};
@@ -75,6 +75,11 @@ impl Connections {
             .unwrap_or_else(|p| p.into_inner())
             .values()
             .sum()
+    }
+
+    /// The agent's metrics, which count the connections and the failed accepts.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
     }
 
     /// Connections open now for `uid`.
@@ -199,64 +204,85 @@ struct Accepting {
     listener: UnixListener,
     conns: Arc<Connections>,
     refused: Quiet,
-    failed: Quiet,
 }
 
 /// The connections accepted on `listener` that `conns` admits. A connection over its
 /// uid's limit is closed at once (its client sees the connection end; the agent logs it
-/// and counts it in `hostdevd_connections_refused_total`). An accept that fails for want
-/// of descriptors or memory is counted in `hostdevd_accept_failures_total` and followed
-/// by a pause of [`ACCEPT_PAUSE`]; other failures go to the server, which goes on.
+/// and counts it in `hostdevd_connections_refused_total`). Failed accepts are handled
+/// as [`pausing`] says.
 pub fn incoming(
     listener: UnixListener,
     conns: Arc<Connections>,
 ) -> impl Stream<Item = io::Result<Conn>> {
+    let metrics = Arc::clone(&conns.metrics);
     let state = Accepting {
         listener,
         conns,
         refused: Quiet::default(),
-        failed: Quiet::default(),
     };
-    futures_util::stream::unfold(state, |mut s| async move {
+    let admitted = futures_util::stream::unfold(state, |mut s| async move {
         loop {
-            match s.listener.accept().await {
-                Ok((stream, _)) => {
-                    let uid = stream.peer_cred().ok().map(|c| c.uid());
-                    if let Some(slot) = s.conns.admit(uid) {
-                        let conn = Conn {
-                            stream,
-                            _slot: slot,
-                        };
-                        return Some((Ok(conn), s));
-                    }
-                    drop(stream);
-                    s.conns.metrics.connection_refused();
-                    if let Some(n) = s.refused.due() {
-                        tracing::warn!(
-                            uid = ?uid,
-                            limit = s.conns.per_uid,
-                            refused = n,
-                            "connection refused: its uid holds as many open connections as [api] max_connections_per_uid allows (a client that opens a connection per call and keeps them?)"
-                        );
-                    }
-                }
-                Err(e) if exhausted(&e) => {
-                    s.conns.metrics.accept_failed();
-                    if let Some(n) = s.failed.due() {
-                        tracing::warn!(
-                            error = %e,
-                            failed = n,
-                            open = s.conns.open(),
-                            "accepting a connection failed for want of file descriptors or memory; accepting pauses {} ms after each failure",
-                            ACCEPT_PAUSE.as_millis()
-                        );
-                    }
-                    tokio::time::sleep(ACCEPT_PAUSE).await;
-                }
+            let stream = match s.listener.accept().await {
+                Ok((stream, _)) => stream,
                 Err(e) => return Some((Err(e), s)),
+            };
+            let uid = stream.peer_cred().ok().map(|c| c.uid());
+            if let Some(slot) = s.conns.admit(uid) {
+                let conn = Conn {
+                    stream,
+                    _slot: slot,
+                };
+                return Some((Ok(conn), s));
+            }
+            drop(stream);
+            s.conns.metrics.connection_refused();
+            if let Some(n) = s.refused.due() {
+                tracing::warn!(
+                    uid = ?uid,
+                    limit = s.conns.per_uid,
+                    refused = n,
+                    "connection refused: its uid holds as many open connections as [api] max_connections_per_uid allows (a client that opens a connection per call and keeps them?)"
+                );
             }
         }
-    })
+    });
+    pausing(admitted, metrics, "the Unix socket")
+}
+
+/// `accepted` (a listener's accepts), where an accept that failed for want of
+/// descriptors or memory is counted in `hostdevd_accept_failures_total`, logged at most
+/// every 10 s, and followed by a pause of [`ACCEPT_PAUSE`] instead of going to the
+/// server, whose loop would retry at once. Other failures (a connection reset before it
+/// was accepted) go to the server, which goes on.
+pub fn pausing<T>(
+    accepted: impl Stream<Item = io::Result<T>>,
+    metrics: Arc<Metrics>,
+    listener: &'static str,
+) -> impl Stream<Item = io::Result<T>> {
+    let state = (Box::pin(accepted), metrics, Quiet::default());
+    futures_util::stream::unfold(
+        state,
+        move |(mut accepted, metrics, mut failed)| async move {
+            loop {
+                match accepted.next().await? {
+                    Err(e) if exhausted(&e) => {
+                        metrics.accept_failed();
+                        if let Some(n) = failed.due() {
+                            tracing::warn!(
+                                error = %e,
+                                failed = n,
+                                unix_connections = metrics.connections(),
+                                "accepting a connection on {listener} failed for want of file descriptors or memory; accepting pauses {} ms after each failure",
+                                ACCEPT_PAUSE.as_millis()
+                            );
+                        }
+                        tokio::time::sleep(ACCEPT_PAUSE).await;
+                    }
+                    other => return Some((other, (accepted, metrics, failed))),
+                }
+            }
+        },
+    )
 }
 
 #[cfg(test)]
@@ -329,7 +355,6 @@ mod tests {
         for _ in 0..3 {
             clients.push(UnixStream::connect(&path).await.expect("connect"));
         }
-        use futures_util::StreamExt;
         let first = accepted.next().await.expect("one").expect("accepted");
         let second = accepted.next().await.expect("two").expect("accepted");
         assert_eq!(conns.open(), 2);

@@ -13,6 +13,21 @@ pub mod server;
 
 pub use fakesys::{FakeSys, PfLayout};
 
+/// A command that runs the `hostdevd` binary under test limited to `open_files`
+/// descriptors, soft and hard, through util-linux's `prlimit`; without a limit, the
+/// binary itself.
+pub fn hostdevd_limited(open_files: Option<u32>) -> std::process::Command {
+    let bin = env!("CARGO_BIN_EXE_hostdevd");
+    match open_files {
+        None => std::process::Command::new(bin),
+        Some(n) => {
+            let mut c = std::process::Command::new("prlimit");
+            c.arg(format!("--nofile={n}:{n}")).arg("--").arg(bin);
+            c
+        }
+    }
+}
+
 /// `GET /metrics` from the agent's metrics listener on 127.0.0.1:`port`: the whole
 /// HTTP response.
 pub fn scrape(port: u16) -> std::io::Result<String> {
