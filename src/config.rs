@@ -74,6 +74,8 @@ pub const MAX_WATCH_STREAMS: usize = 1 << 20;
 /// The most `[api] max_connections_per_uid` may be set to (the kernel's own limit on open
 /// files, `fs.nr_open`, defaults to 1,048,576).
 pub const MAX_CONNECTIONS_PER_UID: usize = 1 << 20;
+/// The most `[api] max_streams_per_connection` may be set to.
+pub const MAX_STREAMS_PER_CONNECTION: usize = 1 << 20;
 
 fn d_max_watchers() -> usize {
     1024
@@ -83,6 +85,9 @@ fn d_max_watchers_per_uid() -> usize {
 }
 fn d_max_connections_per_uid() -> usize {
     512
+}
+fn d_max_streams_per_connection() -> usize {
+    1024
 }
 fn d_watch_client_events() -> usize {
     1024
@@ -203,6 +208,12 @@ pub struct ApiConfig {
     /// /proc. One connection carries any number of calls and Watch streams. Default 512.
     #[serde(default = "d_max_connections_per_uid")]
     pub max_connections_per_uid: usize,
+    /// Calls (Watch streams included) one connection may have open at once, announced to
+    /// the client as HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS: a client waits before it
+    /// opens one more, so that a connection cannot start calls without bound (the HTTP/2
+    /// server under tonic sets no limit of its own). Both listeners. Default 1024.
+    #[serde(default = "d_max_streams_per_connection")]
+    pub max_streams_per_connection: usize,
     /// Events that may wait for one watcher before it is cut off. Default 1024.
     #[serde(default = "d_watch_client_events")]
     pub watch_client_events: usize,
@@ -245,6 +256,7 @@ impl Default for ApiConfig {
             max_watch_streams: d_max_watchers(),
             max_watch_streams_per_uid: d_max_watchers_per_uid(),
             max_connections_per_uid: d_max_connections_per_uid(),
+            max_streams_per_connection: d_max_streams_per_connection(),
             watch_client_events: d_watch_client_events(),
             watch_client_bytes: d_watch_client_bytes(),
             tcp: None,
@@ -502,6 +514,11 @@ impl Config {
                 "max_connections_per_uid",
                 api.max_connections_per_uid,
                 MAX_CONNECTIONS_PER_UID,
+            ),
+            (
+                "max_streams_per_connection",
+                api.max_streams_per_connection,
+                MAX_STREAMS_PER_CONNECTION,
             ),
             ("watch_buffer", api.watch_buffer, 1 << 24),
             ("request_log_entries", api.request_log_entries, 10_000_000),

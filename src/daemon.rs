@@ -566,11 +566,13 @@ pub async fn serve(
 }
 
 /// Every service the agent serves on a listener: the API, grpc.health.v1 and server
-/// reflection (v1 and v1alpha, for older tools).
+/// reflection (v1 and v1alpha, for older tools), with at most the service's
+/// `streams_per_connection` calls open at once on one connection.
 pub(crate) async fn routes(
-    mut builder: tonic::transport::Server,
+    builder: tonic::transport::Server,
     service: HostDevService,
 ) -> Result<tonic::transport::server::Router, DaemonError> {
+    let mut builder = builder.max_concurrent_streams(service.streams_per_connection());
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<HostDevServer<HostDevService>>().await;
     let reflection_v1 = tonic_reflection::server::Builder::configure()
@@ -606,7 +608,10 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
             writer_gids: cfg.api.writer_gids.clone(),
         })
         .with_watch_limits(WatchLimits::from_config(&cfg.api))
-        .with_connection_limit(cfg.api.max_connections_per_uid);
+        .with_connection_limits(
+            cfg.api.max_connections_per_uid,
+            cfg.api.max_streams_per_connection,
+        );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     if let Some(addr) = cfg.metrics.listen {
         let l = tokio::net::TcpListener::bind(addr)

@@ -943,6 +943,46 @@ async fn connections_are_capped_per_uid_and_a_closed_one_frees_its_place() {
     a.assert_alive("the per-uid connection cap");
 }
 
+/// A connection may have at most `max_streams_per_connection` calls open at once (HTTP/2's
+/// SETTINGS_MAX_CONCURRENT_STREAMS): with as many Watch streams open on it, one more call
+/// on the same connection waits until one of them closes, while another connection is
+/// served at once. (Without the setting the call was answered at once: the HTTP/2 server
+/// under tonic sets no limit of its own.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_open_at_once_on_one_connection_are_bounded() {
+    const STREAMS: usize = 4;
+    let mut a = start(4, &format!("max_streams_per_connection = {STREAMS}")).await;
+    let mut c = a.client().await;
+    let before = listing(&mut c).await;
+    let watch = proto::WatchRequest {
+        from_generation: before.host_generation,
+        snapshot: false,
+    };
+    let mut streams = open_watches(&mut c, watch, STREAMS).await;
+    // A clone of the client shares its connection.
+    let mut same = c.clone();
+    let waiting = tokio::spawn(async move { same.get_status(proto::GetStatusRequest {}).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a call past the connection's {STREAMS} open ones was answered"
+    );
+    a.client()
+        .await
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .expect("another connection is served meanwhile");
+    drop(streams.pop());
+    tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiting call is answered once a stream closes")
+        .expect("task")
+        .expect("GetStatus");
+    drop(streams);
+    a.assert_unharmed("the limit on calls open on one connection", &before)
+        .await;
+}
+
 /// An agent whose descriptors are all taken by connections (a limit of 64 here, a flood
 /// of 100) pauses accepting instead of retrying at once: while the flood is held, the
 /// accepts that failed come to about one per pause, where an accept loop without the

@@ -111,6 +111,8 @@ pub struct HostDevService {
     watch: WatchLimits,
     /// The Unix socket's open connections by peer uid, and their limit.
     connections: Arc<connections::Connections>,
+    /// Calls one connection may have open at once (HTTP/2 concurrent streams).
+    streams_per_connection: u32,
 }
 
 /// The limits on Watch streams: how many may be open, and how much each may have
@@ -215,6 +217,11 @@ impl Default for WatchLimits {
     }
 }
 
+/// HTTP/2's stream limit from the configured one (at most 2^20, checked with the config).
+fn stream_limit(streams: usize) -> u32 {
+    u32::try_from(streams).unwrap_or(u32::MAX)
+}
+
 impl HostDevService {
     pub fn new(
         writer: Writer,
@@ -223,8 +230,9 @@ impl HostDevService {
         info: Arc<AgentInfo>,
         guard: Arc<guard::FreeGuard>,
     ) -> Self {
+        let defaults = crate::config::ApiConfig::default();
         let connections = connections::Connections::new(
-            crate::config::ApiConfig::default().max_connections_per_uid,
+            defaults.max_connections_per_uid,
             writer.metrics().clone(),
         );
         HostDevService {
@@ -236,6 +244,7 @@ impl HostDevService {
             stopping: Arc::new(tokio::sync::watch::channel(false).0),
             watch: WatchLimits::default(),
             connections,
+            streams_per_connection: stream_limit(defaults.max_streams_per_connection),
         }
     }
 
@@ -245,11 +254,18 @@ impl HostDevService {
         self
     }
 
-    /// Replaces the default limit on connections per Unix-socket peer uid (`[api]
-    /// max_connections_per_uid`).
-    pub fn with_connection_limit(mut self, per_uid: usize) -> Self {
+    /// Replaces the default limits on connections per Unix-socket peer uid and on calls
+    /// open at once on one connection (`[api] max_connections_per_uid`,
+    /// `max_streams_per_connection`).
+    pub fn with_connection_limits(mut self, per_uid: usize, streams: usize) -> Self {
         self.connections = connections::Connections::new(per_uid, self.writer.metrics().clone());
+        self.streams_per_connection = stream_limit(streams);
         self
+    }
+
+    /// Calls one connection may have open at once.
+    pub fn streams_per_connection(&self) -> u32 {
+        self.streams_per_connection
     }
 
     /// The Unix socket's connections by peer uid, which the accept loop admits through.
