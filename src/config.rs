@@ -89,6 +89,12 @@ fn d_max_connections_per_uid() -> usize {
 fn d_max_streams_per_connection() -> usize {
     1024
 }
+fn d_keepalive_interval_ms() -> u64 {
+    60_000
+}
+fn d_keepalive_timeout_ms() -> u64 {
+    20_000
+}
 fn d_watch_client_events() -> usize {
     1024
 }
@@ -214,6 +220,16 @@ pub struct ApiConfig {
     /// server under tonic sets no limit of its own). Both listeners. Default 1024.
     #[serde(default = "d_max_streams_per_connection")]
     pub max_streams_per_connection: usize,
+    /// How long a connection may stay silent before the agent sends it an HTTP/2 PING,
+    /// in ms (both listeners). Default 60000.
+    #[serde(default = "d_keepalive_interval_ms")]
+    pub keepalive_interval_ms: u64,
+    /// How long that ping may go unanswered before the connection is closed, with its
+    /// calls and Watch streams, in ms: a controller whose host died, or a client stopped
+    /// mid-call, holds its connection and streams no longer than interval + timeout.
+    /// Default 20000.
+    #[serde(default = "d_keepalive_timeout_ms")]
+    pub keepalive_timeout_ms: u64,
     /// Events that may wait for one watcher before it is cut off. Default 1024.
     #[serde(default = "d_watch_client_events")]
     pub watch_client_events: usize,
@@ -257,6 +273,8 @@ impl Default for ApiConfig {
             max_watch_streams_per_uid: d_max_watchers_per_uid(),
             max_connections_per_uid: d_max_connections_per_uid(),
             max_streams_per_connection: d_max_streams_per_connection(),
+            keepalive_interval_ms: d_keepalive_interval_ms(),
+            keepalive_timeout_ms: d_keepalive_timeout_ms(),
             watch_client_events: d_watch_client_events(),
             watch_client_bytes: d_watch_client_bytes(),
             tcp: None,
@@ -573,6 +591,18 @@ impl Config {
                 )));
             }
         }
+        // Below 100 ms a busy client could miss a ping's answer and lose its connection;
+        // past a day, a dead peer would hold its connection for as long.
+        for (key, value) in [
+            ("keepalive_interval_ms", cfg.api.keepalive_interval_ms),
+            ("keepalive_timeout_ms", cfg.api.keepalive_timeout_ms),
+        ] {
+            if !(100..=86_400_000).contains(&value) {
+                return Err(ConfigError::Invalid(format!(
+                    "api.{key} = {value} is out of range: it must be from 100 to 86400000 (a day)"
+                )));
+            }
+        }
         Ok(cfg)
     }
 
@@ -855,6 +885,22 @@ mod tests {
             (
                 "[api]\nrequest_log_entries = 100\nrequest_log_in_memory = 91",
                 "the 90 entries",
+            ),
+            (
+                "[api]\nmax_connections_per_uid = 0",
+                "api.max_connections_per_uid = 0 is out of range",
+            ),
+            (
+                "[api]\nmax_streams_per_connection = 2000000",
+                "api.max_streams_per_connection = 2000000 is out of range",
+            ),
+            (
+                "[api]\nkeepalive_interval_ms = 10",
+                "api.keepalive_interval_ms = 10 is out of range",
+            ),
+            (
+                "[api]\nkeepalive_timeout_ms = 86400001",
+                "api.keepalive_timeout_ms = 86400001 is out of range",
             ),
             ("[log]\nfilter = \"infoo\"", "\"infoo\" is not a level"),
             ("[log]\nfilter = \"hostdevd=verbose\"", "log.filter"),

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::net::UnixListener;
 
+use crate::api::connections::ConnectionLimits;
 use crate::api::guard::FreeGuard;
 use crate::api::proto::host_dev_server::HostDevServer;
 use crate::api::{proto, Access, AgentInfo, HealthInfo, HostDevService, WatchLimits};
@@ -566,13 +567,19 @@ pub async fn serve(
 }
 
 /// Every service the agent serves on a listener: the API, grpc.health.v1 and server
-/// reflection (v1 and v1alpha, for older tools), with at most the service's
-/// `streams_per_connection` calls open at once on one connection.
+/// reflection (v1 and v1alpha, for older tools), with the service's connection limits:
+/// calls open at once on one connection, and pings to a connection gone silent (a
+/// controller whose host died leaves a TCP connection, and its Watch stream, open
+/// otherwise; a stopped local client its Unix one).
 pub(crate) async fn routes(
     builder: tonic::transport::Server,
     service: HostDevService,
 ) -> Result<tonic::transport::server::Router, DaemonError> {
-    let mut builder = builder.max_concurrent_streams(service.streams_per_connection());
+    let limits = service.connection_limits();
+    let mut builder = builder
+        .max_concurrent_streams(limits.streams)
+        .http2_keepalive_interval(Some(limits.keepalive_interval))
+        .http2_keepalive_timeout(Some(limits.keepalive_timeout));
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<HostDevServer<HostDevService>>().await;
     let reflection_v1 = tonic_reflection::server::Builder::configure()
@@ -608,10 +615,7 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
             writer_gids: cfg.api.writer_gids.clone(),
         })
         .with_watch_limits(WatchLimits::from_config(&cfg.api))
-        .with_connection_limits(
-            cfg.api.max_connections_per_uid,
-            cfg.api.max_streams_per_connection,
-        );
+        .with_connection_limits(ConnectionLimits::from_config(&cfg.api));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     if let Some(addr) = cfg.metrics.listen {
         let l = tokio::net::TcpListener::bind(addr)

@@ -983,6 +983,94 @@ async fn calls_open_at_once_on_one_connection_are_bounded() {
         .await;
 }
 
+/// A connection gone silent is closed: one that opened HTTP/2 and then answers nothing (a
+/// client stopped mid-call, a controller whose host died) is pinged once it has been
+/// silent for `keepalive_interval_ms` and closed when the ping goes unanswered for
+/// `keepalive_timeout_ms`, which gives its uid's place back. A client that answers pings
+/// keeps an idle Watch stream open across many intervals. (Without the pings the silent
+/// connection stayed open for as long as its peer did.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_connection_is_closed_and_an_idle_live_one_kept() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut a = start(
+        4,
+        "keepalive_interval_ms = 200\nkeepalive_timeout_ms = 200\nmax_connections_per_uid = 2",
+    )
+    .await;
+    let mut c = answering_soon(&a.socket, "the live connection").await;
+    let before = listing(&mut c).await;
+    let mut watch = c
+        .watch(proto::WatchRequest {
+            from_generation: before.host_generation,
+            snapshot: false,
+        })
+        .await
+        .expect("watch")
+        .into_inner();
+    // The uid's second and last place: HTTP/2's preface and an empty SETTINGS frame,
+    // then nothing answered. Reading takes what the agent sends (its settings, its
+    // pings) until it closes the connection.
+    let mut silent = loop {
+        let mut s = tokio::net::UnixStream::connect(&a.socket)
+            .await
+            .expect("connect");
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+            .await
+            .expect("preface");
+        let mut first = [0u8; 9];
+        // A place still held by the start's probes shows as a connection closed at once.
+        if s.read_exact(&mut first).await.is_ok() {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let t = Instant::now();
+    let closed = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = silent.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "a connection that answered no ping was still open after 30 s"
+    );
+    eprintln!("the silent connection was closed after {:?}", t.elapsed());
+    // The live connection stays silent for five more intervals, answering pings only.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut other = answering_soon(&a.socket, "the silent connection's place").await;
+    let vf = before
+        .devices
+        .iter()
+        .find(|d| d.address == VF0)
+        .expect("vf")
+        .generation;
+    let claimed = other
+        .claim(proto::ClaimRequest {
+            owner: Some(owner(7)),
+            request_id: "keepalive".into(),
+            target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+                address: VF0.into(),
+                expected_generation: vf,
+            })),
+            ..Default::default()
+        })
+        .await
+        .expect("claim")
+        .into_inner();
+    let ev = tokio::time::timeout(Duration::from_secs(30), watch.next())
+        .await
+        .expect("the idle Watch stream, open across the pings, gets the change")
+        .expect("still open")
+        .expect("an event");
+    assert_eq!(ev.generation, claimed.generation);
+    drop((watch, c, other));
+    a.assert_alive("silent and idle connections");
+}
+
 /// An agent whose descriptors are all taken by connections (a limit of 64 here, a flood
 /// of 100) pauses accepting instead of retrying at once: while the flood is held, the
 /// accepts that failed come to about one per pause, where an accept loop without the

@@ -24,6 +24,37 @@ use tonic::transport::server::{Connected, UdsConnectInfo};
 
 use crate::metrics::Metrics;
 
+/// What a connection may hold and how long it may stay silent, from `[api]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Connections one Unix-socket peer uid may hold open.
+    pub per_uid: usize,
+    /// Calls open at once on one connection (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS).
+    pub streams: u32,
+    /// How long a connection may stay silent before the agent pings it (HTTP/2 PING).
+    pub keepalive_interval: Duration,
+    /// How long a ping may go unanswered before the connection is closed.
+    pub keepalive_timeout: Duration,
+}
+
+impl ConnectionLimits {
+    pub fn from_config(api: &crate::config::ApiConfig) -> ConnectionLimits {
+        ConnectionLimits {
+            per_uid: api.max_connections_per_uid,
+            // At most 2^20, checked with the config.
+            streams: u32::try_from(api.max_streams_per_connection).unwrap_or(u32::MAX),
+            keepalive_interval: Duration::from_millis(api.keepalive_interval_ms),
+            keepalive_timeout: Duration::from_millis(api.keepalive_timeout_ms),
+        }
+    }
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits::from_config(&crate::config::ApiConfig::default())
+    }
+}
+
 /// How long accepting pauses after it failed for want of descriptors or memory.
 pub const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 

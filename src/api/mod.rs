@@ -111,8 +111,8 @@ pub struct HostDevService {
     watch: WatchLimits,
     /// The Unix socket's open connections by peer uid, and their limit.
     connections: Arc<connections::Connections>,
-    /// Calls one connection may have open at once (HTTP/2 concurrent streams).
-    streams_per_connection: u32,
+    /// What one connection may do, and how long it may stay silent.
+    connection_limits: connections::ConnectionLimits,
 }
 
 /// The limits on Watch streams: how many may be open, and how much each may have
@@ -217,11 +217,6 @@ impl Default for WatchLimits {
     }
 }
 
-/// HTTP/2's stream limit from the configured one (at most 2^20, checked with the config).
-fn stream_limit(streams: usize) -> u32 {
-    u32::try_from(streams).unwrap_or(u32::MAX)
-}
-
 impl HostDevService {
     pub fn new(
         writer: Writer,
@@ -230,11 +225,9 @@ impl HostDevService {
         info: Arc<AgentInfo>,
         guard: Arc<guard::FreeGuard>,
     ) -> Self {
-        let defaults = crate::config::ApiConfig::default();
-        let connections = connections::Connections::new(
-            defaults.max_connections_per_uid,
-            writer.metrics().clone(),
-        );
+        let connection_limits = connections::ConnectionLimits::default();
+        let connections =
+            connections::Connections::new(connection_limits.per_uid, writer.metrics().clone());
         HostDevService {
             writer,
             access,
@@ -244,7 +237,7 @@ impl HostDevService {
             stopping: Arc::new(tokio::sync::watch::channel(false).0),
             watch: WatchLimits::default(),
             connections,
-            streams_per_connection: stream_limit(defaults.max_streams_per_connection),
+            connection_limits,
         }
     }
 
@@ -254,18 +247,18 @@ impl HostDevService {
         self
     }
 
-    /// Replaces the default limits on connections per Unix-socket peer uid and on calls
-    /// open at once on one connection (`[api] max_connections_per_uid`,
-    /// `max_streams_per_connection`).
-    pub fn with_connection_limits(mut self, per_uid: usize, streams: usize) -> Self {
-        self.connections = connections::Connections::new(per_uid, self.writer.metrics().clone());
-        self.streams_per_connection = stream_limit(streams);
+    /// Replaces the default limits on connections (`[api] max_connections_per_uid`,
+    /// `max_streams_per_connection`, `keepalive_*`).
+    pub fn with_connection_limits(mut self, limits: connections::ConnectionLimits) -> Self {
+        self.connections =
+            connections::Connections::new(limits.per_uid, self.writer.metrics().clone());
+        self.connection_limits = limits;
         self
     }
 
-    /// Calls one connection may have open at once.
-    pub fn streams_per_connection(&self) -> u32 {
-        self.streams_per_connection
+    /// What one connection may do, and how long it may stay silent.
+    pub fn connection_limits(&self) -> &connections::ConnectionLimits {
+        &self.connection_limits
     }
 
     /// The Unix socket's connections by peer uid, which the accept loop admits through.
