@@ -874,6 +874,33 @@ async fn watch_streams_are_capped_per_uid() {
         .await;
 }
 
+/// Claims VF0 for owner `n` with `request_id`, at its generation in `listed`.
+async fn claim_vf0(
+    c: &mut HostDevClient<Channel>,
+    listed: &proto::ListDevicesResponse,
+    n: u128,
+    request_id: &str,
+) -> proto::ClaimResponse {
+    let vf = listed
+        .devices
+        .iter()
+        .find(|d| d.address == VF0)
+        .expect("vf")
+        .generation;
+    c.claim(proto::ClaimRequest {
+        owner: Some(owner(n)),
+        request_id: request_id.into(),
+        target: Some(proto::claim_request::Target::Address(proto::ByAddress {
+            address: VF0.into(),
+            expected_generation: vf,
+        })),
+        ..Default::default()
+    })
+    .await
+    .expect("claim")
+    .into_inner()
+}
+
 /// A connection that answers GetStatus, or why not (refused at connect or at the call).
 async fn answering(socket: &Path) -> Result<HostDevClient<Channel>, String> {
     let mut c = hostdevd::client::connect(socket)
@@ -1042,25 +1069,7 @@ async fn a_silent_connection_is_closed_and_an_idle_live_one_kept() {
     // The live connection stays silent for five more intervals, answering pings only.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut other = answering_soon(&a.socket, "the silent connection's place").await;
-    let vf = before
-        .devices
-        .iter()
-        .find(|d| d.address == VF0)
-        .expect("vf")
-        .generation;
-    let claimed = other
-        .claim(proto::ClaimRequest {
-            owner: Some(owner(7)),
-            request_id: "keepalive".into(),
-            target: Some(proto::claim_request::Target::Address(proto::ByAddress {
-                address: VF0.into(),
-                expected_generation: vf,
-            })),
-            ..Default::default()
-        })
-        .await
-        .expect("claim")
-        .into_inner();
+    let claimed = claim_vf0(&mut other, &before, 7, "keepalive").await;
     let ev = tokio::time::timeout(Duration::from_secs(30), watch.next())
         .await
         .expect("the idle Watch stream, open across the pings, gets the change")
@@ -1156,25 +1165,7 @@ async fn watch_streams_are_capped_and_a_closed_one_frees_its_slot() {
     };
     streams.push(reopened);
     // The capped streams still work: every one sees a change.
-    let vf = first
-        .devices
-        .iter()
-        .find(|d| d.address == VF0)
-        .expect("vf")
-        .generation;
-    let claimed = c
-        .claim(proto::ClaimRequest {
-            owner: Some(owner(9)),
-            request_id: "cap-claim".into(),
-            target: Some(proto::claim_request::Target::Address(proto::ByAddress {
-                address: VF0.into(),
-                expected_generation: vf,
-            })),
-            ..Default::default()
-        })
-        .await
-        .expect("claim")
-        .into_inner();
+    let claimed = claim_vf0(&mut c, &first, 9, "cap-claim").await;
     for (i, s) in streams.iter_mut().enumerate() {
         let ev = tokio::time::timeout(Duration::from_secs(30), s.next())
             .await
