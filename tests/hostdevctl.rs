@@ -32,10 +32,16 @@ struct Agent {
 impl Agent {
     /// One i40e PF with 4 iavf VFs on NUMA node 1, and an NVMe controller (unmanaged).
     fn start() -> Agent {
-        Self::start_with_writer(nix::unistd::getuid().as_raw())
+        Self::start_with(nix::unistd::getuid().as_raw(), "")
     }
 
     fn start_with_writer(writer_uid: u32) -> Agent {
+        Self::start_with(writer_uid, "")
+    }
+
+    /// [`Agent::start`] with `writer_uid` the one uid allowed to mutate, and `config`
+    /// (TOML) as its config file, under the command line's settings.
+    fn start_with(writer_uid: u32, config: &str) -> Agent {
         let mut f = FakeSys::new();
         f.pf(PF, 0x8086, 0x1572, 64, 4)
             .driver(PF, "i40e")
@@ -57,8 +63,12 @@ impl Agent {
         let log = dir.path().join("hostdevd.log");
         let proc = dir.path().join("proc");
         std::fs::create_dir(&proc).unwrap();
+        let config_path = dir.path().join("config.toml");
+        std::fs::write(&config_path, config).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_hostdevd"))
             .arg("serve")
+            .arg("--config")
+            .arg(&config_path)
             .arg("--sysfs-root")
             .arg(tree.sysfs_root())
             .arg("--dev-root")
@@ -822,6 +832,47 @@ fn no_daemon_is_exit_3_naming_the_socket() {
         "{}",
         help.stdout
     );
+}
+
+/// A connection the agent closes as soon as it accepts it (its uid holds
+/// `max_connections_per_uid` already) is reported as a lost connection that names the
+/// setting, exit 3, not as a cancelled call.
+#[test]
+fn a_connection_over_the_uid_limit_says_so() {
+    let a = Agent::start_with(
+        nix::unistd::getuid().as_raw(),
+        "[api]\nmax_connections_per_uid = 1\n",
+    );
+    // Holds the uid's one place. An admitted connection gets the agent's HTTP/2
+    // SETTINGS at once; one refused while the readiness probe's connection still held
+    // the place is closed (EOF), and is tried again.
+    let held = loop {
+        let s = std::os::unix::net::UnixStream::connect(&a.socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut first = [0u8; 9];
+        if std::io::Read::read_exact(&mut &s, &mut first).is_ok() {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // The agent closes the connection while the client sets up HTTP/2, or just after:
+    // either way the line names the setting.
+    for _ in 0..5 {
+        let r = ctl_at(&a.socket, &["status"]);
+        let line = refusal(&r, 3);
+        assert!(
+            line.contains("closed the connection") || line.contains("lost the connection"),
+            "{line}"
+        );
+        assert!(line.contains("max_connections_per_uid"), "{line}");
+        assert!(!line.contains("daemon running"), "{line}");
+    }
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ctl_at(&a.socket, &["status"]).code != 0 {
+        assert!(Instant::now() < deadline, "the place never came back");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]

@@ -308,12 +308,18 @@ fn code_label(code: Code, reason: Option<&str>) -> Option<&'static str> {
 fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
     let info = status.get_details_error_info();
     let ours = info.as_ref().is_some_and(|i| i.domain == ERROR_DOMAIN);
-    if !ours && matches!(status.code(), Code::Unavailable | Code::Unknown) {
+    if !ours
+        && matches!(
+            status.code(),
+            Code::Unavailable | Code::Unknown | Code::Cancelled
+        )
+    {
         // Transport failure: the connection broke, not an answer from the agent. An
         // UNAVAILABLE with our ErrorInfo is the agent's own answer (SHUTTING_DOWN: it is
-        // stopping), a refused or ended call like any other.
+        // stopping), a refused or ended call like any other. A connection the agent
+        // closed as soon as it accepted it ends the call as CANCELLED.
         return Failure::Connect(format!(
-            "{op} failed: lost the connection to hostdevd at {}: {}",
+            "{op} failed: lost the connection to hostdevd at {}: {} (if at once: the agent closes a new connection whose uid holds [api] max_connections_per_uid already, and logs it)",
             socket.display(),
             status.message()
         ));
@@ -1359,6 +1365,27 @@ async fn cmd_outcome(ctx: &mut Ctx, owner: ConsumerId, request_id: RequestId) ->
     ))
 }
 
+/// Whether a failed connect never reached an agent: no socket, nobody listening on it,
+/// or no permission to it. Otherwise an agent accepted the connection and ended it
+/// before HTTP/2 was set up.
+fn unreached(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut chain = Some(e);
+    while let Some(err) = chain {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::NotFound
+                    | std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::PermissionDenied
+                    | std::io::ErrorKind::NotADirectory
+                    | std::io::ErrorKind::InvalidInput
+            );
+        }
+        chain = err.source();
+    }
+    false
+}
+
 async fn run(cli: Cli) -> Outcome {
     let socket = socket_path(&cli);
     let client = client::connect(&socket).await.map_err(|e| {
@@ -1366,10 +1393,17 @@ async fn run(cli: Cli) -> Outcome {
             .and_then(std::error::Error::source)
             .map(|c| c.to_string())
             .unwrap_or_else(|| e.to_string());
-        Failure::Connect(format!(
-            "cannot connect to hostdevd at {}: {cause} (is the daemon running? set --socket or ${SOCKET_ENV})",
-            socket.display()
-        ))
+        if unreached(&e) {
+            Failure::Connect(format!(
+                "cannot connect to hostdevd at {}: {cause} (is the daemon running? set --socket or ${SOCKET_ENV})",
+                socket.display()
+            ))
+        } else {
+            Failure::Connect(format!(
+                "hostdevd at {} closed the connection: {cause} (it closes a new connection whose uid holds [api] max_connections_per_uid already, and logs it)",
+                socket.display()
+            ))
+        }
     })?;
     let mut ctx = Ctx {
         client,
