@@ -14,8 +14,9 @@
 //! - [`memory`]: the allocator set up for a small resident set (arenas, trims).
 //! - [`writer`]: the single writer thread: decides commands in batches against the
 //!   ledger, commits each batch once (group commit), publishes views and watch events.
-//! - [`api`]: the gRPC service `hostdev.v1.HostDev`, the caller check, the error map, and
-//!   the per-watcher queues that bound what a slow client may cost.
+//! - [`api`]: the gRPC service `hostdev.v1.HostDev`, the caller check, the error map,
+//!   the per-watcher queues that bound what a slow client may cost, and the accept loop
+//!   that bounds the connections one uid may hold.
 //! - [`client`]: connecting a `HostDev` client to the agent's Unix socket.
 //! - [`tcp`]: the optional TCP listener, mutual TLS only.
 //! - [`metrics`]: Prometheus counters and gauges on an optional HTTP listener.
