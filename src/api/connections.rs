@@ -63,29 +63,34 @@ pub const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// Open connections by peer uid (`None`: the kernel gave no credentials), against the
-/// limit for one uid.
+/// limits they were made under.
 #[derive(Debug)]
 pub struct Connections {
-    per_uid: usize,
+    limits: ConnectionLimits,
     open: Mutex<HashMap<Option<u32>, usize>>,
     /// Keeps the `hostdevd_connections` gauge and the refusal counters.
     metrics: Arc<Metrics>,
 }
 
 impl Connections {
-    pub fn new(per_uid: usize, metrics: Arc<Metrics>) -> Arc<Connections> {
+    pub fn new(limits: ConnectionLimits, metrics: Arc<Metrics>) -> Arc<Connections> {
         Arc::new(Connections {
-            per_uid,
+            limits,
             open: Mutex::new(HashMap::new()),
             metrics,
         })
+    }
+
+    /// What one connection may do, and how long it may stay silent.
+    pub fn limits(&self) -> &ConnectionLimits {
+        &self.limits
     }
 
     /// A place for one more connection of `uid`; `None` while it holds `per_uid`.
     pub fn admit(self: &Arc<Self>, uid: Option<u32>) -> Option<Slot> {
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
         let n = open.entry(uid).or_default();
-        if *n >= self.per_uid {
+        if *n >= self.limits.per_uid {
             if *n == 0 {
                 open.remove(&uid);
             }
@@ -99,8 +104,10 @@ impl Connections {
         })
     }
 
-    /// Connections open now, over all uids.
-    pub fn open(&self) -> usize {
+    /// Connections open now, over all uids (the gauge in `metrics` says the same; this
+    /// reads the accounting itself).
+    #[cfg(test)]
+    fn open(&self) -> usize {
         self.open
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -114,7 +121,8 @@ impl Connections {
     }
 
     /// Connections open now for `uid`.
-    pub fn open_for(&self, uid: Option<u32>) -> usize {
+    #[cfg(test)]
+    fn open_for(&self, uid: Option<u32>) -> usize {
         self.open
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -270,7 +278,7 @@ pub fn incoming(
             if let Some(n) = s.refused.due() {
                 tracing::warn!(
                     uid = ?uid,
-                    limit = s.conns.per_uid,
+                    limit = s.conns.limits.per_uid,
                     refused = n,
                     "connection refused: its uid holds as many open connections as [api] max_connections_per_uid allows (a client that opens a connection per call and keeps them?)"
                 );
@@ -320,9 +328,17 @@ pub fn pausing<T>(
 mod tests {
     use super::*;
 
+    /// The default limits but `per_uid` connections for one uid.
+    fn per_uid(per_uid: usize) -> ConnectionLimits {
+        ConnectionLimits {
+            per_uid,
+            ..ConnectionLimits::default()
+        }
+    }
+
     #[test]
     fn a_uid_holds_at_most_its_limit_and_a_closed_connection_gives_its_place_back() {
-        let c = Connections::new(2, Metrics::new());
+        let c = Connections::new(per_uid(2), Metrics::new());
         let a1 = c.admit(Some(1)).expect("first");
         let a2 = c.admit(Some(1)).expect("second");
         assert!(c.admit(Some(1)).is_none(), "a third for uid 1");
@@ -348,7 +364,7 @@ mod tests {
 
     #[test]
     fn a_limit_of_zero_admits_nothing_and_keeps_no_entry() {
-        let c = Connections::new(0, Metrics::new());
+        let c = Connections::new(per_uid(0), Metrics::new());
         assert!(c.admit(Some(7)).is_none());
         assert!(c.open.lock().expect("lock").is_empty());
     }
@@ -379,7 +395,7 @@ mod tests {
         let path = dir.path().join("s.sock");
         let listener = UnixListener::bind(&path).expect("bind");
         let metrics = Metrics::new();
-        let conns = Connections::new(2, Arc::clone(&metrics));
+        let conns = Connections::new(per_uid(2), Arc::clone(&metrics));
         let accepted = incoming(listener, Arc::clone(&conns));
         let mut accepted = Box::pin(accepted);
         let mut clients = Vec::new();

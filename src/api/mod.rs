@@ -109,10 +109,8 @@ pub struct HostDevService {
     /// shutdown does not wait forever for them.
     stopping: Arc<tokio::sync::watch::Sender<bool>>,
     watch: WatchLimits,
-    /// The Unix socket's open connections by peer uid, and their limit.
+    /// The Unix socket's open connections by peer uid, and the limits on connections.
     connections: Arc<connections::Connections>,
-    /// What one connection may do, and how long it may stay silent.
-    connection_limits: connections::ConnectionLimits,
 }
 
 /// The limits on Watch streams: how many may be open, and how much each may have
@@ -225,9 +223,10 @@ impl HostDevService {
         info: Arc<AgentInfo>,
         guard: Arc<guard::FreeGuard>,
     ) -> Self {
-        let connection_limits = connections::ConnectionLimits::default();
-        let connections =
-            connections::Connections::new(connection_limits.per_uid, writer.metrics().clone());
+        let connections = connections::Connections::new(
+            connections::ConnectionLimits::default(),
+            writer.metrics().clone(),
+        );
         HostDevService {
             writer,
             access,
@@ -237,7 +236,6 @@ impl HostDevService {
             stopping: Arc::new(tokio::sync::watch::channel(false).0),
             watch: WatchLimits::default(),
             connections,
-            connection_limits,
         }
     }
 
@@ -250,15 +248,13 @@ impl HostDevService {
     /// Replaces the default limits on connections (`[api] max_connections_per_uid`,
     /// `max_streams_per_connection`, `keepalive_*`).
     pub fn with_connection_limits(mut self, limits: connections::ConnectionLimits) -> Self {
-        self.connections =
-            connections::Connections::new(limits.per_uid, self.writer.metrics().clone());
-        self.connection_limits = limits;
+        self.connections = connections::Connections::new(limits, self.writer.metrics().clone());
         self
     }
 
     /// What one connection may do, and how long it may stay silent.
     pub fn connection_limits(&self) -> &connections::ConnectionLimits {
-        &self.connection_limits
+        self.connections.limits()
     }
 
     /// The Unix socket's connections by peer uid, which the accept loop admits through.
