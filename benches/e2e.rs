@@ -12,9 +12,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::client::Client;
 use hostdevd::simhost::{FakeSys, FakeTree};
 use tokio_stream::StreamExt;
-use tonic::transport::Channel;
 
 #[path = "support/affinity.rs"]
 mod affinity;
@@ -406,7 +406,7 @@ fn start_metered_daemon(
     (d, metrics)
 }
 
-async fn wait_ready(d: &Daemon) -> (HostDevClient<Channel>, Duration) {
+async fn wait_ready(d: &Daemon) -> (Client, Duration) {
     let t = Instant::now();
     loop {
         if let Ok(mut c) = hostdevd::client::connect(&d.socket).await {
@@ -448,7 +448,7 @@ fn claim_at(
 }
 
 /// Every device, as ListDevices gives them.
-async fn devices(c: &mut HostDevClient<Channel>) -> Vec<proto::Device> {
+async fn devices(c: &mut Client) -> Vec<proto::Device> {
     c.list_devices(proto::ListDevicesRequest {})
         .await
         .expect("list")
@@ -457,7 +457,7 @@ async fn devices(c: &mut HostDevClient<Channel>) -> Vec<proto::Device> {
 }
 
 /// Every device's generation, by address.
-async fn generations(c: &mut HostDevClient<Channel>) -> std::collections::HashMap<String, u64> {
+async fn generations(c: &mut Client) -> std::collections::HashMap<String, u64> {
     devices(c)
         .await
         .into_iter()
@@ -465,7 +465,7 @@ async fn generations(c: &mut HostDevClient<Channel>) -> std::collections::HashMa
         .collect()
 }
 
-async fn free_vfs(c: &mut HostDevClient<Channel>) -> Vec<(String, u64)> {
+async fn free_vfs(c: &mut Client) -> Vec<(String, u64)> {
     devices(c)
         .await
         .into_iter()
@@ -476,13 +476,20 @@ async fn free_vfs(c: &mut HostDevClient<Channel>) -> Vec<(String, u64)> {
 
 /// One claim and one release of `addr`, returning the two latencies and the final
 /// generation.
-async fn claim_release(
-    c: &mut HostDevClient<Channel>,
+async fn claim_release<T>(
+    c: &mut HostDevClient<T>,
     who: u128,
     addr: &str,
     g: u64,
     seq: u64,
-) -> (f64, f64, u64, u64) {
+) -> (f64, f64, u64, u64)
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    T::ResponseBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    <T::ResponseBody as http_body::Body>::Error:
+        Into<Box<dyn std::error::Error + Send + Sync>> + Send,
+{
     let t = Instant::now();
     let r = c
         .claim(claim_at(addr.into(), g, owner(who), format!("c{seq}")))
@@ -727,7 +734,7 @@ async fn round_trip_rows(t: &mut Table, dir: &Path, runs: usize) {
     let d = start_daemon(&small, dir, &dir.join("state"));
     let (mut c, _) = wait_ready(&d).await;
     let mut health = tonic_health::pb::health_client::HealthClient::new(
-        hostdevd::client::connect_channel(&d.socket)
+        hostdevd::client::connect_transport(&d.socket)
             .await
             .expect("channel"),
     );
@@ -920,7 +927,7 @@ impl Steady {
 /// calls. `peak` follows the daemon's RSS.
 async fn load_round<M>(
     d: &Daemon,
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     pass: usize,
     clients: usize,
     peak: &mut Rss,
@@ -971,7 +978,7 @@ async fn echo_round<M>(
         let socket = socket.clone();
         async move {
             let mut health = tonic_health::pb::health_client::HealthClient::new(
-                hostdevd::client::connect_channel(&socket)
+                hostdevd::client::connect_transport(&socket)
                     .await
                     .expect("channel"),
             );
@@ -1565,7 +1572,7 @@ async fn holder_rows(t: &mut Table, disk: &Path, runs: usize) {
 /// release) for the same owner, and puts its new generation in `held` at the same place:
 /// for a round of frees to start again. Request ids are `<tag>-<k>`.
 async fn claim_back(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     freed: Vec<(String, proto::Owner, u64)>,
     held: &mut [(String, proto::Owner, u64)],
     tag: &str,
@@ -1587,7 +1594,7 @@ async fn claim_back(
 
 /// Claims every free VF but `keep`, each for a consumer of its own numbered from
 /// `first_owner`; returns how many it claimed.
-async fn claim_free_vfs(c: &mut HostDevClient<Channel>, keep: usize, first_owner: u128) -> usize {
+async fn claim_free_vfs(c: &mut Client, keep: usize, first_owner: u128) -> usize {
     let free = free_vfs(c).await;
     let fill = free.len().saturating_sub(keep);
     for (k, (addr, g)) in free.into_iter().take(fill).enumerate() {

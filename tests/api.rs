@@ -6,11 +6,11 @@ mod support;
 
 use std::collections::BTreeSet;
 
-use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::api::proto::{self};
+use hostdevd::client::Client;
 use hostdevd::config::Config;
 use support::FakeSys;
 use tokio_stream::StreamExt;
-use tonic::transport::Channel;
 use tonic::Code;
 use tonic_types::StatusExt;
 
@@ -57,7 +57,7 @@ fn owner(n: u128) -> proto::Owner {
     }
 }
 
-async fn device(c: &mut HostDevClient<Channel>, a: &str) -> proto::Device {
+async fn device(c: &mut Client, a: &str) -> proto::Device {
     c.get_device(proto::GetDeviceRequest { address: a.into() })
         .await
         .expect("get device")
@@ -67,7 +67,7 @@ async fn device(c: &mut HostDevClient<Channel>, a: &str) -> proto::Device {
 }
 
 async fn claim(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     a: &str,
     who: u128,
     req: &str,
@@ -87,7 +87,7 @@ async fn claim(
 }
 
 async fn release(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     a: &str,
     who: u128,
     req: &str,
@@ -109,7 +109,7 @@ fn info(s: &tonic::Status) -> (String, std::collections::HashMap<String, String>
     (i.reason, i.metadata)
 }
 
-async fn listing(c: &mut HostDevClient<Channel>) -> proto::ListDevicesResponse {
+async fn listing(c: &mut Client) -> proto::ListDevicesResponse {
     c.list_devices(proto::ListDevicesRequest {})
         .await
         .expect("list")
@@ -319,7 +319,7 @@ async fn retries_older_than_memory_holds_are_answered_from_disk() {
     let mut c = s.client().await;
     let (vf, other) = ("0000:3b:10.0", "0000:3b:10.1");
     // Pushes every earlier entry out of memory: 2 kept, 16 logged.
-    async fn churn(c: &mut HostDevClient<Channel>, a: &str, round: u32) {
+    async fn churn(c: &mut Client, a: &str, round: u32) {
         for i in 0..8 {
             let g = device(c, a).await.generation;
             let r = claim(c, a, 9, &format!("churn-{round}-{i}"), g)

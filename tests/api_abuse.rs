@@ -16,6 +16,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::client::Client;
 use hostdevd::simhost::{FakeSys, FakeTree};
 use prost::bytes::{Buf, BufMut};
 use tokio_stream::StreamExt;
@@ -116,7 +117,7 @@ async fn start_under(base: &Path, vfs: u32, extra_api: &str, open_files: Option<
 }
 
 impl Agent {
-    async fn client(&self) -> HostDevClient<Channel> {
+    async fn client(&self) -> Client {
         hostdevd::client::connect(&self.socket)
             .await
             .expect("connect")
@@ -169,7 +170,7 @@ fn rss_of(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-async fn device(c: &mut HostDevClient<Channel>, address: &str) -> proto::Device {
+async fn device(c: &mut Client, address: &str) -> proto::Device {
     c.get_device(proto::GetDeviceRequest {
         address: address.into(),
     })
@@ -183,7 +184,7 @@ async fn device(c: &mut HostDevClient<Channel>, address: &str) -> proto::Device 
 /// `n` Watch streams of `watch` on one connection, each opened before the next;
 /// fails loudly naming the first one refused.
 async fn open_watches(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     watch: proto::WatchRequest,
     n: usize,
 ) -> Vec<tonic::Streaming<proto::WatchEvent>> {
@@ -199,7 +200,7 @@ async fn open_watches(
     streams
 }
 
-async fn listing(c: &mut HostDevClient<Channel>) -> proto::ListDevicesResponse {
+async fn listing(c: &mut Client) -> proto::ListDevicesResponse {
     c.list_devices(proto::ListDevicesRequest {})
         .await
         .expect("list")
@@ -274,7 +275,7 @@ impl Codec for RawCodec {
 
 /// Sends `body` as the request message of `method` ("Claim", "GetDevice", ...).
 async fn raw_call(socket: &Path, method: &str, body: Vec<u8>) -> Result<Vec<u8>, Status> {
-    let channel = hostdevd::client::connect_channel(socket)
+    let channel = hostdevd::client::connect_transport(socket)
         .await
         .expect("connect");
     let mut grpc = tonic::client::Grpc::new(channel);
@@ -876,7 +877,7 @@ async fn watch_streams_are_capped_per_uid() {
 
 /// Claims VF0 for owner `n` with `request_id`, at its generation in `listed`.
 async fn claim_vf0(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     listed: &proto::ListDevicesResponse,
     n: u128,
     request_id: &str,
@@ -902,7 +903,7 @@ async fn claim_vf0(
 }
 
 /// A connection that answers GetStatus, or why not (refused at connect or at the call).
-async fn answering(socket: &Path) -> Result<HostDevClient<Channel>, String> {
+async fn answering(socket: &Path) -> Result<Client, String> {
     let mut c = hostdevd::client::connect(socket)
         .await
         .map_err(|e| format!("connect: {e}"))?;
@@ -920,7 +921,7 @@ async fn answering(socket: &Path) -> Result<HostDevClient<Channel>, String> {
 
 /// A connection that answers, retried for up to 30 s (a connection the client closed
 /// gives its place back once the server has seen it close).
-async fn answering_soon(socket: &Path, what: &str) -> HostDevClient<Channel> {
+async fn answering_soon(socket: &Path, what: &str) -> Client {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         match answering(socket).await {
@@ -1726,7 +1727,7 @@ async fn vanishing_claims() -> (usize, usize, usize) {
         let mut doomed = a.client().await;
         let call = claim.clone();
         drop_mid_call(i, tokio::spawn(async move { doomed.claim(call).await })).await;
-        let ask = |mut c: HostDevClient<Channel>, request_id: String| async move {
+        let ask = |mut c: Client, request_id: String| async move {
             c.get_request_outcome(proto::GetRequestOutcomeRequest {
                 consumer_id: owner(who).consumer_id,
                 request_id,

@@ -31,9 +31,9 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::api::proto::{self};
+use hostdevd::client::Client;
 use hostdevd::simhost::{FakeSys, FakeTree};
-use tonic::transport::Channel;
 use tonic::Code;
 use tonic_types::StatusExt;
 
@@ -181,7 +181,7 @@ fn log_tail(log: &Path) -> String {
 
 /// Waits until the daemon serves (the socket is bound only after the store is loaded and
 /// the first inventory applied).
-async fn wait_ready(d: &mut Daemon, socket: &Path, log: &Path) -> HostDevClient<Channel> {
+async fn wait_ready(d: &mut Daemon, socket: &Path, log: &Path) -> Client {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         if let Some(status) = d.0.try_wait().expect("try_wait") {
@@ -375,7 +375,7 @@ impl Checker {
 
     /// Checks the freshly restarted daemon against everything the last round's clients
     /// were told, resolving the requests that were in flight at the kill.
-    async fn verify(&mut self, c: &mut HostDevClient<Channel>, round: usize, sent: Vec<Sent>) {
+    async fn verify(&mut self, c: &mut Client, round: usize, sent: Vec<Sent>) {
         let status = c
             .get_status(proto::GetStatusRequest {})
             .await

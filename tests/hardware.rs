@@ -9,12 +9,12 @@ mod support;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::api::proto::{self};
+use hostdevd::client::Client;
 use hostdevd::config::Config;
 use hostdevd::simhost::{FakeSys, FakeTree};
 use support::fakekernel::{send_rename_uevent, send_uevent, send_uevent_numbered, FakeKernel};
 use tokio_stream::StreamExt;
-use tonic::transport::Channel;
 use tonic::Code;
 use tonic_types::StatusExt;
 
@@ -80,21 +80,21 @@ fn owner(n: u128) -> proto::Owner {
     }
 }
 
-async fn device(c: &mut HostDevClient<Channel>, a: &str) -> Option<proto::Device> {
+async fn device(c: &mut Client, a: &str) -> Option<proto::Device> {
     c.get_device(proto::GetDeviceRequest { address: a.into() })
         .await
         .ok()
         .and_then(|r| r.into_inner().device)
 }
 
-async fn vf(c: &mut HostDevClient<Channel>, i: usize) -> String {
+async fn vf(c: &mut Client, i: usize) -> String {
     let pf = device(c, PF).await.expect("PF");
     pf.sriov.expect("sriov").vfs[i].clone()
 }
 
 /// Polls until `f` holds of the device list, or fails after 30 s.
 async fn until(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     what: &str,
     f: impl Fn(&[proto::Device]) -> bool,
 ) -> Vec<proto::Device> {
@@ -124,7 +124,7 @@ fn reason(s: &tonic::Status) -> (String, HashMap<String, String>) {
 
 /// Claims `a` at its generation now, with a request id of its own.
 async fn claim(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     a: &str,
     who: u128,
     vfio: bool,
@@ -135,7 +135,7 @@ async fn claim(
 
 /// Claims `a` with a given request id and expected generation (a retry sends the same).
 async fn claim_as(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     a: &str,
     who: u128,
     vfio: bool,
@@ -157,7 +157,7 @@ async fn claim_as(
 
 /// Releases `a` at its generation now, with a request id of its own.
 async fn release(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     a: &str,
     who: u128,
 ) -> Result<proto::ReleaseResponse, tonic::Status> {
@@ -167,7 +167,7 @@ async fn release(
 
 /// Releases `a` with a given request id and generation (a retry sends the same).
 async fn release_as(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     a: &str,
     who: u128,
     request_id: &str,
@@ -184,7 +184,7 @@ async fn release_as(
 }
 
 async fn set_vfs(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     count: u32,
     generation: u64,
 ) -> Result<proto::SetVfCountResponse, tonic::Status> {
@@ -325,7 +325,7 @@ async fn a_lost_claims_release_is_not_checked_against_the_device_now_at_its_addr
         l.iter().any(|d| d.address == a && d.present)
     })
     .await;
-    let lost_generation = |c: &mut HostDevClient<Channel>| {
+    let lost_generation = |c: &mut Client| {
         let mut c = c.clone();
         let a = a.clone();
         async move {
@@ -752,7 +752,7 @@ fn set_seqnum(t: &FakeTree, n: u64) {
 }
 
 /// Waits until the claim at `a` is lost and a new, free device is present there.
-async fn until_lost_and_replaced(c: &mut HostDevClient<Channel>, a: &str) -> Vec<proto::Device> {
+async fn until_lost_and_replaced(c: &mut Client, a: &str) -> Vec<proto::Device> {
     until(c, "the claim lost and the new device free", |l| {
         let here: Vec<&proto::Device> = l.iter().filter(|d| d.address == a).collect();
         here.iter()
@@ -886,7 +886,7 @@ async fn an_audit_gives_a_bound_orphan_its_driver_back() {
 /// The acting audit `r` (after `snapshot`) freed `a` alone, its only orphan, and gave it
 /// its driver back: on iavf, unowned, with no binding recorded.
 async fn freed_with_its_driver_back(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     r: &proto::ReconcileResponse,
     snapshot: u64,
     a: &str,
@@ -918,7 +918,7 @@ async fn freed_with_its_driver_back(
 // and its recorded binding, and leaves the device's other records unchanged.
 
 /// Every device but the PF, with its generation.
-async fn vf_generations(c: &mut HostDevClient<Channel>) -> Vec<(String, u64)> {
+async fn vf_generations(c: &mut Client) -> Vec<(String, u64)> {
     c.list_devices(proto::ListDevicesRequest {})
         .await
         .expect("list")

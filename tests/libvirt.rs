@@ -14,10 +14,10 @@ use std::os::unix::fs::symlink;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::api::proto::{self};
+use hostdevd::client::Client;
 use hostdevd::config::Config;
 use hostdevd::simhost::{FakeSys, FakeTree};
-use tonic::transport::Channel;
 use tonic::Code;
 use tonic_types::StatusExt;
 use virt::connect::Connect;
@@ -162,7 +162,7 @@ fn domain_xml(name: &str, id: u128, hostdevs: &[&str], ifaces: &[&str]) -> Strin
     )
 }
 
-async fn device(c: &mut HostDevClient<Channel>, a: &str) -> proto::Device {
+async fn device(c: &mut Client, a: &str) -> proto::Device {
     c.get_device(proto::GetDeviceRequest { address: a.into() })
         .await
         .expect("get device")
@@ -171,7 +171,7 @@ async fn device(c: &mut HostDevClient<Channel>, a: &str) -> proto::Device {
         .expect("present")
 }
 
-async fn claim(c: &mut HostDevClient<Channel>, a: &str, who: u128) -> proto::ClaimResponse {
+async fn claim(c: &mut Client, a: &str, who: u128) -> proto::ClaimResponse {
     let g = device(c, a).await.generation;
     c.claim(proto::ClaimRequest {
         vfio: false,
@@ -188,7 +188,7 @@ async fn claim(c: &mut HostDevClient<Channel>, a: &str, who: u128) -> proto::Cla
 }
 
 async fn release(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     a: &str,
     who: u128,
     g: u64,
@@ -229,7 +229,7 @@ async fn release_at_once(
 }
 
 async fn reconcile(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     expected: &[u128],
     act: bool,
 ) -> Result<proto::ReconcileResponse, tonic::Status> {
@@ -336,7 +336,7 @@ async fn release_queries_libvirt_afresh_attach_and_detach() {
 /// use it, is refused (ABORTED: the fresh listing moved its generation on), and the
 /// device reads attached to that domain; returns the device.
 async fn attached_by_the_fresh_listing(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     vf: &str,
     who: u128,
     generation: u64,
@@ -357,11 +357,7 @@ async fn attached_by_the_fresh_listing(
 
 /// `stray` (unclaimed, used by a domain) is listed as a stray, and an acting audit that
 /// expects no consumer frees none of `attached`, which stay attached.
-async fn a_stray_and_kept_by_an_audit(
-    c: &mut HostDevClient<Channel>,
-    stray: &str,
-    attached: &[&str],
-) {
+async fn a_stray_and_kept_by_an_audit(c: &mut Client, stray: &str, attached: &[&str]) {
     let list = c
         .list_devices(proto::ListDevicesRequest {})
         .await
@@ -940,7 +936,7 @@ async fn a_vf_count_change_is_refused_while_a_domain_or_a_vfio_holder_uses_a_vf(
     let mut c = s.client().await;
     let g = device(&mut c, &h.pf).await.generation;
     let numvfs = h.tree.bus_link(&h.pf).join("sriov_numvfs");
-    let set = |c: &mut HostDevClient<Channel>, generation: u64| {
+    let set = |c: &mut Client, generation: u64| {
         let mut c = c.clone();
         let pf = h.pf.clone();
         async move {
@@ -1432,7 +1428,7 @@ async fn a_daemon_with_libvirt_disabled_never_loads_it() {
 
 /// Polls GetDevice until `f` holds, or fails after 30 s.
 async fn until_device(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     a: &str,
     what: &str,
     f: impl Fn(&proto::Device) -> bool,
@@ -1570,18 +1566,14 @@ async fn libvirtd_events_and_its_death_reach_the_agent_between_polls() {
 }
 
 /// Polls GetStatus until libvirt's health satisfies `f`, or fails after 30 s.
-async fn until_health(
-    c: &mut HostDevClient<Channel>,
-    what: &str,
-    f: impl Fn(&proto::Health) -> bool,
-) {
+async fn until_health(c: &mut Client, what: &str, f: impl Fn(&proto::Health) -> bool) {
     until_status(c, "libvirt", |s| s.libvirt, what, f).await
 }
 
 /// Polls GetStatus until the health `which` picks (named `name`) satisfies `f`, or fails
 /// after 30 s.
 async fn until_status(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     name: &str,
     which: impl Fn(proto::AgentStatus) -> Option<proto::Health>,
     what: &str,
@@ -1604,12 +1596,12 @@ async fn until_status(
 }
 
 /// Until libvirt's health is `ok`.
-async fn until_libvirt(c: &mut HostDevClient<Channel>, ok: bool) {
+async fn until_libvirt(c: &mut Client, ok: bool) {
     until_health(c, &format!("healthy = {ok}"), |h| h.ok == ok).await;
 }
 
 /// Until the domain-event subscription's health is `ok` and its detail contains `needle`.
-async fn until_events(c: &mut HostDevClient<Channel>, ok: bool, needle: &str) {
+async fn until_events(c: &mut Client, ok: bool, needle: &str) {
     until_status(
         c,
         "libvirt_events",
@@ -1621,7 +1613,7 @@ async fn until_events(c: &mut HostDevClient<Channel>, ok: bool, needle: &str) {
 }
 
 /// Until libvirt is healthy and its detail contains `needle`.
-async fn until_libvirt_says(c: &mut HostDevClient<Channel>, needle: &str) {
+async fn until_libvirt_says(c: &mut Client, needle: &str) {
     until_health(c, &format!("said {needle:?}"), |h| {
         h.ok && h.detail.contains(needle)
     })

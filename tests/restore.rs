@@ -5,9 +5,9 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
-use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::api::proto::{self};
+use hostdevd::client::Client;
 use hostdevd::simhost::FakeSys;
-use tonic::transport::Channel;
 
 mod support;
 
@@ -27,7 +27,7 @@ fn copy_state(from: &Path, to: &Path) {
     }
 }
 
-async fn host_generation(c: &mut HostDevClient<Channel>) -> u64 {
+async fn host_generation(c: &mut Client) -> u64 {
     c.get_status(proto::GetStatusRequest {})
         .await
         .expect("status")
@@ -36,7 +36,7 @@ async fn host_generation(c: &mut HostDevClient<Channel>) -> u64 {
 }
 
 /// Claims `a` at its generation now; returns the claim's generation.
-async fn claim(c: &mut HostDevClient<Channel>, a: &str, who: u128) -> u64 {
+async fn claim(c: &mut Client, a: &str, who: u128) -> u64 {
     let g = device(c, a).await.generation;
     c.claim(proto::ClaimRequest {
         owner: Some(owner(who)),
@@ -54,7 +54,7 @@ async fn claim(c: &mut HostDevClient<Channel>, a: &str, who: u128) -> u64 {
 }
 
 async fn release(
-    c: &mut HostDevClient<Channel>,
+    c: &mut Client,
     a: &str,
     who: u128,
     g: u64,

@@ -6,7 +6,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::api::proto::{self};
 use hostdevd::ledger::model::{
     ChangeSet, Claim, DeviceFacts, DeviceRecord, Outcome, Owner, RecordId, RequestEntry, Snapshot,
 };
@@ -431,7 +431,7 @@ fn fill_up(path: &Path) {
     }
 }
 
-type Client = HostDevClient<tonic::transport::Channel>;
+use hostdevd::client::Client;
 
 /// Starts the real daemon on `cfg_path`; returns it and a client once its socket answers.
 async fn start(cfg_path: &Path, socket: &Path) -> (support::Daemon, Client) {

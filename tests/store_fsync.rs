@@ -7,9 +7,8 @@
 
 use std::time::Duration;
 
-use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::api::proto::{self};
 use hostdevd::simhost::FakeSys;
-use tonic::transport::Channel;
 use tonic_types::StatusExt;
 
 #[path = "../benches/support/slowsync.rs"]
@@ -21,7 +20,7 @@ use support::{config_in, device, owner, Daemon};
 const PF: &str = "0000:3b:00.0";
 
 async fn claim(
-    c: &mut HostDevClient<Channel>,
+    c: &mut hostdevd::client::Client,
     a: &str,
     who: u128,
     request_id: &str,

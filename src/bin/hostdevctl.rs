@@ -11,11 +11,10 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use serde_json::{json, Value};
-use tonic::transport::Channel;
 use tonic::{Code, Status};
 use tonic_types::StatusExt;
 
-use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::api::proto;
 use hostdevd::api::status::ERROR_DOMAIN;
 use hostdevd::client::{self, DEFAULT_SOCKET_PATH, SOCKET_ENV};
 use hostdevd::pci::{ConsumerId, DeviceId, OwnerLabel, PciAddress, PhysNet, RequestId, VendorId};
@@ -242,7 +241,7 @@ enum Failure {
 type Outcome = Result<(), Failure>;
 
 struct Ctx {
-    client: HostDevClient<Channel>,
+    client: client::Client,
     socket: PathBuf,
     json: bool,
 }
@@ -1390,7 +1389,6 @@ async fn run(cli: Cli) -> Outcome {
     let socket = socket_path(&cli);
     let client = client::connect(&socket).await.map_err(|e| {
         let cause = std::error::Error::source(&e)
-            .and_then(std::error::Error::source)
             .map(|c| c.to_string())
             .unwrap_or_else(|| e.to_string());
         if unreached(&e) {

@@ -172,12 +172,7 @@ pub fn config_in(
 impl Daemon {
     /// Starts `hostdevd serve` on `<dir>/config.toml` (see [`config_in`]); returns it and
     /// a client once it answers.
-    pub async fn serve_in(
-        dir: &std::path::Path,
-    ) -> (
-        Daemon,
-        hostdevd::api::proto::host_dev_client::HostDevClient<tonic::transport::Channel>,
-    ) {
+    pub async fn serve_in(dir: &std::path::Path) -> (Daemon, hostdevd::client::Client) {
         let socket = dir.join("hostdevd.sock");
         let daemon = Daemon::serve(
             std::process::Command::new(env!("CARGO_BIN_EXE_hostdevd"))
@@ -202,7 +197,7 @@ pub fn owner(n: u128) -> hostdevd::api::proto::Owner {
 /// The recorded outcome of request `request_id` of consumer `consumer_id`, which must
 /// have one.
 pub async fn request_outcome(
-    c: &mut hostdevd::api::proto::host_dev_client::HostDevClient<tonic::transport::Channel>,
+    c: &mut hostdevd::client::Client,
     consumer_id: String,
     request_id: String,
 ) -> hostdevd::api::proto::RequestOutcome {
@@ -218,10 +213,7 @@ pub async fn request_outcome(
 }
 
 /// The present device at `a`.
-pub async fn device(
-    c: &mut hostdevd::api::proto::host_dev_client::HostDevClient<tonic::transport::Channel>,
-    a: &str,
-) -> hostdevd::api::proto::Device {
+pub async fn device(c: &mut hostdevd::client::Client, a: &str) -> hostdevd::api::proto::Device {
     c.get_device(hostdevd::api::proto::GetDeviceRequest { address: a.into() })
         .await
         .expect("get")

@@ -5,10 +5,10 @@ use std::path::PathBuf;
 
 use hostdevd::api::proto::host_dev_client::HostDevClient;
 use hostdevd::api::Access;
+use hostdevd::client::Client;
 use hostdevd::config::Config;
 use hostdevd::daemon::{bind_socket, serve, Agent};
 use hostdevd::simhost::FakeTree;
-use tonic::transport::Channel;
 
 /// A running agent; `stop` shuts it down gracefully.
 pub struct TestServer {
@@ -72,7 +72,7 @@ impl TestServer {
         }
     }
 
-    pub async fn client(&self) -> HostDevClient<Channel> {
+    pub async fn client(&self) -> Client {
         hostdevd::client::connect(&self.socket)
             .await
             .expect("connect to the test server")

@@ -1,0 +1,163 @@
+//! A gRPC transport straight over one HTTP/2 connection on the Unix socket, for unary and
+//! server-streaming calls: each request goes out whole (its headers and its one message
+//! in one write), with no task between the caller and the connection.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame};
+
+/// Flow-control windows as hyper's HTTP/2 client sets them (tonic's `Channel` before):
+/// a stream's and the whole connection's, in bytes. The connection's also bounds how many
+/// small messages may wait unread before h2 closes the connection as abusive (half of
+/// it), which a client with many Watch streams on one connection reaches at h2's default
+/// of 64 KiB.
+const STREAM_WINDOW: u32 = 2 << 20;
+const CONNECTION_WINDOW: u32 = 5 << 20;
+/// The largest header block accepted in an answer.
+const MAX_HEADER_LIST: u32 = 16 << 10;
+
+/// What can go wrong on a call through [`Direct`].
+pub type DirectError = Box<dyn std::error::Error + Send + Sync>;
+
+/// One HTTP/2 connection, shared by every clone (each call is a stream of its own).
+#[derive(Clone)]
+pub struct Direct {
+    send: h2::client::SendRequest<Bytes>,
+}
+
+impl std::fmt::Debug for Direct {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Direct").finish_non_exhaustive()
+    }
+}
+
+impl Direct {
+    /// Makes the HTTP/2 handshake on `io`, runs the connection on a task of its own, and
+    /// waits for the agent to answer a ping: a connection the agent closed at once (one
+    /// over its limit per uid) fails here, not at the first call.
+    pub async fn handshake<T>(io: T) -> std::io::Result<Direct>
+    where
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (send, mut conn) = h2::client::Builder::new()
+            .initial_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .max_header_list_size(MAX_HEADER_LIST)
+            .enable_push(false)
+            .handshake(io)
+            .await
+            .map_err(to_io)?;
+        let mut ping = conn.ping_pong();
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "the connection to hostdevd ended");
+            }
+        });
+        if let Some(ping) = &mut ping {
+            ping.ping(h2::Ping::opaque()).await.map_err(to_io)?;
+        }
+        let send = send.ready().await.map_err(to_io)?;
+        Ok(Direct { send })
+    }
+}
+
+/// An HTTP/2 error as the I/O error it wraps, if it does (a closed or refused socket).
+fn to_io(e: h2::Error) -> std::io::Error {
+    if e.is_io() {
+        if let Some(io) = e.into_io() {
+            return io;
+        }
+        return std::io::Error::other("the connection failed");
+    }
+    std::io::Error::other(e)
+}
+
+impl tower::Service<http::Request<tonic::body::Body>> for Direct {
+    type Response = http::Response<Received>;
+    type Error = DirectError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, DirectError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), DirectError>> {
+        self.send.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        let ready = self.send.clone();
+        let ready = std::mem::replace(&mut self.send, ready);
+        Box::pin(send(ready, req))
+    }
+}
+
+async fn send(
+    mut ready: h2::client::SendRequest<Bytes>,
+    req: http::Request<tonic::body::Body>,
+) -> Result<http::Response<Received>, DirectError> {
+    let (mut parts, mut body) = req.into_parts();
+    // A unary or server-streaming request's body is one message, ready at once.
+    let mut message = Vec::new();
+    while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
+        if let Ok(data) = frame?.into_data() {
+            message.extend_from_slice(&data);
+        }
+    }
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_string();
+    parts.uri = http::Uri::builder()
+        .scheme("http")
+        .authority("localhost")
+        .path_and_query(path)
+        .build()?;
+    let head = http::Request::from_parts(parts, ());
+    let (answer, mut stream) = ready.send_request(head, message.is_empty())?;
+    if !message.is_empty() {
+        stream.send_data(Bytes::from(message), true)?;
+    }
+    let answer = answer.await?;
+    Ok(answer.map(|recv| Received {
+        recv,
+        data_done: false,
+    }))
+}
+
+/// An answer's body: its messages, then its trailers (gRPC's status).
+#[derive(Debug)]
+pub struct Received {
+    recv: h2::RecvStream,
+    data_done: bool,
+}
+
+impl Body for Received {
+    type Data = Bytes;
+    type Error = h2::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+        if !self.data_done {
+            match std::task::ready!(self.recv.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    let _ = self.recv.flow_control().release_capacity(data.len());
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
+                None => self.data_done = true,
+            }
+        }
+        match std::task::ready!(self.recv.poll_trailers(cx)) {
+            Ok(Some(t)) => Poll::Ready(Some(Ok(Frame::trailers(t)))),
+            Ok(None) => Poll::Ready(None),
+            Err(e) => Poll::Ready(Some(Err(e))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.recv.is_end_stream()
+    }
+}
