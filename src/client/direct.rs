@@ -96,11 +96,16 @@ async fn send(
     req: http::Request<tonic::body::Body>,
 ) -> Result<http::Response<Received>, DirectError> {
     let (mut parts, mut body) = req.into_parts();
-    // A unary or server-streaming request's body is one message, ready at once.
-    let mut message = Vec::new();
+    // A unary or server-streaming request's body is one message, ready at once (tonic
+    // encodes it as one frame; any more are joined).
+    let mut message = Bytes::new();
     while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
         if let Ok(data) = frame?.into_data() {
-            message.extend_from_slice(&data);
+            message = if message.is_empty() {
+                data
+            } else {
+                [message, data].concat().into()
+            };
         }
     }
     let path = parts
@@ -116,7 +121,7 @@ async fn send(
     let head = http::Request::from_parts(parts, ());
     let (answer, mut stream) = ready.send_request(head, message.is_empty())?;
     if !message.is_empty() {
-        stream.send_data(Bytes::from(message), true)?;
+        stream.send_data(message, true)?;
     }
     let answer = answer.await?;
     Ok(answer.map(|recv| Received {
