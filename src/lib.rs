@@ -17,7 +17,8 @@
 //! - [`api`]: the gRPC service `hostdev.v1.HostDev`, the caller check, the error map,
 //!   the per-watcher queues that bound what a slow client may cost, and the accept loop
 //!   that bounds the connections one uid may hold.
-//! - [`client`]: connecting a `HostDev` client to the agent's Unix socket.
+//! - [`client`]: connecting a `HostDev` client to the agent's Unix socket, each request
+//!   sent whole on one HTTP/2 connection of its own (`client/direct.rs`).
 //! - [`tcp`]: the optional TCP listener, mutual TLS only.
 //! - [`metrics`]: Prometheus counters and gauges on an optional HTTP listener.
 //! - [`config`]: the TOML configuration and the managed-device selection.
