@@ -875,6 +875,32 @@ fn a_connection_over_the_uid_limit_says_so() {
     }
 }
 
+/// A socket whose listener accepts and never answers (an agent stopped with SIGSTOP, or
+/// wedged) is given up on after the connect timeout and said so, exit 3: not taken for a
+/// refused connection, and no hang.
+#[test]
+fn an_agent_that_never_answers_is_given_up_on_and_said_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("silent.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    std::thread::spawn(move || {
+        let mut kept = Vec::new();
+        for s in listener.incoming().flatten() {
+            kept.push(s);
+        }
+    });
+    let t = Instant::now();
+    let line = refusal(&ctl_at(&socket, &["status"]), 3);
+    assert!(line.contains("did not answer"), "{line}");
+    assert!(!line.contains("max_connections_per_uid"), "{line}");
+    assert!(!line.contains("daemon running"), "{line}");
+    assert!(
+        t.elapsed() >= hostdevd::client::CONNECT_TIMEOUT,
+        "{:?}",
+        t.elapsed()
+    );
+}
+
 #[test]
 fn a_vanished_claimed_vf_is_shown_lost_until_released() {
     let a = Agent::start();

@@ -1364,25 +1364,26 @@ async fn cmd_outcome(ctx: &mut Ctx, owner: ConsumerId, request_id: RequestId) ->
     ))
 }
 
-/// Whether a failed connect never reached an agent: no socket, nobody listening on it,
-/// or no permission to it. Otherwise an agent accepted the connection and ended it
-/// before HTTP/2 was set up.
-fn unreached(e: &(dyn std::error::Error + 'static)) -> bool {
+/// The kind of the I/O error behind a failed connect, if one is.
+fn io_kind(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
     let mut chain = Some(e);
     while let Some(err) = chain {
         if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            return matches!(
-                io.kind(),
-                std::io::ErrorKind::NotFound
-                    | std::io::ErrorKind::ConnectionRefused
-                    | std::io::ErrorKind::PermissionDenied
-                    | std::io::ErrorKind::NotADirectory
-                    | std::io::ErrorKind::InvalidInput
-            );
+            return Some(io.kind());
         }
         chain = err.source();
     }
-    false
+    None
+}
+
+/// Whether a failed connect never reached an agent: no socket, nobody listening on it,
+/// or no permission to it.
+fn unreached(kind: Option<std::io::ErrorKind>) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        kind,
+        Some(NotFound | ConnectionRefused | PermissionDenied | NotADirectory | InvalidInput)
+    )
 }
 
 async fn run(cli: Cli) -> Outcome {
@@ -1391,9 +1392,15 @@ async fn run(cli: Cli) -> Outcome {
         let cause = std::error::Error::source(&e)
             .map(|c| c.to_string())
             .unwrap_or_else(|| e.to_string());
-        if unreached(&e) {
+        let kind = io_kind(&e);
+        if unreached(kind) {
             Failure::Connect(format!(
                 "cannot connect to hostdevd at {}: {cause} (is the daemon running? set --socket or ${SOCKET_ENV})",
+                socket.display()
+            ))
+        } else if kind == Some(std::io::ErrorKind::TimedOut) {
+            Failure::Connect(format!(
+                "hostdevd at {} accepted the connection but did not answer: {cause} (is it stopped, or still starting? its log says)",
                 socket.display()
             ))
         } else {
