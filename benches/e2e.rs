@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use hostdevd::api::proto::{self, host_dev_client::HostDevClient};
+use hostdevd::api::proto;
 use hostdevd::client::Client;
 use hostdevd::simhost::{FakeSys, FakeTree};
 use tokio_stream::StreamExt;
@@ -476,20 +476,13 @@ async fn free_vfs(c: &mut Client) -> Vec<(String, u64)> {
 
 /// One claim and one release of `addr`, returning the two latencies and the final
 /// generation.
-async fn claim_release<T>(
-    c: &mut HostDevClient<T>,
+async fn claim_release(
+    c: &mut Client,
     who: u128,
     addr: &str,
     g: u64,
     seq: u64,
-) -> (f64, f64, u64, u64)
-where
-    T: tonic::client::GrpcService<tonic::body::Body>,
-    T::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    T::ResponseBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
-    <T::ResponseBody as http_body::Body>::Error:
-        Into<Box<dyn std::error::Error + Send + Sync>> + Send,
-{
+) -> (f64, f64, u64, u64) {
     let t = Instant::now();
     let r = c
         .claim(claim_at(addr.into(), g, owner(who), format!("c{seq}")))

@@ -49,6 +49,15 @@ impl ConnectError {
             ConnectError::Connect { path, .. } => path,
         }
     }
+
+    /// What kind of failure it was: `NotFound`, `ConnectionRefused` or
+    /// `PermissionDenied` never reached an agent, `TimedOut` reached one that did not
+    /// answer, any other an agent that closed the connection.
+    pub fn kind(&self) -> std::io::ErrorKind {
+        match self {
+            ConnectError::Connect { source, .. } => source.kind(),
+        }
+    }
 }
 
 /// Connects to the agent listening on the Unix socket `path`. The connection is made

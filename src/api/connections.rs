@@ -89,14 +89,10 @@ impl Connections {
     /// A place for one more connection of `uid`; `None` while it holds `per_uid`.
     pub fn admit(self: &Arc<Self>, uid: Option<u32>) -> Option<Slot> {
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        let n = open.entry(uid).or_default();
-        if *n >= self.limits.per_uid {
-            if *n == 0 {
-                open.remove(&uid);
-            }
+        if open.get(&uid).copied().unwrap_or(0) >= self.limits.per_uid {
             return None;
         }
-        *n += 1;
+        *open.entry(uid).or_default() += 1;
         self.metrics.connection_opened();
         Some(Slot {
             of: Arc::clone(self),

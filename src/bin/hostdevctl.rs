@@ -1364,25 +1364,13 @@ async fn cmd_outcome(ctx: &mut Ctx, owner: ConsumerId, request_id: RequestId) ->
     ))
 }
 
-/// The kind of the I/O error behind a failed connect, if one is.
-fn io_kind(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
-    let mut chain = Some(e);
-    while let Some(err) = chain {
-        if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            return Some(io.kind());
-        }
-        chain = err.source();
-    }
-    None
-}
-
 /// Whether a failed connect never reached an agent: no socket, nobody listening on it,
 /// or no permission to it.
-fn unreached(kind: Option<std::io::ErrorKind>) -> bool {
+fn unreached(kind: std::io::ErrorKind) -> bool {
     use std::io::ErrorKind::*;
     matches!(
         kind,
-        Some(NotFound | ConnectionRefused | PermissionDenied | NotADirectory | InvalidInput)
+        NotFound | ConnectionRefused | PermissionDenied | NotADirectory | InvalidInput
     )
 }
 
@@ -1392,13 +1380,13 @@ async fn run(cli: Cli) -> Outcome {
         let cause = std::error::Error::source(&e)
             .map(|c| c.to_string())
             .unwrap_or_else(|| e.to_string());
-        let kind = io_kind(&e);
+        let kind = e.kind();
         if unreached(kind) {
             Failure::Connect(format!(
                 "cannot connect to hostdevd at {}: {cause} (is the daemon running? set --socket or ${SOCKET_ENV})",
                 socket.display()
             ))
-        } else if kind == Some(std::io::ErrorKind::TimedOut) {
+        } else if kind == std::io::ErrorKind::TimedOut {
             Failure::Connect(format!(
                 "hostdevd at {} accepted the connection but did not answer: {cause} (is it stopped, or still starting? its log says)",
                 socket.display()

@@ -67,12 +67,11 @@ impl Direct {
 /// An HTTP/2 error as the I/O error it wraps, if it does (a closed or refused socket).
 fn to_io(e: h2::Error) -> std::io::Error {
     if e.is_io() {
-        if let Some(io) = e.into_io() {
-            return io;
-        }
-        return std::io::Error::other("the connection failed");
+        e.into_io()
+            .unwrap_or_else(|| std::io::Error::other("the connection failed"))
+    } else {
+        std::io::Error::other(e)
     }
-    std::io::Error::other(e)
 }
 
 impl tower::Service<http::Request<tonic::body::Body>> for Direct {
