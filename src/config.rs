@@ -207,7 +207,8 @@ pub struct ApiConfig {
     #[serde(default = "d_max_watchers_per_uid")]
     pub max_watch_streams_per_uid: usize,
     /// Connections one peer uid may hold open on the Unix socket at once; one more is
-    /// closed as soon as it is accepted (and logged, and counted in
+    /// served nothing: its calls are answered RESOURCE_EXHAUSTED (TOO_MANY_CONNECTIONS,
+    /// naming this setting) and it is closed (and logged, and counted in
     /// `hostdevd_connections_refused_total`). Each connection holds a file descriptor,
     /// so a client that leaks them (a channel per call, never closed) would otherwise
     /// take every descriptor the agent may open, and with them its reads of sysfs and

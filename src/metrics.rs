@@ -43,7 +43,8 @@ pub struct Metrics {
     holder_scans: AtomicU64,
     /// Connections open on the API socket.
     connections: AtomicU64,
-    /// Connections closed at once: their uid held `[api] max_connections_per_uid`.
+    /// Connections refused (answered with the reason, or closed at once): their uid held
+    /// `[api] max_connections_per_uid`.
     connections_refused: AtomicU64,
     /// Accepts on the API's listeners that failed for want of descriptors or memory.
     accept_failures: AtomicU64,
@@ -162,7 +163,7 @@ impl Metrics {
         self.connections.load(Ordering::Relaxed)
     }
 
-    /// A connection closed at once, its uid holding as many as it may.
+    /// A connection refused, its uid holding as many as it may.
     pub fn connection_refused(&self) {
         self.connections_refused.fetch_add(1, Ordering::Relaxed);
     }
@@ -301,7 +302,7 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         &mut out,
         "hostdevd_connections_refused_total",
         "counter",
-        "Connections on the API's Unix socket closed at once: their peer uid held [api] max_connections_per_uid open connections.",
+        "Connections on the API's Unix socket refused, served nothing: their peer uid held [api] max_connections_per_uid open connections.",
         m.connections_refused(),
     );
     single(

@@ -936,8 +936,9 @@ async fn answering_soon(socket: &Path, what: &str) -> Client {
 }
 
 /// One peer uid may hold at most `max_connections_per_uid` connections to the socket: one
-/// more is closed as soon as it is accepted, while the uid's open ones go on being
-/// served; a closed one gives its place back.
+/// more is served nothing (its call is answered RESOURCE_EXHAUSTED, naming the setting,
+/// and it is closed), while the uid's open ones go on being served; a closed one gives
+/// its place back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_are_capped_per_uid_and_a_closed_one_frees_its_place() {
     const PER_UID: usize = 3;
@@ -947,10 +948,13 @@ async fn connections_are_capped_per_uid_and_a_closed_one_frees_its_place() {
         held.push(answering_soon(&a.socket, &format!("connection {i}")).await);
     }
     let before = listing(&mut held[0]).await;
-    let over = answering(&a.socket).await;
+    let over = answering(&a.socket).await.err();
+    let over = over.expect("a connection past the uid's limit was served");
     assert!(
-        over.is_err(),
-        "a connection past the uid's {PER_UID} was served"
+        over.contains("ResourceExhausted")
+            && over.contains(&format!("holds {PER_UID} connections"))
+            && over.contains("max_connections_per_uid"),
+        "a connection past the uid's {PER_UID}: {over}"
     );
     for c in &mut held {
         c.get_status(proto::GetStatusRequest {})

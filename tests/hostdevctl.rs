@@ -4,6 +4,7 @@
 // Tests fail by panicking, with the value in the message.
 #![allow(clippy::unwrap_used)]
 
+use std::io::ErrorKind;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -834,34 +835,43 @@ fn no_daemon_is_exit_3_naming_the_socket() {
     );
 }
 
-/// A connection the agent closes as soon as it accepts it (its uid holds
-/// `max_connections_per_uid` already) is reported as a lost connection that names the
-/// setting, exit 3, not as a cancelled call.
+/// A connection the agent refuses (its uid holds `max_connections_per_uid` already) is
+/// answered with the reason, which hostdevctl prints, exit 3 (no agent reached), not as
+/// a refused or cancelled call.
 #[test]
 fn a_connection_over_the_uid_limit_says_so() {
     let a = Agent::start_with(
         nix::unistd::getuid().as_raw(),
         "[api]\nmax_connections_per_uid = 1\n",
     );
-    // Holds the uid's one place. An admitted connection gets the agent's HTTP/2
-    // SETTINGS at once; one refused while the readiness probe's connection still held
-    // the place is closed (EOF), and is tried again.
+    // Holds the uid's one place. Admitted or refused (while the readiness probe's
+    // connection still held the place), a connection gets the agent's HTTP/2 SETTINGS;
+    // a refused one that sends nothing is closed within the refusal's time (EOF), and is
+    // tried again. One still open after that was admitted.
     let held = loop {
         let s = std::os::unix::net::UnixStream::connect(&a.socket).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut first = [0u8; 9];
-        if std::io::Read::read_exact(&mut &s, &mut first).is_ok() {
+        s.set_read_timeout(Some(
+            hostdevd::api::connections::REFUSAL_TIME + Duration::from_secs(1),
+        ))
+        .unwrap();
+        let mut buf = [0u8; 256];
+        let admitted = loop {
+            match std::io::Read::read(&mut &s, &mut buf) {
+                Ok(0) => break false,
+                Ok(_) => continue,
+                Err(e) => break matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut),
+            }
+        };
+        if admitted {
             break s;
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    // The agent closes the connection while the client sets up HTTP/2, or just after:
-    // either way the line names the setting.
     for _ in 0..5 {
         let r = ctl_at(&a.socket, &["status"]);
         let line = refusal(&r, 3);
         assert!(
-            line.contains("closed the connection") || line.contains("lost the connection"),
+            line.contains("hostdevd refused this connection: uid"),
             "{line}"
         );
         assert!(line.contains("max_connections_per_uid"), "{line}");

@@ -1,6 +1,7 @@
 //! The API socket's accept loop: at most `[api] max_connections_per_uid` open
-//! connections for one peer uid, and a pause, not a spin, while accepting fails for want
-//! of file descriptors or memory.
+//! connections for one peer uid (one more is answered with a gRPC status that says so,
+//! then closed), and a pause, not a spin, while accepting fails for want of file
+//! descriptors or memory.
 //!
 //! Every connection holds a descriptor for as long as its client keeps it. A client that
 //! leaks connections (a channel made per call and never closed) would otherwise take
@@ -13,6 +14,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -22,6 +24,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tonic::transport::server::{Connected, UdsConnectInfo};
 
+use crate::api::status::{to_status, ApiError};
 use crate::metrics::Metrics;
 
 /// What a connection may hold and how long it may stay silent, from `[api]`.
@@ -57,6 +60,13 @@ impl Default for ConnectionLimits {
 
 /// How long accepting pauses after it failed for want of descriptors or memory.
 pub const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+
+/// Refused connections answered at once, at most: one more is closed without an answer.
+/// Each answer holds a descriptor for at most [`REFUSAL_TIME`].
+pub const REFUSALS_ANSWERED_AT_ONCE: usize = 8;
+
+/// How long a refused connection may take to send its first call and read the answer.
+pub const REFUSAL_TIME: Duration = Duration::from_secs(2);
 
 /// How often at most a warning is logged for refused connections or failed accepts (each
 /// names how many there were since the last one).
@@ -239,12 +249,16 @@ struct Accepting {
     listener: UnixListener,
     conns: Arc<Connections>,
     refused: Quiet,
+    /// Refused connections being answered now.
+    answering: Arc<AtomicUsize>,
 }
 
 /// The connections accepted on `listener` that `conns` admits. A connection over its
-/// uid's limit is closed at once (its client sees the connection end; the agent logs it
-/// and counts it in `hostdevd_connections_refused_total`). Failed accepts are handled
-/// as [`pausing`] says.
+/// uid's limit is not served: its calls are answered RESOURCE_EXHAUSTED
+/// (TOO_MANY_CONNECTIONS, naming the setting) and it is closed ([`answer_refused`]), or,
+/// while [`REFUSALS_ANSWERED_AT_ONCE`] are being answered, closed at once. Either way
+/// the agent logs it and counts it in `hostdevd_connections_refused_total`. Failed
+/// accepts are handled as [`pausing`] says.
 pub fn incoming(
     listener: UnixListener,
     conns: Arc<Connections>,
@@ -254,6 +268,7 @@ pub fn incoming(
         listener,
         conns,
         refused: Quiet::default(),
+        answering: Arc::new(AtomicUsize::new(0)),
     };
     let admitted = futures_util::stream::unfold(state, |mut s| async move {
         loop {
@@ -269,7 +284,11 @@ pub fn incoming(
                 };
                 return Some((Ok(conn), s));
             }
-            drop(stream);
+            let refusal = ApiError::TooManyConnections {
+                limit: s.conns.limits.per_uid,
+                uid,
+            };
+            refuse(stream, &refusal, &s.answering);
             s.conns.metrics.connection_refused();
             if let Some(n) = s.refused.due() {
                 tracing::warn!(
@@ -282,6 +301,58 @@ pub fn incoming(
         }
     });
     pausing(admitted, metrics, "the Unix socket")
+}
+
+/// Answers a refused connection on a task of its own, unless
+/// [`REFUSALS_ANSWERED_AT_ONCE`] are being answered already: then it is closed now.
+fn refuse(stream: UnixStream, why: &ApiError, answering: &Arc<AtomicUsize>) {
+    if answering.fetch_add(1, Ordering::SeqCst) >= REFUSALS_ANSWERED_AT_ONCE {
+        answering.fetch_sub(1, Ordering::SeqCst);
+        return;
+    }
+    let status = to_status(why);
+    let answering = Arc::clone(answering);
+    tokio::spawn(async move {
+        // Whatever the client does, the connection is closed by the time limit.
+        let _ = tokio::time::timeout(REFUSAL_TIME, answer_refused(stream, status)).await;
+        answering.fetch_sub(1, Ordering::SeqCst);
+    });
+}
+
+/// Speaks HTTP/2 on a refused connection for as long as it takes to answer each call it
+/// opens with `status` (no message is read), then closes it: its client learns why from
+/// the call it made, where a connection closed at once ends that call with a bare
+/// transport error.
+async fn answer_refused<T>(io: T, status: tonic::Status)
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut head = http::Response::new(());
+    head.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    if status.add_header(head.headers_mut()).is_err() {
+        return;
+    }
+    let Ok(mut conn) = h2::server::Builder::new()
+        .max_concurrent_streams(1)
+        .handshake::<_, bytes::Bytes>(io)
+        .await
+    else {
+        return;
+    };
+    let mut answered = false;
+    while let Some(Ok((_, mut respond))) = conn.accept().await {
+        let mut answer = http::Response::new(());
+        *answer.headers_mut() = head.headers().clone();
+        // The status alone ends the stream: a trailers-only answer.
+        let _ = respond.send_response(answer, true);
+        if !answered {
+            answered = true;
+            conn.graceful_shutdown();
+        }
+    }
 }
 
 /// `accepted` (a listener's accepts), where an accept that failed for want of
@@ -323,6 +394,122 @@ pub fn pausing<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A call on a connection the agent refused: the status it was answered with.
+    async fn refused_call(io: UnixStream) -> tonic::Status {
+        let direct = crate::client::Direct::handshake(io)
+            .await
+            .expect("a refused connection still speaks HTTP/2");
+        let mut c = crate::api::proto::host_dev_client::HostDevClient::new(direct);
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            c.get_status(crate::api::proto::GetStatusRequest {}),
+        )
+        .await
+        .expect("an answer")
+        .expect_err("a refused connection serves nothing")
+    }
+
+    /// Reads `io` until the agent closes it, which must be within `most`.
+    async fn closed_within(mut io: UnixStream, most: Duration) {
+        let mut buf = [0u8; 256];
+        loop {
+            let n = tokio::time::timeout(most, tokio::io::AsyncReadExt::read(&mut io, &mut buf))
+                .await
+                .expect("the connection is closed in time")
+                .unwrap_or(0);
+            if n == 0 {
+                return;
+            }
+        }
+    }
+
+    /// The refusal's answer carries the reason and its facts, for clients that act on
+    /// ErrorInfo, and the connection is closed once it went out.
+    #[tokio::test]
+    async fn a_refused_connection_is_told_why_and_closed() {
+        let (agent, client) = UnixStream::pair().expect("pair");
+        let answering = Arc::new(AtomicUsize::new(0));
+        let why = ApiError::TooManyConnections {
+            limit: 512,
+            uid: Some(1000),
+        };
+        refuse(agent, &why, &answering);
+        assert_eq!(answering.load(Ordering::SeqCst), 1);
+        let direct = crate::client::Direct::handshake(client)
+            .await
+            .expect("handshake");
+        let mut c = crate::api::proto::host_dev_client::HostDevClient::new(direct);
+        let status = c
+            .list_devices(crate::api::proto::ListDevicesRequest {})
+            .await
+            .expect_err("refused");
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        assert!(
+            status
+                .message()
+                .starts_with("hostdevd refused this connection: uid 1000 holds 512 connections"),
+            "{status:?}"
+        );
+        let info = tonic_types::StatusExt::get_details_error_info(&status).expect("ErrorInfo");
+        assert_eq!(info.reason, "TOO_MANY_CONNECTIONS");
+        assert_eq!(info.metadata.get("uid").map(String::as_str), Some("1000"));
+        assert_eq!(
+            info.metadata
+                .get("max_connections_per_uid")
+                .map(String::as_str),
+            Some("512")
+        );
+        // A second call on it finds the connection going away, not served.
+        assert!(c
+            .get_status(crate::api::proto::GetStatusRequest {})
+            .await
+            .is_err());
+        let deadline = Instant::now() + REFUSAL_TIME + Duration::from_secs(10);
+        while answering.load(Ordering::SeqCst) != 0 {
+            assert!(Instant::now() < deadline, "the answering task never ended");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A refused peer that says nothing holds its descriptor for [`REFUSAL_TIME`] at
+    /// most, and past [`REFUSALS_ANSWERED_AT_ONCE`] being answered, one more is closed at
+    /// once without a word.
+    #[tokio::test]
+    async fn refusals_are_bounded_in_number_and_time() {
+        let answering = Arc::new(AtomicUsize::new(0));
+        let why = ApiError::TooManyConnections {
+            limit: 1,
+            uid: None,
+        };
+        let mut silent = Vec::new();
+        for _ in 0..REFUSALS_ANSWERED_AT_ONCE {
+            let (agent, client) = UnixStream::pair().expect("pair");
+            refuse(agent, &why, &answering);
+            silent.push(client);
+        }
+        assert_eq!(answering.load(Ordering::SeqCst), REFUSALS_ANSWERED_AT_ONCE);
+        let (agent, mut client) = UnixStream::pair().expect("pair");
+        refuse(agent, &why, &answering);
+        let mut byte = [0u8; 1];
+        let n = tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio::io::AsyncReadExt::read(&mut client, &mut byte),
+        )
+        .await
+        .expect("closed at once")
+        .unwrap_or(0);
+        assert_eq!(n, 0, "one past the answers under way is closed without one");
+        assert_eq!(answering.load(Ordering::SeqCst), REFUSALS_ANSWERED_AT_ONCE);
+        for s in silent {
+            closed_within(s, REFUSAL_TIME + Duration::from_secs(10)).await;
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while answering.load(Ordering::SeqCst) != 0 {
+            assert!(Instant::now() < deadline, "the answering tasks never ended");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 
     /// The default limits but `per_uid` connections for one uid.
     fn per_uid(per_uid: usize) -> ConnectionLimits {
@@ -401,21 +588,20 @@ mod tests {
         let first = accepted.next().await.expect("one").expect("accepted");
         let second = accepted.next().await.expect("two").expect("accepted");
         assert_eq!(conns.open(), 2);
-        // The third is refused while the stream waits for a fourth: its client reads EOF.
+        // The third is refused while the stream waits for a fourth: its call is answered
+        // with the reason, and the connection closed.
         let waiting = tokio::spawn(async move {
             let fourth = accepted.next().await;
             (fourth, accepted)
         });
-        let mut third = clients.pop().expect("third");
-        let mut byte = [0u8; 1];
-        let n = tokio::time::timeout(
-            Duration::from_secs(10),
-            tokio::io::AsyncReadExt::read(&mut third, &mut byte),
-        )
-        .await
-        .expect("the refused connection is closed")
-        .unwrap_or(0);
-        assert_eq!(n, 0, "nothing is served on a refused connection");
+        let third = clients.pop().expect("third");
+        let status = refused_call(third).await;
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+        assert!(
+            status.message().contains("[api] max_connections_per_uid")
+                && status.message().contains("holds 2 connections"),
+            "{status:?}"
+        );
         assert_eq!(metrics.connections_refused(), 1);
         drop(first);
         let _again = UnixStream::connect(&path).await.expect("connect again");

@@ -59,6 +59,10 @@ pub enum ApiError {
     /// Every Watch stream slot is taken, or every one the caller's uid may hold.
     #[error("too many watch streams: {limit} are open{}; close one, or share one stream between the consumers of a client", match .uid { Some(u) => format!(" for uid {u}, the limit ([api] max_watch_streams_per_uid)"), None => ", the limit ([api] max_watch_streams)".to_string() })]
     TooManyWatchers { limit: usize, uid: Option<u32> },
+    /// A new connection whose peer uid holds `[api] max_connections_per_uid` already: its
+    /// calls are answered with this, and it is closed.
+    #[error("hostdevd refused this connection: {} {limit} connections to its socket open already, the limit ([api] max_connections_per_uid); close the ones not in use (a client that opens a connection per call and keeps it?)", match .uid { Some(u) => format!("uid {u} holds"), None => "peers without credentials hold".to_string() })]
+    TooManyConnections { limit: usize, uid: Option<u32> },
     #[error("{0}")]
     NotFound(String),
     /// libvirt did not answer the fresh domain list a free needs.
@@ -369,6 +373,15 @@ pub fn to_status(e: &ApiError) -> Status {
                 None => HashMap::from([("max_watch_streams".to_string(), limit.to_string())]),
             };
             let d = ErrorDetails::with_error_info("TOO_MANY_WATCHERS", ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::ResourceExhausted, msg, d)
+        }
+        ApiError::TooManyConnections { limit, uid } => {
+            let mut meta =
+                HashMap::from([("max_connections_per_uid".to_string(), limit.to_string())]);
+            if let Some(u) = uid {
+                meta.insert("uid".to_string(), u.to_string());
+            }
+            let d = ErrorDetails::with_error_info("TOO_MANY_CONNECTIONS", ERROR_DOMAIN, meta);
             Status::with_error_details(Code::ResourceExhausted, msg, d)
         }
         ApiError::NotFound(_) => {

@@ -318,7 +318,7 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
         // stopping), a refused or ended call like any other. A connection the agent
         // closed as soon as it accepted it ends the call as CANCELLED.
         return Failure::Connect(format!(
-            "{op} failed: lost the connection to hostdevd at {}: {} (if at once: the agent closes a new connection whose uid holds [api] max_connections_per_uid already, and logs it)",
+            "{op} failed: lost the connection to hostdevd at {}: {} (if at once: a new connection whose uid holds [api] max_connections_per_uid already is closed unanswered while the agent answers many such, and logged)",
             socket.display(),
             status.message()
         ));
@@ -343,6 +343,10 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
         }
     }
     line.push_str(&msg);
+    if reason == Some("TOO_MANY_CONNECTIONS") {
+        // Not an answer to the call: the agent served nothing on this connection.
+        return Failure::Connect(line);
+    }
     let later = matches!(status.code(), Code::Unavailable | Code::DeadlineExceeded);
     if let Some(info) = info.filter(|_| ours) {
         let facts = [
@@ -1393,7 +1397,7 @@ async fn run(cli: Cli) -> Outcome {
             ))
         } else {
             Failure::Connect(format!(
-                "hostdevd at {} closed the connection: {cause} (it closes a new connection whose uid holds [api] max_connections_per_uid already, and logs it)",
+                "hostdevd at {} closed the connection: {cause} (a new connection whose uid holds [api] max_connections_per_uid already is closed unanswered while the agent answers many such, and logged)",
                 socket.display()
             ))
         }

@@ -36,8 +36,9 @@ impl std::fmt::Debug for Direct {
 
 impl Direct {
     /// Makes the HTTP/2 handshake on `io`, runs the connection on a task of its own, and
-    /// waits for the agent to answer a ping: a connection the agent closed at once (one
-    /// over its limit per uid) fails here, not at the first call.
+    /// waits for the agent to answer a ping: a connection the agent closed at once fails
+    /// here, not at the first call. (One over its limit per uid is answered: its calls
+    /// fail with RESOURCE_EXHAUSTED, TOO_MANY_CONNECTIONS.)
     pub async fn handshake<T>(io: T) -> std::io::Result<Direct>
     where
         T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,

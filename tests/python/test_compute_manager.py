@@ -175,6 +175,7 @@ class Agent:
         self.proc = None
         self.channel = None
         self.libvirt_uri = "test:///default"
+        self.config = None  # a TOML file passed with --config, if set
 
     def start(self):
         self.log_file = open(self.log, "wb")
@@ -189,6 +190,7 @@ class Agent:
                 "--writer-uid", str(os.getuid()),
                 # In-process test driver: no libvirtd; a test may name a host file.
                 "--libvirt-uri", self.libvirt_uri,
+                *(["--config", str(self.config)] if self.config else []),
             ],
             stdout=self.log_file,
             stderr=subprocess.STDOUT,
@@ -576,6 +578,44 @@ def test_evacuated_instance_running_here_is_never_freed(pb):
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         info = error_info(e.value)
         assert info.reason == "ATTACHED" and info.metadata["domain_name"] == "instance-0000002a"
+    finally:
+        a.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_connection_over_the_uid_cap_is_told_why(pb):
+    """A compute manager that leaks channels reaches [api] max_connections_per_uid: a
+    call on one more channel fails RESOURCE_EXHAUSTED with ErrorInfo
+    TOO_MANY_CONNECTIONS naming the setting, not with a bare connection error, and the
+    channel it holds goes on working."""
+    msgs, stubs = pb
+    base = Path(tempfile.mkdtemp(prefix="hostdevd-py-"))
+    a = Agent(base)
+    a.config = base / "hostdevd.toml"
+    a.config.write_text("[api]\nmax_connections_per_uid = 1\n")
+    try:
+        a.start()
+        held = stubs.HostDevStub(a.channel)
+        held.GetStatus(msgs.GetStatusRequest(), timeout=10)
+        # grpcio shares one connection among a process's channels to the same target
+        # unless a channel keeps a pool of its own: this one makes a connection of its own.
+        extra = grpc.insecure_channel(
+            f"unix:{a.socket}",
+            options=[("grpc.default_authority", "localhost"), ("grpc.use_local_subchannel_pool", 1)],
+        )
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                stubs.HostDevStub(extra).GetStatus(msgs.GetStatusRequest(), timeout=10)
+        finally:
+            extra.close()
+        err = refused.value
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err.code()}: {err.details()}"
+        assert "max_connections_per_uid" in err.details(), err.details()
+        info = error_info(err)
+        assert info.reason == "TOO_MANY_CONNECTIONS", info
+        assert info.metadata["max_connections_per_uid"] == "1", info
+        assert info.metadata["uid"] == str(os.getuid()), info
+        held.GetStatus(msgs.GetStatusRequest(), timeout=10)
     finally:
         a.stop()
         shutil.rmtree(base, ignore_errors=True)
