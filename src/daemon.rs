@@ -576,6 +576,7 @@ pub(crate) async fn routes(
     service: HostDevService,
 ) -> Result<tonic::transport::server::Router, DaemonError> {
     let limits = service.connection_limits();
+    let metrics = Arc::clone(service.connections().metrics());
     let mut builder = builder
         .max_concurrent_streams(limits.streams)
         .http2_keepalive_interval(Some(limits.keepalive_interval))
@@ -596,7 +597,10 @@ pub(crate) async fn routes(
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(HostDevServer::new(service).max_decoding_message_size(4 << 20)))
+        .add_service(crate::api::gate::Gate::new(
+            HostDevServer::new(service).max_decoding_message_size(4 << 20),
+            metrics,
+        )))
 }
 
 /// The whole daemon: start, bind, notify systemd, serve until SIGTERM/SIGINT; SIGHUP

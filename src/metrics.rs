@@ -92,6 +92,15 @@ impl Metrics {
         *g.entry(reason).or_default() += 1;
     }
 
+    /// How many requests were refused for `reason` so far.
+    pub fn rejections(&self, reason: &str) -> u64 {
+        let g = match self.rejections.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        g.get(reason).copied().unwrap_or(0)
+    }
+
     /// How many request-log entries the store holds now.
     pub fn stored_requests(&self, n: u64) {
         self.stored_requests.store(n, Ordering::Relaxed);

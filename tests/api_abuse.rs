@@ -159,12 +159,22 @@ impl Agent {
 
 /// A process's resident set size in KiB (0 once it is gone).
 fn rss_of(pid: u32) -> u64 {
+    status_kib(pid, "VmRSS:")
+}
+
+/// A process's highest resident set size so far, in KiB (0 once it is gone).
+fn peak_rss_of(pid: u32) -> u64 {
+    status_kib(pid, "VmHWM:")
+}
+
+/// A KiB figure of `/proc/PID/status` (0 if absent).
+fn status_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|status| {
             status
                 .lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .find_map(|l| l.strip_prefix(field))
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         })
         .unwrap_or(0)
@@ -530,6 +540,86 @@ async fn huge_repeated_fields_are_bounded() {
          daemon RSS {rss0} KiB before, {rss_empty} KiB after the million empty ids, {rss1} KiB at the end"
     );
     a.assert_unharmed("huge repeated fields", &before).await;
+}
+
+/// Reconcile calls take turns: with 96 dry runs of 100,000 ids sent at once from one uid
+/// over 16 connections, at most `RECONCILES_AT_ONCE` run at a time and the rest are
+/// refused at once, unread (`RESOURCE_EXHAUSTED`, `TOO_MANY_RECONCILES`), so the agent's
+/// memory stays near what two runs take. (Without the turns every one was decoded and
+/// held at once: 400 such dry runs from 40 connections took the agent's resident set
+/// from 32 MB to 560 MB.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciles_take_turns_and_the_rest_are_refused_unread() {
+    const CONNECTIONS: usize = 16;
+    const CALLS: usize = 96;
+    let mut a = start(4, "").await;
+    let mut c = a.client().await;
+    let before = listing(&mut c).await;
+    // A claim the audits do not expect: each dry run reports it as an orphan.
+    claim_vf0(&mut c, &before, 1, "unexpected").await;
+    let listed = listing(&mut c).await;
+    let request = proto::ReconcileRequest {
+        expected_consumer_ids: (0..100_000u128)
+            .map(|i| uuid::Uuid::from_u128(0x2000_0000 + i).to_string())
+            .collect(),
+        snapshot_generation: listed.host_generation,
+        act: false,
+        request_id: String::new(),
+    };
+    let mut clients = Vec::new();
+    for _ in 0..CONNECTIONS {
+        clients.push(a.client().await);
+    }
+    let pid = a.daemon.0.id();
+    let peak_before = peak_rss_of(pid);
+    let calls: Vec<_> = (0..CALLS)
+        .map(|i| {
+            let mut client = clients[i % CONNECTIONS].clone();
+            let request = request.clone();
+            tokio::spawn(async move { client.reconcile(request).await })
+        })
+        .collect();
+    let (mut answered, mut refused) = (0, 0);
+    for call in calls {
+        match call.await.expect("task") {
+            Ok(r) => {
+                assert_eq!(r.into_inner().orphans.len(), 1, "the unexpected claim");
+                answered += 1;
+            }
+            Err(e) => {
+                assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+                assert!(
+                    e.message().contains("too many Reconcile calls at once")
+                        && e.message().contains("nothing was changed"),
+                    "{e:?}"
+                );
+                let info = tonic_types::StatusExt::get_details_error_info(&e).expect("ErrorInfo");
+                assert_eq!(info.reason, "TOO_MANY_RECONCILES");
+                assert_eq!(
+                    info.metadata.get("reconciles_at_once").map(String::as_str),
+                    Some(hostdevd::api::gate::RECONCILES_AT_ONCE.to_string().as_str())
+                );
+                refused += 1;
+            }
+        }
+    }
+    let grew_kib = peak_rss_of(pid).saturating_sub(peak_before);
+    println!(
+        "api abuse, reconciles at once: {CALLS} dry runs of 100,000 ids over {CONNECTIONS} connections: {answered} answered, {refused} refused; the agent's peak resident set grew {grew_kib} KiB"
+    );
+    assert!(answered >= 1, "no dry run was answered");
+    assert!(refused >= 1, "every dry run ran: none took turns");
+    assert!(
+        grew_kib < 96 * 1024,
+        "the agent's peak resident set grew {grew_kib} KiB for {CALLS} dry runs at once"
+    );
+    // Once the burst is over, one more runs.
+    let r = c
+        .reconcile(request)
+        .await
+        .expect("a dry run after the burst");
+    assert_eq!(r.into_inner().orphans.len(), 1);
+    a.assert_unharmed("a burst of Reconciles", &listed).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,11 +11,10 @@
 //! one CPU spins for as long as the descriptors stay taken (measured: 2.99 s of CPU in a
 //! 3 s flood at a limit of 64 descriptors).
 
-use std::collections::HashMap;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -24,7 +23,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tonic::transport::server::{Connected, UdsConnectInfo};
 
-use crate::api::status::{to_status, ApiError};
+use crate::api::per_uid::{PerUid, Place};
+use crate::api::status::{to_status, trailers_only, ApiError};
 use crate::metrics::Metrics;
 
 /// What a connection may hold and how long it may stay silent, from `[api]`.
@@ -77,7 +77,7 @@ const WARN_EVERY: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub struct Connections {
     limits: ConnectionLimits,
-    open: Mutex<HashMap<Option<u32>, usize>>,
+    open: Arc<PerUid>,
     /// Keeps the `hostdevd_connections` gauge and the refusal counters.
     metrics: Arc<Metrics>,
 }
@@ -85,8 +85,8 @@ pub struct Connections {
 impl Connections {
     pub fn new(limits: ConnectionLimits, metrics: Arc<Metrics>) -> Arc<Connections> {
         Arc::new(Connections {
+            open: PerUid::new(limits.per_uid),
             limits,
-            open: Mutex::new(HashMap::new()),
             metrics,
         })
     }
@@ -98,15 +98,11 @@ impl Connections {
 
     /// A place for one more connection of `uid`; `None` while it holds `per_uid`.
     pub fn admit(self: &Arc<Self>, uid: Option<u32>) -> Option<Slot> {
-        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        if open.get(&uid).copied().unwrap_or(0) >= self.limits.per_uid {
-            return None;
-        }
-        *open.entry(uid).or_default() += 1;
+        let place = self.open.take(uid)?;
         self.metrics.connection_opened();
         Some(Slot {
-            of: Arc::clone(self),
-            uid,
+            metrics: Arc::clone(&self.metrics),
+            _place: place,
         })
     }
 
@@ -114,11 +110,7 @@ impl Connections {
     /// reads the accounting itself).
     #[cfg(test)]
     fn open(&self) -> usize {
-        self.open
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .sum()
+        self.open.held()
     }
 
     /// The agent's metrics, which count the connections and the failed accepts.
@@ -129,32 +121,20 @@ impl Connections {
     /// Connections open now for `uid`.
     #[cfg(test)]
     fn open_for(&self, uid: Option<u32>) -> usize {
-        self.open
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&uid)
-            .copied()
-            .unwrap_or(0)
+        self.open.held_by(uid)
     }
 }
 
 /// One connection's place, given back when it is dropped (when the connection closes).
 #[derive(Debug)]
 pub struct Slot {
-    of: Arc<Connections>,
-    uid: Option<u32>,
+    metrics: Arc<Metrics>,
+    _place: Place,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let mut open = self.of.open.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = open.get_mut(&self.uid) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                open.remove(&self.uid);
-            }
-            self.of.metrics.connection_closed();
-        }
+        self.metrics.connection_closed();
     }
 }
 
@@ -327,14 +307,7 @@ async fn answer_refused<T>(io: T, status: tonic::Status)
 where
     T: AsyncRead + AsyncWrite + Unpin,
 {
-    let mut head = http::Response::new(());
-    head.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/grpc"),
-    );
-    if status.add_header(head.headers_mut()).is_err() {
-        return;
-    }
+    let head = trailers_only::<()>(&status);
     let Ok(mut conn) = h2::server::Builder::new()
         .max_concurrent_streams(1)
         .handshake::<_, bytes::Bytes>(io)
@@ -540,7 +513,7 @@ mod tests {
         assert_eq!(c.open(), 0);
         assert_eq!(c.metrics.connections(), 0);
         assert!(
-            c.open.lock().expect("lock").is_empty(),
+            c.open.is_empty(),
             "no uid is kept once it has no connection"
         );
     }
@@ -549,7 +522,7 @@ mod tests {
     fn a_limit_of_zero_admits_nothing_and_keeps_no_entry() {
         let c = Connections::new(per_uid(0), Metrics::new());
         assert!(c.admit(Some(7)).is_none());
-        assert!(c.open.lock().expect("lock").is_empty());
+        assert!(c.open.is_empty());
     }
 
     #[test]

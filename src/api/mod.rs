@@ -4,7 +4,9 @@
 pub mod codec;
 pub mod connections;
 pub mod convert;
+pub mod gate;
 pub mod guard;
+pub mod per_uid;
 pub mod status;
 pub mod watch_queue;
 
@@ -118,58 +120,40 @@ pub struct HostDevService {
 #[derive(Debug, Clone)]
 pub struct WatchLimits {
     pub max_streams: usize,
-    /// Streams one Unix-socket peer uid may hold open at once.
-    pub per_uid: usize,
     pub queue: QueueLimits,
     slots: Arc<tokio::sync::Semaphore>,
-    /// Streams open by each Unix-socket peer uid.
-    by_uid: Arc<std::sync::Mutex<std::collections::HashMap<u32, usize>>>,
-}
-
-/// A uid's place among its open Watch streams, given back when dropped.
-struct UidSlot {
-    uid: u32,
-    by_uid: Arc<std::sync::Mutex<std::collections::HashMap<u32, usize>>>,
-}
-
-impl Drop for UidSlot {
-    fn drop(&mut self) {
-        let mut m = match self.by_uid.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
-        if let Some(n) = m.get_mut(&self.uid) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.uid);
-            }
-        }
-    }
+    /// Streams open by each Unix-socket peer uid, against the streams one may hold.
+    by_uid: Arc<per_uid::PerUid>,
 }
 
 impl WatchLimits {
+    /// `max_streams` in all, as many for one uid.
     pub fn new(max_streams: usize, queue: QueueLimits) -> Self {
         let max_streams = max_streams.min(tokio::sync::Semaphore::MAX_PERMITS);
         WatchLimits {
             max_streams,
-            per_uid: max_streams,
             queue,
             slots: Arc::new(tokio::sync::Semaphore::new(max_streams)),
-            by_uid: Arc::default(),
+            by_uid: per_uid::PerUid::new(max_streams),
         }
+    }
+
+    /// At most `n` streams for one Unix-socket peer uid.
+    pub fn per_uid(mut self, n: usize) -> Self {
+        self.by_uid = per_uid::PerUid::new(n);
+        self
     }
 
     /// The limits `[api]` sets.
     pub fn from_config(c: &crate::config::ApiConfig) -> Self {
-        let mut limits = WatchLimits::new(
+        WatchLimits::new(
             c.max_watch_streams,
             QueueLimits {
                 events: c.watch_client_events,
                 bytes: c.watch_client_bytes,
             },
-        );
-        limits.per_uid = c.max_watch_streams_per_uid;
-        limits
+        )
+        .per_uid(c.max_watch_streams_per_uid)
     }
 
     /// Takes a place for one more stream: one among all streams, and one among the
@@ -177,24 +161,10 @@ impl WatchLimits {
     fn take(&self, uid: Option<u32>) -> Result<watch_queue::Slot, ApiError> {
         let uid_slot = match uid {
             None => None,
-            Some(uid) => {
-                let mut m = match self.by_uid.lock() {
-                    Ok(g) => g,
-                    Err(p) => p.into_inner(),
-                };
-                let n = m.entry(uid).or_insert(0);
-                if *n >= self.per_uid {
-                    return Err(ApiError::TooManyWatchers {
-                        limit: self.per_uid,
-                        uid: Some(uid),
-                    });
-                }
-                *n += 1;
-                Some(UidSlot {
-                    uid,
-                    by_uid: self.by_uid.clone(),
-                })
-            }
+            Some(u) => Some(self.by_uid.take(Some(u)).ok_or(ApiError::TooManyWatchers {
+                limit: self.by_uid.limit(),
+                uid: Some(u),
+            })?),
         };
         // Dropping `uid_slot` on this refusal gives the uid's place back.
         let all =
@@ -1498,15 +1468,14 @@ mod tests {
     use super::*;
 
     fn limits(all: usize, per_uid: usize) -> WatchLimits {
-        let mut l = WatchLimits::new(
+        WatchLimits::new(
             all,
             QueueLimits {
                 events: 16,
                 bytes: 1 << 16,
             },
-        );
-        l.per_uid = per_uid;
-        l
+        )
+        .per_uid(per_uid)
     }
 
     /// One uid at its cap leaves the others their streams; the cap over all streams
@@ -1546,10 +1515,10 @@ mod tests {
         drop(a1);
         let _c1 = l.take(Some(1001)).expect("a slot given back");
         assert_eq!(
-            l.by_uid.lock().expect("lock").get(&1001).copied(),
-            Some(1),
+            l.by_uid.held_by(Some(1001)),
+            1,
             "the refused try took nothing"
         );
-        assert_eq!(l.by_uid.lock().expect("lock").get(&0).copied(), Some(1));
+        assert_eq!(l.by_uid.held_by(Some(0)), 1);
     }
 }

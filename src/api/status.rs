@@ -59,6 +59,10 @@ pub enum ApiError {
     /// Every Watch stream slot is taken, or every one the caller's uid may hold.
     #[error("too many watch streams: {limit} are open{}; close one, or share one stream between the consumers of a client", match .uid { Some(u) => format!(" for uid {u}, the limit ([api] max_watch_streams_per_uid)"), None => ", the limit ([api] max_watch_streams)".to_string() })]
     TooManyWatchers { limit: usize, uid: Option<u32> },
+    /// A Reconcile while its caller's uid has as many running as it may (refused before
+    /// its message is read: see `api::gate`).
+    #[error("too many Reconcile calls at once: {} {limit} running already, the most one caller may; try again once one has been answered; nothing was changed", match .uid { Some(u) => format!("uid {u} has"), None => "callers without peer credentials have".to_string() })]
+    TooManyReconciles { limit: usize, uid: Option<u32> },
     /// A new connection whose peer uid holds `[api] max_connections_per_uid` already: its
     /// calls are answered with this, and it is closed.
     #[error("hostdevd refused this connection: {} {limit} connections to its socket open already, the limit ([api] max_connections_per_uid); close the ones not in use (a client that opens a connection per call and keeps it?)", match .uid { Some(u) => format!("uid {u} holds"), None => "peers without credentials hold".to_string() })]
@@ -121,6 +125,7 @@ const FREE_CHECK_BUSY: &str = "FREE_CHECK_BUSY";
 const VFIO_GROUP_IN_USE: &str = "VFIO_GROUP_IN_USE";
 const VFIO_HOLDERS_UNKNOWN: &str = "VFIO_HOLDERS_UNKNOWN";
 const SNAPSHOT_AHEAD: &str = "SNAPSHOT_AHEAD";
+const TOO_MANY_RECONCILES: &str = "TOO_MANY_RECONCILES";
 
 impl ApiError {
     pub fn bad_id(field: &'static str) -> impl FnOnce(IdError) -> ApiError {
@@ -137,6 +142,7 @@ impl ApiError {
             ApiError::VfioHeld { .. } => Some(VFIO_GROUP_IN_USE),
             ApiError::HoldersUnknown { .. } => Some(VFIO_HOLDERS_UNKNOWN),
             ApiError::SnapshotAhead { .. } => Some(SNAPSHOT_AHEAD),
+            ApiError::TooManyReconciles { .. } => Some(TOO_MANY_RECONCILES),
             _ => None,
         }
     }
@@ -211,6 +217,23 @@ fn ledger_metadata(e: &LedgerError) -> HashMap<String, String> {
         _ => {}
     }
     m
+}
+
+/// The HTTP/2 answer that carries `status` alone (gRPC's "trailers-only" form), for a call
+/// refused before any service runs. A status whose headers cannot be written (never, for
+/// this API's) goes as its bare code.
+pub fn trailers_only<B: Default>(status: &Status) -> http::Response<B> {
+    let mut answer = http::Response::new(B::default());
+    answer.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    if status.add_header(answer.headers_mut()).is_err() {
+        answer
+            .headers_mut()
+            .insert("grpc-status", http::HeaderValue::from(status.code() as i32));
+    }
+    answer
 }
 
 impl From<ApiError> for Status {
@@ -373,6 +396,14 @@ pub fn to_status(e: &ApiError) -> Status {
                 None => HashMap::from([("max_watch_streams".to_string(), limit.to_string())]),
             };
             let d = ErrorDetails::with_error_info("TOO_MANY_WATCHERS", ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::ResourceExhausted, msg, d)
+        }
+        ApiError::TooManyReconciles { limit, uid } => {
+            let mut meta = HashMap::from([("reconciles_at_once".to_string(), limit.to_string())]);
+            if let Some(u) = uid {
+                meta.insert("uid".to_string(), u.to_string());
+            }
+            let d = ErrorDetails::with_error_info(TOO_MANY_RECONCILES, ERROR_DOMAIN, meta);
             Status::with_error_details(Code::ResourceExhausted, msg, d)
         }
         ApiError::TooManyConnections { limit, uid } => {

@@ -1,0 +1,115 @@
+//! Places counted by caller against a limit: a caller (a Unix-socket peer uid, or `None`
+//! for one without credentials) holds at most `limit` at once, and a place is given back
+//! when its holder is dropped. The connections, the Watch streams and the Reconcile
+//! calls of one uid are each bounded this way.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The places each caller holds now, against one limit for every caller.
+#[derive(Debug)]
+pub struct PerUid {
+    limit: usize,
+    held: Mutex<HashMap<Option<u32>, usize>>,
+}
+
+/// One place of one caller, given back when dropped.
+#[derive(Debug)]
+pub struct Place {
+    of: Arc<PerUid>,
+    uid: Option<u32>,
+}
+
+impl PerUid {
+    pub fn new(limit: usize) -> Arc<PerUid> {
+        Arc::new(PerUid {
+            limit,
+            held: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The places one caller may hold at once.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// One more place for `uid`; `None` while it holds [`PerUid::limit`]. No entry is
+    /// made for a caller refused.
+    pub fn take(self: &Arc<Self>, uid: Option<u32>) -> Option<Place> {
+        let mut held = self.lock();
+        if held.get(&uid).copied().unwrap_or(0) >= self.limit {
+            return None;
+        }
+        *held.entry(uid).or_default() += 1;
+        Some(Place {
+            of: Arc::clone(self),
+            uid,
+        })
+    }
+
+    /// The places `uid` holds now.
+    pub fn held_by(&self, uid: Option<u32>) -> usize {
+        self.lock().get(&uid).copied().unwrap_or(0)
+    }
+
+    /// The places held now, by every caller.
+    pub fn held(&self) -> usize {
+        self.lock().values().sum()
+    }
+
+    /// Whether no caller holds a place (and none is remembered).
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// The counts, whatever a panic elsewhere left them as: each change to them is one
+    /// statement, so they are whole.
+    fn lock(&self) -> MutexGuard<'_, HashMap<Option<u32>, usize>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let mut held = self.of.lock();
+        if let Some(n) = held.get_mut(&self.uid) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                held.remove(&self.uid);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_caller_holds_at_most_the_limit_and_a_dropped_place_comes_back() {
+        let p = PerUid::new(2);
+        let a1 = p.take(Some(1)).expect("first");
+        let a2 = p.take(Some(1)).expect("second");
+        assert!(p.take(Some(1)).is_none(), "a third for uid 1");
+        // Others keep theirs; a caller without credentials counts as one more.
+        let b = p.take(Some(2)).expect("uid 2");
+        let n = p.take(None).expect("no credentials");
+        assert_eq!((p.held(), p.held_by(Some(1)), p.held_by(None)), (4, 2, 1));
+        drop(a1);
+        assert_eq!(p.held_by(Some(1)), 1);
+        let a3 = p.take(Some(1)).expect("the place given back");
+        drop((a2, a3, b, n));
+        assert_eq!(p.held(), 0);
+        assert!(
+            p.is_empty(),
+            "no caller is remembered once it holds nothing"
+        );
+    }
+
+    #[test]
+    fn a_limit_of_zero_gives_no_place_and_keeps_no_entry() {
+        let p = PerUid::new(0);
+        assert!(p.take(Some(7)).is_none());
+        assert!(p.is_empty());
+    }
+}
