@@ -16,8 +16,8 @@
 //!   ledger, commits each batch once (group commit), publishes views and watch events.
 //! - [`api`]: the gRPC service `hostdev.v1.HostDev`, the caller check, the error map,
 //!   the per-watcher queues that bound what a slow client may cost, the accept loop
-//!   that bounds the connections one uid may hold, and the turns Reconcile calls take
-//!   before their messages are read.
+//!   that bounds the connections one uid may hold, and the turns the heavy calls
+//!   (Reconcile, ListDevices) take before their messages are read.
 //! - [`client`]: connecting a `HostDev` client to the agent's Unix socket, each request
 //!   sent whole on one HTTP/2 connection of its own (`client/direct.rs`).
 //! - [`tcp`]: the optional TCP listener, mutual TLS only.

@@ -235,7 +235,7 @@ struct Accepting {
 
 /// The connections accepted on `listener` that `conns` admits. A connection over its
 /// uid's limit is not served: its calls are answered RESOURCE_EXHAUSTED
-/// (TOO_MANY_CONNECTIONS, naming the setting) and it is closed ([`answer_refused`]), or,
+/// (TOO_MANY_CONNECTIONS, naming the setting) and it is closed, or,
 /// while [`REFUSALS_ANSWERED_AT_ONCE`] are being answered, closed at once. Either way
 /// the agent logs it and counts it in `hostdevd_connections_refused_total`. Failed
 /// accepts are handled as [`pausing`] says.

@@ -1,16 +1,19 @@
-//! A turn for each Reconcile call before its message is read: at most
-//! [`RECONCILES_AT_ONCE`] run at once for one caller (a Unix-socket peer uid; TCP clients
-//! share one count), and one more is refused at once, unread.
+//! Turns for the heavy calls, taken before their messages are read: a Reconcile (whose
+//! message may be large) and a ListDevices (whose answer is). One caller (a Unix-socket
+//! peer uid; TCP clients share one count) may have at most [`HEAVY`]'s number of each
+//! open at once, from the call's arrival until its answer has been handed to HTTP/2 or
+//! dropped; one more is refused at once, unread.
 //!
-//! A Reconcile may carry 100,000 consumer ids (about 3.8 MB on the wire, several times
-//! that decoded) and waits, with them in memory, for the free checks' pass over `/proc`.
-//! Every other call is checked and refused, or sent on, as soon as it is decoded. Without
-//! a turn, any client allowed on the socket could have as many of them decoded at once as
-//! its connections carry calls: 400 dry runs of 100,000 ids from 40 connections took the
-//! agent's resident memory from 32 MB to 560 MB. The call over the count is refused
-//! rather than kept waiting: a waiting call's unread message holds its connection's
-//! HTTP/2 flow-control window, and the calls running on that connection could then no
-//! longer receive theirs (tried: 197 of 200 timed out).
+//! Without turns, any client allowed on the socket could make the agent hold as many of
+//! them as its connections carry calls (1,024 each, 512 connections a uid). A Reconcile
+//! may carry 100,000 consumer ids (about 3.8 MB on the wire, several times that decoded)
+//! and waits with them for the free checks' pass over `/proc`: 400 dry runs from 40
+//! connections took the agent's resident memory from 32 MB to 560 MB. A listing's answer
+//! waits, whole, until its client reads it: 4,000 listings of a 64-VF host that the
+//! client never read added 37 MB, and a 4096-VF host's answer is some sixty times larger.
+//! A call over the count is refused rather than kept waiting: a waiting call's unread
+//! message holds its connection's HTTP/2 flow-control window, and the calls running on
+//! that connection could then no longer receive theirs (tried: 197 of 200 timed out).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -18,46 +21,53 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use futures_util::future::Either;
+use http_body::{Frame, SizeHint};
+use tonic::body::Body;
 use tonic::transport::server::UdsConnectInfo;
 use tower::Service;
 
-use crate::api::per_uid::PerUid;
+use crate::api::per_uid::{PerUid, Place};
 use crate::api::status::{to_status, trailers_only, ApiError};
 use crate::metrics::Metrics;
 
-/// Reconcile calls one caller may have running at once. A compute manager audits every
-/// few minutes, one audit at a time; an operator's dry run comes now and then.
-pub const RECONCILES_AT_ONCE: usize = 2;
+/// The heavy calls: gRPC method, and how many one caller may have open at once. A compute
+/// manager audits every few minutes, one audit at a time, and lists now and then; an
+/// operator's command adds one.
+pub const HEAVY: &[(&str, usize)] = &[("Reconcile", 2), ("ListDevices", 8)];
 
-/// The gRPC path whose calls take a turn.
-const RECONCILE_PATH: &str = "/hostdev.v1.HostDev/Reconcile";
+/// The service whose methods [`HEAVY`] names.
+const SERVICE_PATH: &str = "/hostdev.v1.HostDev/";
 
-/// `inner` (the API's generated server), with each Reconcile call taking a turn first.
+/// `inner` (the API's generated server), with each heavy call taking a turn first.
 #[derive(Debug, Clone)]
 pub struct Gate<S> {
     inner: S,
     turns: Arc<Turns>,
 }
 
-/// Reconcile calls running, by caller.
+/// The heavy calls open, by method and caller.
 #[derive(Debug)]
 struct Turns {
-    running: Arc<PerUid>,
-    /// Counts refusals among the rejections (`TOO_MANY_RECONCILES`).
+    /// One count per entry of [`HEAVY`], in its order.
+    open: Vec<(&'static str, Arc<PerUid>)>,
+    /// Counts refusals among the rejections (`TOO_MANY_AT_ONCE`).
     metrics: Arc<Metrics>,
 }
 
 impl<S> Gate<S> {
     pub fn new(inner: S, metrics: Arc<Metrics>) -> Gate<S> {
-        Gate::with_turns(inner, RECONCILES_AT_ONCE, metrics)
+        Gate::with_turns(inner, HEAVY, metrics)
     }
 
-    /// With `per_caller` Reconcile calls at once (tests).
-    pub fn with_turns(inner: S, per_caller: usize, metrics: Arc<Metrics>) -> Gate<S> {
+    /// With other counts than [`HEAVY`]'s (tests).
+    pub fn with_turns(inner: S, heavy: &[(&'static str, usize)], metrics: Arc<Metrics>) -> Gate<S> {
         Gate {
             inner,
             turns: Arc::new(Turns {
-                running: PerUid::new(per_caller),
+                open: heavy
+                    .iter()
+                    .map(|(rpc, n)| (*rpc, PerUid::new(*n)))
+                    .collect(),
                 metrics,
             }),
         }
@@ -68,36 +78,37 @@ impl<S: tonic::server::NamedService> tonic::server::NamedService for Gate<S> {
     const NAME: &'static str = S::NAME;
 }
 
-/// A Reconcile that has its turn: the inner call, holding the turn until it ends.
-type Running<R, E> = Pin<Box<dyn Future<Output = Result<R, E>> + Send>>;
+/// A heavy call with its turn: the inner call, whose answer keeps the turn.
+type Taken<E> = Pin<Box<dyn Future<Output = Result<http::Response<Body>, E>> + Send>>;
 
-impl<S, B, A> Service<http::Request<B>> for Gate<S>
+impl<S, B> Service<http::Request<B>> for Gate<S>
 where
-    S: Service<http::Request<B>, Response = http::Response<A>>,
+    S: Service<http::Request<B>, Response = http::Response<Body>>,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    A: Default + Send + 'static,
 {
-    type Response = http::Response<A>;
+    type Response = http::Response<Body>;
     type Error = S::Error;
-    type Future = Either<S::Future, Running<http::Response<A>, S::Error>>;
+    type Future = Either<S::Future, Taken<S::Error>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        if req.uri().path() != RECONCILE_PATH {
+        let method = req.uri().path().strip_prefix(SERVICE_PATH);
+        let Some((rpc, open)) = self.turns.open.iter().find(|(rpc, _)| method == Some(*rpc)) else {
             return Either::Left(self.inner.call(req));
-        }
+        };
         let caller = req
             .extensions()
             .get::<UdsConnectInfo>()
             .and_then(|i| i.peer_cred)
             .map(|c| c.uid());
-        let Some(turn) = self.turns.running.take(caller) else {
-            let refusal = ApiError::TooManyReconciles {
-                limit: self.turns.running.limit(),
+        let Some(turn) = open.take(caller) else {
+            let refusal = ApiError::TooManyAtOnce {
+                rpc,
+                limit: open.limit(),
                 uid: caller,
             };
             if let Some(reason) = refusal.check_reason() {
@@ -109,19 +120,50 @@ where
         };
         let call = self.inner.call(req);
         Either::Right(Box::pin(async move {
-            let answer = call.await;
-            drop(turn);
-            answer
+            let answer = call.await?;
+            Ok(answer.map(|body| Body::new(Holding { body, _turn: turn })))
         }))
+    }
+}
+
+/// An answer's body that keeps its call's turn until HTTP/2 has taken all of it, or
+/// dropped it (the client gone, the stream reset).
+struct Holding {
+    body: Body,
+    _turn: Place,
+}
+
+impl http_body::Body for Holding {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<bytes::Bytes>, tonic::Status>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body::Body as _;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
     use tower::ServiceExt;
+
+    const RECONCILE: &str = "/hostdev.v1.HostDev/Reconcile";
+    const LIST: &str = "/hostdev.v1.HostDev/ListDevices";
+    const CLAIM: &str = "/hostdev.v1.HostDev/Claim";
 
     /// Counts the calls it is running, the most at once, and answers after a pause.
     #[derive(Clone, Default)]
@@ -131,9 +173,10 @@ mod tests {
     }
 
     impl Service<http::Request<()>> for Slow {
-        type Response = http::Response<()>;
+        type Response = http::Response<Body>;
         type Error = std::convert::Infallible;
-        type Future = Pin<Box<dyn Future<Output = Result<http::Response<()>, Self::Error>> + Send>>;
+        type Future =
+            Pin<Box<dyn Future<Output = Result<http::Response<Body>, Self::Error>> + Send>>;
 
         fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
             Poll::Ready(Ok(()))
@@ -146,7 +189,7 @@ mod tests {
                 most.fetch_max(now, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 running.fetch_sub(1, Ordering::SeqCst);
-                Ok(http::Response::new(()))
+                Ok(http::Response::new(Body::new(String::from("answer"))))
             })
         }
     }
@@ -172,7 +215,16 @@ mod tests {
         Some(nix::unistd::getuid().as_raw())
     }
 
-    /// The grpc-status of each answer, `None` for one the inner service gave.
+    fn gate(slow: &Slow, reconciles: usize, metrics: Arc<Metrics>) -> Gate<Slow> {
+        Gate::with_turns(
+            slow.clone(),
+            &[("Reconcile", reconciles), ("ListDevices", 1)],
+            metrics,
+        )
+    }
+
+    /// Each call's answer, its body read to the end (which gives its turn back): the
+    /// grpc-status of a refusal, `None` for an answer of the inner service.
     async fn all_at_once(gate: &Gate<Slow>, calls: &[(&str, bool)]) -> Vec<Option<String>> {
         let tasks: Vec<_> = calls
             .iter()
@@ -181,12 +233,17 @@ mod tests {
         let mut out = Vec::new();
         for t in tasks {
             let answer = t.await.expect("task").expect("answer");
-            out.push(
-                answer
-                    .headers()
-                    .get("grpc-status")
-                    .map(|v| v.to_str().unwrap_or("?").to_string()),
-            );
+            let status = answer
+                .headers()
+                .get("grpc-status")
+                .map(|v| v.to_str().unwrap_or("?").to_string());
+            let mut body = answer.into_body();
+            while let Some(frame) =
+                std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+            {
+                frame.expect("frame");
+            }
+            out.push(status);
         }
         out
     }
@@ -195,46 +252,68 @@ mod tests {
     async fn a_caller_runs_its_turns_and_one_more_is_refused_at_once() {
         let slow = Slow::default();
         let metrics = Metrics::new();
-        let gate = Gate::with_turns(slow.clone(), 2, Arc::clone(&metrics));
-        let calls = [(RECONCILE_PATH, true); 3];
+        let gate = gate(&slow, 2, Arc::clone(&metrics));
+        let calls = [(RECONCILE, true); 3];
         let answers = all_at_once(&gate, &calls).await;
         let refused: Vec<_> = answers.iter().filter(|a| a.is_some()).collect();
         assert_eq!(refused, [&Some("8".to_string())], "{answers:?}");
         assert_eq!(slow.most.load(Ordering::SeqCst), 2);
-        assert_eq!(metrics.rejections("TOO_MANY_RECONCILES"), 1);
-        // Their turns are given back once answered.
+        assert_eq!(metrics.rejections("TOO_MANY_AT_ONCE"), 1);
+        // Their turns are given back once answered and read.
         let again = all_at_once(&gate, &calls[..2]).await;
         assert_eq!(again, [None, None]);
-        assert!(gate.turns.running.is_empty());
+        assert!(gate.turns.open.iter().all(|(_, o)| o.is_empty()));
     }
 
     #[tokio::test]
-    async fn callers_have_turns_of_their_own_and_other_calls_take_none() {
+    async fn methods_and_callers_have_turns_of_their_own_and_other_calls_take_none() {
         let slow = Slow::default();
-        let gate = Gate::with_turns(slow.clone(), 1, Metrics::new());
+        let gate = gate(&slow, 1, Metrics::new());
         let calls = [
-            (RECONCILE_PATH, true),
-            (RECONCILE_PATH, false),
-            ("/hostdev.v1.HostDev/Claim", true),
-            ("/hostdev.v1.HostDev/Claim", true),
+            (RECONCILE, true),
+            (RECONCILE, false),
+            (LIST, true),
+            (CLAIM, true),
+            (CLAIM, true),
         ];
         let answers = all_at_once(&gate, &calls).await;
-        assert_eq!(answers, [None, None, None, None]);
-        assert_eq!(slow.most.load(Ordering::SeqCst), 4);
+        assert_eq!(answers, [None, None, None, None, None]);
+        assert_eq!(slow.most.load(Ordering::SeqCst), 5);
+    }
+
+    /// An answer not yet read keeps its turn; dropped unread, it gives the turn back.
+    #[tokio::test]
+    async fn an_answer_keeps_its_turn_until_read_or_dropped() {
+        let slow = Slow::default();
+        let gate = gate(&slow, 1, Metrics::new());
+        let unread = gate
+            .clone()
+            .oneshot(call_to(LIST, true))
+            .await
+            .expect("answer");
+        let (_, list_open) = &gate.turns.open[1];
+        assert_eq!(list_open.held_by(own_uid()), 1);
+        assert_eq!(
+            all_at_once(&gate, &[(LIST, true)]).await,
+            [Some("8".to_string())]
+        );
+        drop(unread);
+        assert!(list_open.is_empty());
+        assert_eq!(all_at_once(&gate, &[(LIST, true)]).await, [None]);
     }
 
     /// A call dropped while it runs (its client gone) gives its turn back.
     #[tokio::test]
     async fn a_call_dropped_while_running_gives_its_turn_back() {
         let slow = Slow::default();
-        let gate = Gate::with_turns(slow.clone(), 1, Metrics::new());
-        let running = tokio::spawn(gate.clone().oneshot(call_to(RECONCILE_PATH, true)));
+        let gate = gate(&slow, 1, Metrics::new());
+        let running = tokio::spawn(gate.clone().oneshot(call_to(RECONCILE, true)));
         tokio::time::sleep(Duration::from_millis(5)).await;
-        assert_eq!(gate.turns.running.held_by(own_uid()), 1);
+        let (_, reconciles) = &gate.turns.open[0];
+        assert_eq!(reconciles.held_by(own_uid()), 1);
         running.abort();
         let _ = running.await;
-        assert!(gate.turns.running.is_empty());
-        let answers = all_at_once(&gate, &[(RECONCILE_PATH, true)]).await;
-        assert_eq!(answers, [None]);
+        assert!(reconciles.is_empty());
+        assert_eq!(all_at_once(&gate, &[(RECONCILE, true)]).await, [None]);
     }
 }

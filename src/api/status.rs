@@ -59,10 +59,15 @@ pub enum ApiError {
     /// Every Watch stream slot is taken, or every one the caller's uid may hold.
     #[error("too many watch streams: {limit} are open{}; close one, or share one stream between the consumers of a client", match .uid { Some(u) => format!(" for uid {u}, the limit ([api] max_watch_streams_per_uid)"), None => ", the limit ([api] max_watch_streams)".to_string() })]
     TooManyWatchers { limit: usize, uid: Option<u32> },
-    /// A Reconcile while its caller's uid has as many running as it may (refused before
-    /// its message is read: see `api::gate`).
-    #[error("too many Reconcile calls at once: {} {limit} running already, the most one caller may; try again once one has been answered; nothing was changed", match .uid { Some(u) => format!("uid {u} has"), None => "callers without peer credentials have".to_string() })]
-    TooManyReconciles { limit: usize, uid: Option<u32> },
+    /// A call of a kind whose calls are heavy (a Reconcile's message, a listing's answer)
+    /// while its caller has as many of them open as it may: refused before its message
+    /// is read (see `api::gate`).
+    #[error("too many {rpc} calls at once: {} {limit} open already (running, or answered and not yet read), the most one caller may; read the answers asked for, or try again once one has been answered; nothing was changed", match .uid { Some(u) => format!("uid {u} has"), None => "callers without peer credentials have".to_string() })]
+    TooManyAtOnce {
+        rpc: &'static str,
+        limit: usize,
+        uid: Option<u32>,
+    },
     /// A new connection whose peer uid holds `[api] max_connections_per_uid` already: its
     /// calls are answered with this, and it is closed.
     #[error("hostdevd refused this connection: {} {limit} connections to its socket open already, the limit ([api] max_connections_per_uid); close the ones not in use (a client that opens a connection per call and keeps it?)", match .uid { Some(u) => format!("uid {u} holds"), None => "peers without credentials hold".to_string() })]
@@ -125,7 +130,7 @@ const FREE_CHECK_BUSY: &str = "FREE_CHECK_BUSY";
 const VFIO_GROUP_IN_USE: &str = "VFIO_GROUP_IN_USE";
 const VFIO_HOLDERS_UNKNOWN: &str = "VFIO_HOLDERS_UNKNOWN";
 const SNAPSHOT_AHEAD: &str = "SNAPSHOT_AHEAD";
-const TOO_MANY_RECONCILES: &str = "TOO_MANY_RECONCILES";
+const TOO_MANY_AT_ONCE: &str = "TOO_MANY_AT_ONCE";
 
 impl ApiError {
     pub fn bad_id(field: &'static str) -> impl FnOnce(IdError) -> ApiError {
@@ -142,7 +147,7 @@ impl ApiError {
             ApiError::VfioHeld { .. } => Some(VFIO_GROUP_IN_USE),
             ApiError::HoldersUnknown { .. } => Some(VFIO_HOLDERS_UNKNOWN),
             ApiError::SnapshotAhead { .. } => Some(SNAPSHOT_AHEAD),
-            ApiError::TooManyReconciles { .. } => Some(TOO_MANY_RECONCILES),
+            ApiError::TooManyAtOnce { .. } => Some(TOO_MANY_AT_ONCE),
             _ => None,
         }
     }
@@ -398,12 +403,15 @@ pub fn to_status(e: &ApiError) -> Status {
             let d = ErrorDetails::with_error_info("TOO_MANY_WATCHERS", ERROR_DOMAIN, meta);
             Status::with_error_details(Code::ResourceExhausted, msg, d)
         }
-        ApiError::TooManyReconciles { limit, uid } => {
-            let mut meta = HashMap::from([("reconciles_at_once".to_string(), limit.to_string())]);
+        ApiError::TooManyAtOnce { rpc, limit, uid } => {
+            let mut meta = HashMap::from([
+                ("rpc".to_string(), rpc.to_string()),
+                ("at_once".to_string(), limit.to_string()),
+            ]);
             if let Some(u) = uid {
                 meta.insert("uid".to_string(), u.to_string());
             }
-            let d = ErrorDetails::with_error_info(TOO_MANY_RECONCILES, ERROR_DOMAIN, meta);
+            let d = ErrorDetails::with_error_info(TOO_MANY_AT_ONCE, ERROR_DOMAIN, meta);
             Status::with_error_details(Code::ResourceExhausted, msg, d)
         }
         ApiError::TooManyConnections { limit, uid } => {

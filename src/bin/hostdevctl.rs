@@ -347,9 +347,9 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
         // Not an answer to the call: the agent served nothing on this connection.
         return Failure::Connect(line);
     }
-    // A Reconcile refused for want of a turn may run once one of the caller's ends.
+    // A call refused while the caller had too many of its kind open may run once one ends.
     let later = matches!(status.code(), Code::Unavailable | Code::DeadlineExceeded)
-        || reason == Some("TOO_MANY_RECONCILES");
+        || reason == Some("TOO_MANY_AT_ONCE");
     if let Some(info) = info.filter(|_| ours) {
         let facts = [
             ("current_generation", "current generation"),
