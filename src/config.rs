@@ -76,6 +76,8 @@ pub const MAX_WATCH_STREAMS: usize = 1 << 20;
 pub const MAX_CONNECTIONS_PER_UID: usize = 1 << 20;
 /// The most `[api] max_streams_per_connection` may be set to.
 pub const MAX_STREAMS_PER_CONNECTION: usize = 1 << 20;
+/// The most `[api] max_calls_per_uid` may be set to.
+pub const MAX_CALLS_PER_UID: usize = 1 << 24;
 
 fn d_max_watchers() -> usize {
     1024
@@ -88,6 +90,9 @@ fn d_max_connections_per_uid() -> usize {
 }
 fn d_max_streams_per_connection() -> usize {
     1024
+}
+fn d_max_calls_per_uid() -> usize {
+    4096
 }
 fn d_keepalive_interval_ms() -> u64 {
     60_000
@@ -221,6 +226,14 @@ pub struct ApiConfig {
     /// server under tonic sets no limit of its own). Both listeners. Default 1024.
     #[serde(default = "d_max_streams_per_connection")]
     pub max_streams_per_connection: usize,
+    /// Calls one caller may have open at once over all its connections (a Unix-socket
+    /// peer uid; the TCP listener's clients count as one caller): running, answered and
+    /// not yet read by the client, and Watch streams. One more is refused at once,
+    /// RESOURCE_EXHAUSTED (TOO_MANY_CALLS, naming this setting). Without it a caller's
+    /// bound was `max_connections_per_uid` × `max_streams_per_connection` (half a million
+    /// calls by default, a few KiB each while open). Default 4096.
+    #[serde(default = "d_max_calls_per_uid")]
+    pub max_calls_per_uid: usize,
     /// How long a connection may stay silent before the agent sends it an HTTP/2 PING,
     /// in ms (both listeners). Default 60000.
     #[serde(default = "d_keepalive_interval_ms")]
@@ -274,6 +287,7 @@ impl Default for ApiConfig {
             max_watch_streams_per_uid: d_max_watchers_per_uid(),
             max_connections_per_uid: d_max_connections_per_uid(),
             max_streams_per_connection: d_max_streams_per_connection(),
+            max_calls_per_uid: d_max_calls_per_uid(),
             keepalive_interval_ms: d_keepalive_interval_ms(),
             keepalive_timeout_ms: d_keepalive_timeout_ms(),
             watch_client_events: d_watch_client_events(),
@@ -538,6 +552,11 @@ impl Config {
                 "max_streams_per_connection",
                 api.max_streams_per_connection,
                 MAX_STREAMS_PER_CONNECTION,
+            ),
+            (
+                "max_calls_per_uid",
+                api.max_calls_per_uid,
+                MAX_CALLS_PER_UID,
             ),
             ("watch_buffer", api.watch_buffer, 1 << 24),
             ("request_log_entries", api.request_log_entries, 10_000_000),
@@ -894,6 +913,10 @@ mod tests {
             (
                 "[api]\nmax_streams_per_connection = 2000000",
                 "api.max_streams_per_connection = 2000000 is out of range",
+            ),
+            (
+                "[api]\nmax_calls_per_uid = 0",
+                "api.max_calls_per_uid = 0 is out of range",
             ),
             (
                 "[api]\nkeepalive_interval_ms = 10",

@@ -577,6 +577,7 @@ pub(crate) async fn routes(
 ) -> Result<tonic::transport::server::Router, DaemonError> {
     let limits = service.connection_limits();
     let metrics = Arc::clone(service.connections().metrics());
+    let calls_per_uid = limits.calls_per_uid;
     let mut builder = builder
         .max_concurrent_streams(limits.streams)
         .http2_keepalive_interval(Some(limits.keepalive_interval))
@@ -599,6 +600,7 @@ pub(crate) async fn routes(
         .add_service(reflection_v1alpha)
         .add_service(crate::api::gate::Gate::new(
             HostDevServer::new(service).max_decoding_message_size(4 << 20),
+            calls_per_uid,
             metrics,
         )))
 }

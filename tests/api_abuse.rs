@@ -635,21 +635,23 @@ async fn reconciles_take_turns_and_the_rest_are_refused_unread() {
     a.assert_unharmed("a burst of Reconciles", &listed).await;
 }
 
-/// A listing's answer waits, whole, until its client reads it; a client that asks for
-/// listings and reads none (HTTP/2 stream windows of 0 here) holds at most its caller's
-/// turns' worth of them in the agent: 800 asked over 8 connections, 8 answered and kept
-/// unread, every other one refused at once (`RESOURCE_EXHAUSTED`, `TOO_MANY_AT_ONCE`).
-/// Once the unread ones are dropped, their turns come back. (Without the turns, 4,000
-/// such listings of this host added 37 MB to the agent's resident set.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn listings_left_unread_take_turns() {
-    const CONNECTIONS: usize = 8;
-    const CALLS: usize = 800;
-    let mut a = start(64, "").await;
-    let before = listing(&mut a.client().await).await;
-    let mut connections = Vec::new();
-    for _ in 0..CONNECTIONS {
-        let io = tokio::net::UnixStream::connect(&a.socket)
+/// Calls of `method` (with an empty message) sent `calls` times over `connections` raw
+/// HTTP/2 connections whose stream windows are 0, so that no answer can be read: the
+/// calls answered and kept unread (their streams, to drop later), and the messages of
+/// those refused at once (grpc-message, percent-decoded spaces), with the connections.
+async fn calls_left_unread(
+    socket: &Path,
+    method: &str,
+    calls: usize,
+    connections: usize,
+) -> (
+    Vec<(http::Response<h2::RecvStream>, h2::SendStream<bytes::Bytes>)>,
+    Vec<String>,
+    Vec<h2::client::SendRequest<bytes::Bytes>>,
+) {
+    let mut senders = Vec::new();
+    for _ in 0..connections {
+        let io = tokio::net::UnixStream::connect(socket)
             .await
             .expect("connect");
         let (send, connection) = h2::client::Builder::new()
@@ -658,23 +660,23 @@ async fn listings_left_unread_take_turns() {
             .await
             .expect("handshake");
         tokio::spawn(connection);
-        connections.push(send);
+        senders.push(send);
     }
-    let (mut unread, mut refused) = (Vec::new(), 0);
-    for i in 0..CALLS {
-        let mut send = connections[i % CONNECTIONS]
+    let (mut unread, mut refused) = (Vec::new(), Vec::new());
+    for i in 0..calls {
+        let mut send = senders[i % connections]
             .clone()
             .ready()
             .await
             .expect("ready");
-        let request = http::Request::post("http://localhost/hostdev.v1.HostDev/ListDevices")
+        let request = http::Request::post(format!("http://localhost/hostdev.v1.HostDev/{method}"))
             .header("content-type", "application/grpc")
             .header("te", "trailers")
             .body(())
             .expect("request");
         let (answer, mut stream) = send.send_request(request, false).expect("send");
-        // An empty ListDevicesRequest: the 5-byte gRPC frame header alone. A refused call
-        // may be answered, and its stream closed, before this goes: the answer says.
+        // An empty message: the 5-byte gRPC frame header alone. A refused call may be
+        // answered, and its stream closed, before this goes: the answer says.
         let _ = stream.send_data(bytes::Bytes::from_static(&[0; 5]), true);
         let answer = tokio::time::timeout(Duration::from_secs(10), answer)
             .await
@@ -684,44 +686,107 @@ async fn listings_left_unread_take_turns() {
             None => unread.push((answer, stream)),
             Some(code) => {
                 assert_eq!(code, "8", "{:?}", answer.headers());
-                let message = answer
-                    .headers()
-                    .get("grpc-message")
-                    .and_then(|m| m.to_str().ok())
-                    .unwrap_or_default()
-                    .replace("%20", " ");
-                assert!(
-                    message.contains("ListDevices") && message.contains("read the answers"),
-                    "{message}"
+                refused.push(
+                    answer
+                        .headers()
+                        .get("grpc-message")
+                        .and_then(|m| m.to_str().ok())
+                        .unwrap_or_default()
+                        .replace("%20", " "),
                 );
-                refused += 1;
             }
         }
     }
-    println!(
-        "api abuse, listings left unread: {CALLS} asked over {CONNECTIONS} connections: {} held unread, {refused} refused",
-        unread.len()
-    );
-    assert_eq!(unread.len(), at_once("ListDevices"));
-    assert_eq!(refused, CALLS - at_once("ListDevices"));
-    // Dropped unread (the streams reset), they give their turns back.
-    drop(unread);
+    (unread, refused, senders)
+}
+
+/// Retries `call` while it is refused RESOURCE_EXHAUSTED, for up to 30 s (places come
+/// back as the agent sees the streams that held them reset).
+async fn once_places_are_back<T, F, Fut>(mut call: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Status>>,
+{
     let deadline = Instant::now() + Duration::from_secs(30);
-    let mut c = a.client().await;
     loop {
-        match c.list_devices(proto::ListDevicesRequest {}).await {
-            Ok(r) => {
-                assert_eq!(r.into_inner(), before);
-                break;
-            }
+        match call().await {
+            Ok(r) => return r,
             Err(e) if e.code() == Code::ResourceExhausted && Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            Err(e) => panic!("a listing once the unread ones were dropped: {e:?}"),
+            Err(e) => panic!("a call once the unread ones were dropped: {e:?}"),
         }
     }
+}
+
+/// A listing's answer waits, whole, until its client reads it; a client that asks for
+/// listings and reads none (HTTP/2 stream windows of 0 here) holds at most its caller's
+/// turns' worth of them in the agent: 800 asked over 8 connections, 8 answered and kept
+/// unread, every other one refused at once (`RESOURCE_EXHAUSTED`, `TOO_MANY_AT_ONCE`).
+/// Once the unread ones are dropped, their turns come back. (Without the turns, 4,000
+/// such listings of this host added 37 MB to the agent's resident set.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listings_left_unread_take_turns() {
+    const CALLS: usize = 800;
+    let mut a = start(64, "").await;
+    let before = listing(&mut a.client().await).await;
+    let (unread, refused, connections) =
+        calls_left_unread(&a.socket, "ListDevices", CALLS, 8).await;
+    println!(
+        "api abuse, listings left unread: {CALLS} asked: {} held unread, {} refused",
+        unread.len(),
+        refused.len()
+    );
+    assert_eq!(unread.len(), at_once("ListDevices"));
+    assert_eq!(refused.len(), CALLS - at_once("ListDevices"));
+    for m in &refused {
+        assert!(
+            m.contains("too many ListDevices calls") && m.contains("read the answers"),
+            "{m}"
+        );
+    }
+    // Dropped unread (the streams reset), they give their turns back.
+    drop(unread);
+    let c = a.client().await;
+    let listed = once_places_are_back(|| {
+        let mut c = c.clone();
+        async move { c.list_devices(proto::ListDevicesRequest {}).await }
+    })
+    .await;
+    assert_eq!(listed.into_inner(), before);
     drop(connections);
     a.assert_unharmed("listings left unread", &before).await;
+}
+
+/// Every call holds one of its caller's `max_calls_per_uid` places until its answer is
+/// read: a client that asks and reads nothing holds that many at most, every other call
+/// is refused at once (`RESOURCE_EXHAUSTED`, `TOO_MANY_CALLS`, naming the setting), and
+/// the places come back once the unread ones are dropped. (Without the cap, one uid's
+/// bound was 512 connections × 1,024 calls.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_open_calls_are_capped() {
+    const PER_UID: usize = 16;
+    const CALLS: usize = 200;
+    let mut a = start(4, &format!("max_calls_per_uid = {PER_UID}")).await;
+    let before = listing(&mut a.client().await).await;
+    let (unread, refused, connections) = calls_left_unread(&a.socket, "GetStatus", CALLS, 4).await;
+    assert_eq!(unread.len(), PER_UID);
+    assert_eq!(refused.len(), CALLS - PER_UID);
+    for m in &refused {
+        assert!(
+            m.contains("too many calls at once") && m.contains("[api] max_calls_per_uid"),
+            "{m}"
+        );
+    }
+    drop(unread);
+    let c = a.client().await;
+    once_places_are_back(|| {
+        let mut c = c.clone();
+        async move { c.get_status(proto::GetStatusRequest {}).await }
+    })
+    .await;
+    drop(connections);
+    a.assert_unharmed("calls left unread", &before).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

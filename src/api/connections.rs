@@ -34,6 +34,8 @@ pub struct ConnectionLimits {
     pub per_uid: usize,
     /// Calls open at once on one connection (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS).
     pub streams: u32,
+    /// Calls one caller may have open at once over all its connections (`api::gate`).
+    pub calls_per_uid: usize,
     /// How long a connection may stay silent before the agent pings it (HTTP/2 PING).
     pub keepalive_interval: Duration,
     /// How long a ping may go unanswered before the connection is closed.
@@ -46,6 +48,7 @@ impl ConnectionLimits {
             per_uid: api.max_connections_per_uid,
             // At most 2^20, checked with the config.
             streams: u32::try_from(api.max_streams_per_connection).unwrap_or(u32::MAX),
+            calls_per_uid: api.max_calls_per_uid,
             keepalive_interval: Duration::from_millis(api.keepalive_interval_ms),
             keepalive_timeout: Duration::from_millis(api.keepalive_timeout_ms),
         }

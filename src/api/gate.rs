@@ -1,11 +1,13 @@
-//! Turns for the heavy calls, taken before their messages are read: a Reconcile (whose
-//! message may be large) and a ListDevices (whose answer is). One caller (a Unix-socket
-//! peer uid; TCP clients share one count) may have at most [`HEAVY`]'s number of each
-//! open at once, from the call's arrival until its answer has been handed to HTTP/2 or
-//! dropped; one more is refused at once, unread.
+//! Places for every call, taken before its message is read: one caller (a Unix-socket
+//! peer uid; TCP clients share one count) may have at most `[api] max_calls_per_uid`
+//! calls open at once, from a call's arrival until its answer has been handed to HTTP/2
+//! or dropped (a Watch stream: until it ends), and of them at most [`HEAVY`]'s number of
+//! each heavy call: a Reconcile (whose message may be large) and a ListDevices (whose
+//! answer is). One more is refused at once, unread.
 //!
-//! Without turns, any client allowed on the socket could make the agent hold as many of
-//! them as its connections carry calls (1,024 each, 512 connections a uid). A Reconcile
+//! Without them, any client allowed on the socket could make the agent hold as many
+//! calls as its connections carry (1,024 each, 512 connections a uid), each a few KiB
+//! while open, and of the heavy ones far more. A Reconcile
 //! may carry 100,000 consumer ids (about 3.8 MB on the wire, several times that decoded)
 //! and waits with them for the free checks' pass over `/proc`: 400 dry runs from 40
 //! connections took the agent's resident memory from 32 MB to 560 MB. A listing's answer
@@ -20,7 +22,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use futures_util::future::Either;
 use http_body::{Frame, SizeHint};
 use tonic::body::Body;
 use tonic::transport::server::UdsConnectInfo;
@@ -38,32 +39,40 @@ pub const HEAVY: &[(&str, usize)] = &[("Reconcile", 2), ("ListDevices", 8)];
 /// The service whose methods [`HEAVY`] names.
 const SERVICE_PATH: &str = "/hostdev.v1.HostDev/";
 
-/// `inner` (the API's generated server), with each heavy call taking a turn first.
+/// `inner` (the API's generated server), with each call taking a place first.
 #[derive(Debug, Clone)]
 pub struct Gate<S> {
     inner: S,
     turns: Arc<Turns>,
 }
 
-/// The heavy calls open, by method and caller.
+/// The calls open, by caller, and the heavy ones by method and caller.
 #[derive(Debug)]
 struct Turns {
+    calls: Arc<PerUid>,
     /// One count per entry of [`HEAVY`], in its order.
     open: Vec<(&'static str, Arc<PerUid>)>,
-    /// Counts refusals among the rejections (`TOO_MANY_AT_ONCE`).
+    /// Counts refusals among the rejections (`TOO_MANY_CALLS`, `TOO_MANY_AT_ONCE`).
     metrics: Arc<Metrics>,
 }
 
 impl<S> Gate<S> {
-    pub fn new(inner: S, metrics: Arc<Metrics>) -> Gate<S> {
-        Gate::with_turns(inner, HEAVY, metrics)
+    /// `calls_per_uid` calls open at once for one caller, the heavy ones as [`HEAVY`] says.
+    pub fn new(inner: S, calls_per_uid: usize, metrics: Arc<Metrics>) -> Gate<S> {
+        Gate::with_turns(inner, calls_per_uid, HEAVY, metrics)
     }
 
-    /// With other counts than [`HEAVY`]'s (tests).
-    pub fn with_turns(inner: S, heavy: &[(&'static str, usize)], metrics: Arc<Metrics>) -> Gate<S> {
+    /// With other counts for the heavy calls than [`HEAVY`]'s (tests).
+    pub fn with_turns(
+        inner: S,
+        calls_per_uid: usize,
+        heavy: &[(&'static str, usize)],
+        metrics: Arc<Metrics>,
+    ) -> Gate<S> {
         Gate {
             inner,
             turns: Arc::new(Turns {
+                calls: PerUid::new(calls_per_uid),
                 open: heavy
                     .iter()
                     .map(|(rpc, n)| (*rpc, PerUid::new(*n)))
@@ -74,11 +83,22 @@ impl<S> Gate<S> {
     }
 }
 
+impl Turns {
+    /// The answer refusing a call for `why`, counted among the rejections.
+    fn refuse(&self, why: ApiError) -> http::Response<Body> {
+        if let Some(reason) = why.check_reason() {
+            self.metrics.rejected(reason);
+        }
+        // The message is dropped unread, which frees its share of the window.
+        trailers_only(&to_status(&why))
+    }
+}
+
 impl<S: tonic::server::NamedService> tonic::server::NamedService for Gate<S> {
     const NAME: &'static str = S::NAME;
 }
 
-/// A heavy call with its turn: the inner call, whose answer keeps the turn.
+/// A call with its place: the inner call, whose answer keeps the place; or a refusal.
 type Taken<E> = Pin<Box<dyn Future<Output = Result<http::Response<Body>, E>> + Send>>;
 
 impl<S, B> Service<http::Request<B>> for Gate<S>
@@ -89,48 +109,59 @@ where
 {
     type Response = http::Response<Body>;
     type Error = S::Error;
-    type Future = Either<S::Future, Taken<S::Error>>;
+    type Future = Taken<S::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let method = req.uri().path().strip_prefix(SERVICE_PATH);
-        let Some((rpc, open)) = self.turns.open.iter().find(|(rpc, _)| method == Some(*rpc)) else {
-            return Either::Left(self.inner.call(req));
-        };
         let caller = req
             .extensions()
             .get::<UdsConnectInfo>()
             .and_then(|i| i.peer_cred)
             .map(|c| c.uid());
-        let Some(turn) = open.take(caller) else {
-            let refusal = ApiError::TooManyAtOnce {
-                rpc,
-                limit: open.limit(),
+        let turns = &self.turns;
+        let Some(place) = turns.calls.take(caller) else {
+            let answer = turns.refuse(ApiError::TooManyCalls {
+                limit: turns.calls.limit(),
                 uid: caller,
-            };
-            if let Some(reason) = refusal.check_reason() {
-                self.turns.metrics.rejected(reason);
-            }
-            // The message is dropped unread, which frees its share of the window.
-            let answer = trailers_only(&to_status(&refusal));
-            return Either::Right(Box::pin(async move { Ok(answer) }));
+            });
+            return Box::pin(async move { Ok(answer) });
+        };
+        let method = req.uri().path().strip_prefix(SERVICE_PATH);
+        let heavy = match turns.open.iter().find(|(rpc, _)| method == Some(*rpc)) {
+            None => None,
+            Some((rpc, open)) => match open.take(caller) {
+                Some(turn) => Some(turn),
+                None => {
+                    let answer = turns.refuse(ApiError::TooManyAtOnce {
+                        rpc,
+                        limit: open.limit(),
+                        uid: caller,
+                    });
+                    return Box::pin(async move { Ok(answer) });
+                }
+            },
         };
         let call = self.inner.call(req);
-        Either::Right(Box::pin(async move {
+        Box::pin(async move {
             let answer = call.await?;
-            Ok(answer.map(|body| Body::new(Holding { body, _turn: turn })))
-        }))
+            Ok(answer.map(|body| {
+                Body::new(Holding {
+                    body,
+                    _places: (place, heavy),
+                })
+            }))
+        })
     }
 }
 
-/// An answer's body that keeps its call's turn until HTTP/2 has taken all of it, or
-/// dropped it (the client gone, the stream reset).
+/// An answer's body that keeps its call's places until HTTP/2 has taken all of it, or
+/// dropped it (the client gone, the stream reset): the caller's, and a heavy call's turn.
 struct Holding {
     body: Body,
-    _turn: Place,
+    _places: (Place, Option<Place>),
 }
 
 impl http_body::Body for Holding {
@@ -218,6 +249,7 @@ mod tests {
     fn gate(slow: &Slow, reconciles: usize, metrics: Arc<Metrics>) -> Gate<Slow> {
         Gate::with_turns(
             slow.clone(),
+            64,
             &[("Reconcile", reconciles), ("ListDevices", 1)],
             metrics,
         )
@@ -263,6 +295,35 @@ mod tests {
         let again = all_at_once(&gate, &calls[..2]).await;
         assert_eq!(again, [None, None]);
         assert!(gate.turns.open.iter().all(|(_, o)| o.is_empty()));
+        assert!(gate.turns.calls.is_empty());
+    }
+
+    /// Every call takes one of its caller's places, heavy or not, until its answer is
+    /// read; one past the limit is refused, and the places come back.
+    #[tokio::test]
+    async fn a_caller_has_at_most_its_calls_open() {
+        let slow = Slow::default();
+        let metrics = Metrics::new();
+        let gate = Gate::with_turns(slow.clone(), 3, &[("Reconcile", 2)], Arc::clone(&metrics));
+        let calls = [
+            (CLAIM, true),
+            (RECONCILE, true),
+            (LIST, true),
+            (CLAIM, true),
+        ];
+        let answers = all_at_once(&gate, &calls).await;
+        assert_eq!(answers, [None, None, None, Some("8".to_string())]);
+        assert_eq!(metrics.rejections("TOO_MANY_CALLS"), 1);
+        // Another caller has places of its own.
+        let unread = gate
+            .clone()
+            .oneshot(call_to(CLAIM, true))
+            .await
+            .expect("answer");
+        assert_eq!(gate.turns.calls.held_by(own_uid()), 1);
+        assert_eq!(all_at_once(&gate, &[(CLAIM, false)]).await, [None]);
+        drop(unread);
+        assert!(gate.turns.calls.is_empty());
     }
 
     #[tokio::test]

@@ -59,6 +59,9 @@ pub enum ApiError {
     /// Every Watch stream slot is taken, or every one the caller's uid may hold.
     #[error("too many watch streams: {limit} are open{}; close one, or share one stream between the consumers of a client", match .uid { Some(u) => format!(" for uid {u}, the limit ([api] max_watch_streams_per_uid)"), None => ", the limit ([api] max_watch_streams)".to_string() })]
     TooManyWatchers { limit: usize, uid: Option<u32> },
+    /// A call while its caller has `[api] max_calls_per_uid` open (see `api::gate`).
+    #[error("too many calls at once: {} {limit} open already (running, answered and not yet read, or Watch streams), the limit ([api] max_calls_per_uid); read the answers asked for, or close streams not in use; nothing was changed", match .uid { Some(u) => format!("uid {u} has"), None => "callers without peer credentials have".to_string() })]
+    TooManyCalls { limit: usize, uid: Option<u32> },
     /// A call of a kind whose calls are heavy (a Reconcile's message, a listing's answer)
     /// while its caller has as many of them open as it may: refused before its message
     /// is read (see `api::gate`).
@@ -131,6 +134,7 @@ const VFIO_GROUP_IN_USE: &str = "VFIO_GROUP_IN_USE";
 const VFIO_HOLDERS_UNKNOWN: &str = "VFIO_HOLDERS_UNKNOWN";
 const SNAPSHOT_AHEAD: &str = "SNAPSHOT_AHEAD";
 const TOO_MANY_AT_ONCE: &str = "TOO_MANY_AT_ONCE";
+const TOO_MANY_CALLS: &str = "TOO_MANY_CALLS";
 
 impl ApiError {
     pub fn bad_id(field: &'static str) -> impl FnOnce(IdError) -> ApiError {
@@ -148,6 +152,7 @@ impl ApiError {
             ApiError::HoldersUnknown { .. } => Some(VFIO_HOLDERS_UNKNOWN),
             ApiError::SnapshotAhead { .. } => Some(SNAPSHOT_AHEAD),
             ApiError::TooManyAtOnce { .. } => Some(TOO_MANY_AT_ONCE),
+            ApiError::TooManyCalls { .. } => Some(TOO_MANY_CALLS),
             _ => None,
         }
     }
@@ -401,6 +406,14 @@ pub fn to_status(e: &ApiError) -> Status {
                 None => HashMap::from([("max_watch_streams".to_string(), limit.to_string())]),
             };
             let d = ErrorDetails::with_error_info("TOO_MANY_WATCHERS", ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::ResourceExhausted, msg, d)
+        }
+        ApiError::TooManyCalls { limit, uid } => {
+            let mut meta = HashMap::from([("max_calls_per_uid".to_string(), limit.to_string())]);
+            if let Some(u) = uid {
+                meta.insert("uid".to_string(), u.to_string());
+            }
+            let d = ErrorDetails::with_error_info(TOO_MANY_CALLS, ERROR_DOMAIN, meta);
             Status::with_error_details(Code::ResourceExhausted, msg, d)
         }
         ApiError::TooManyAtOnce { rpc, limit, uid } => {

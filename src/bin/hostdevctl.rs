@@ -349,7 +349,7 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
     }
     // A call refused while the caller had too many of its kind open may run once one ends.
     let later = matches!(status.code(), Code::Unavailable | Code::DeadlineExceeded)
-        || reason == Some("TOO_MANY_AT_ONCE");
+        || matches!(reason, Some("TOO_MANY_AT_ONCE" | "TOO_MANY_CALLS"));
     if let Some(info) = info.filter(|_| ours) {
         let facts = [
             ("current_generation", "current generation"),
