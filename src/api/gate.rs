@@ -7,10 +7,10 @@
 //!
 //! Without them, any client allowed on the socket could make the agent hold as many
 //! calls as its connections carry (1,024 each, 512 connections a uid), each a few KiB
-//! while open, and of the heavy ones far more. A Reconcile
-//! may carry 100,000 consumer ids (about 3.8 MB on the wire, several times that decoded)
-//! and waits with them for the free checks' pass over `/proc`: 400 dry runs from 40
-//! connections took the agent's resident memory from 32 MB to 560 MB. A listing's answer
+//! while open, and of the heavy ones far more. A Reconcile may carry 100,000 consumer
+//! ids (about 3.8 MB on the wire, several times that decoded) and waits with them for
+//! the free checks' pass over `/proc`: 400 dry runs from 40 connections took the agent's
+//! resident memory from 32 MB to 560 MB. A listing's answer
 //! waits, whole, until its client reads it: 4,000 listings of a 64-VF host that the
 //! client never read added 37 MB, and a 4096-VF host's answer is some sixty times larger.
 //! A call over the count is refused rather than kept waiting: a waiting call's unread
