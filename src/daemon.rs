@@ -570,7 +570,8 @@ pub async fn serve(
 /// reflection (v1 and v1alpha, for older tools), with the service's connection limits:
 /// calls open at once on one connection, and pings to a connection gone silent (a
 /// controller whose host died leaves a TCP connection, and its Watch stream, open
-/// otherwise; a stopped local client its Unix one).
+/// otherwise; a stopped local client its Unix one). Each API call first takes one of its
+/// caller's places ([`crate::api::gate`]).
 pub(crate) async fn routes(
     builder: tonic::transport::Server,
     service: HostDevService,
