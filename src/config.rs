@@ -228,7 +228,8 @@ pub struct ApiConfig {
     pub max_streams_per_connection: usize,
     /// Calls one caller may have open at once over all its connections (a Unix-socket
     /// peer uid; the TCP listener's clients count as one caller): running, answered and
-    /// not yet read by the client, and Watch streams. One more is refused at once,
+    /// not yet read by the client, and Watch streams, health checks and reflection
+    /// included. One more is refused at once,
     /// RESOURCE_EXHAUSTED (TOO_MANY_CALLS, naming this setting). Without it a caller's
     /// bound was `max_connections_per_uid` × `max_streams_per_connection` (half a million
     /// calls by default, a few KiB each while open). Default 4096.

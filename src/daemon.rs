@@ -570,8 +570,8 @@ pub async fn serve(
 /// reflection (v1 and v1alpha, for older tools), with the service's connection limits:
 /// calls open at once on one connection, and pings to a connection gone silent (a
 /// controller whose host died leaves a TCP connection, and its Watch stream, open
-/// otherwise; a stopped local client its Unix one). Each API call first takes one of its
-/// caller's places ([`crate::api::gate`]).
+/// otherwise; a stopped local client its Unix one). Each call, health and reflection
+/// included, first takes one of its caller's places ([`crate::api::gate`]).
 pub(crate) async fn routes(
     builder: tonic::transport::Server,
     service: HostDevService,
@@ -595,15 +595,17 @@ pub(crate) async fn routes(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()
         .map_err(|e| DaemonError::Reflection(e.to_string()))?;
+    // One count of places per caller for every service served here.
+    let api = crate::api::gate::Gate::new(
+        HostDevServer::new(service).max_decoding_message_size(4 << 20),
+        calls_per_uid,
+        metrics,
+    );
     Ok(builder
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(crate::api::gate::Gate::new(
-            HostDevServer::new(service).max_decoding_message_size(4 << 20),
-            calls_per_uid,
-            metrics,
-        )))
+        .add_service(api.beside(health_service))
+        .add_service(api.beside(reflection_v1))
+        .add_service(api.beside(reflection_v1alpha))
+        .add_service(api))
 }
 
 /// The whole daemon: start, bind, notify systemd, serve until SIGTERM/SIGINT; SIGHUP

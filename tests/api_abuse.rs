@@ -635,13 +635,13 @@ async fn reconciles_take_turns_and_the_rest_are_refused_unread() {
     a.assert_unharmed("a burst of Reconciles", &listed).await;
 }
 
-/// Calls of `method` (with an empty message) sent `calls` times over `connections` raw
+/// Calls of `path` (with an empty message) sent `calls` times over `connections` raw
 /// HTTP/2 connections whose stream windows are 0, so that no answer can be read: the
 /// calls answered and kept unread (their streams, to drop later), and the messages of
 /// those refused at once (grpc-message, percent-decoded spaces), with the connections.
 async fn calls_left_unread(
     socket: &Path,
-    method: &str,
+    path: &str,
     calls: usize,
     connections: usize,
 ) -> (
@@ -669,7 +669,7 @@ async fn calls_left_unread(
             .ready()
             .await
             .expect("ready");
-        let request = http::Request::post(format!("http://localhost/hostdev.v1.HostDev/{method}"))
+        let request = http::Request::post(format!("http://localhost{path}"))
             .header("content-type", "application/grpc")
             .header("te", "trailers")
             .body(())
@@ -731,7 +731,7 @@ async fn listings_left_unread_take_turns() {
     let mut a = start(64, "").await;
     let before = listing(&mut a.client().await).await;
     let (unread, refused, connections) =
-        calls_left_unread(&a.socket, "ListDevices", CALLS, 8).await;
+        calls_left_unread(&a.socket, "/hostdev.v1.HostDev/ListDevices", CALLS, 8).await;
     println!(
         "api abuse, listings left unread: {CALLS} asked: {} held unread, {} refused",
         unread.len(),
@@ -759,33 +759,42 @@ async fn listings_left_unread_take_turns() {
 }
 
 /// Every call holds one of its caller's `max_calls_per_uid` places until its answer is
-/// read: a client that asks and reads nothing holds that many at most, every other call
-/// is refused at once (`RESOURCE_EXHAUSTED`, `TOO_MANY_CALLS`, naming the setting), and
-/// the places come back once the unread ones are dropped. (Without the cap, one uid's
-/// bound was 512 connections × 1,024 calls.)
+/// read, health checks included: a client that asks and reads nothing holds that many at
+/// most, every other call is refused at once (`RESOURCE_EXHAUSTED`, `TOO_MANY_CALLS`,
+/// naming the setting), and the places come back once the unread ones are dropped.
+/// (Without the cap, one uid's bound was 512 connections × 1,024 calls.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_callers_open_calls_are_capped() {
     const PER_UID: usize = 16;
+    const HEALTH: usize = 10;
     const CALLS: usize = 200;
     let mut a = start(4, &format!("max_calls_per_uid = {PER_UID}")).await;
     let before = listing(&mut a.client().await).await;
-    let (unread, refused, connections) = calls_left_unread(&a.socket, "GetStatus", CALLS, 4).await;
-    assert_eq!(unread.len(), PER_UID);
-    assert_eq!(refused.len(), CALLS - PER_UID);
+    let (health, refused_health, health_connections) =
+        calls_left_unread(&a.socket, "/grpc.health.v1.Health/Check", HEALTH, 2).await;
+    assert_eq!((health.len(), refused_health.len()), (HEALTH, 0));
+    let (unread, refused, connections) =
+        calls_left_unread(&a.socket, "/hostdev.v1.HostDev/GetStatus", CALLS, 4).await;
+    assert_eq!(
+        unread.len(),
+        PER_UID - HEALTH,
+        "the health checks hold places too"
+    );
+    assert_eq!(refused.len(), CALLS - (PER_UID - HEALTH));
     for m in &refused {
         assert!(
             m.contains("too many calls at once") && m.contains("[api] max_calls_per_uid"),
             "{m}"
         );
     }
-    drop(unread);
+    drop((unread, health));
     let c = a.client().await;
     once_places_are_back(|| {
         let mut c = c.clone();
         async move { c.get_status(proto::GetStatusRequest {}).await }
     })
     .await;
-    drop(connections);
+    drop((connections, health_connections));
     a.assert_unharmed("calls left unread", &before).await;
 }
 

@@ -1,6 +1,6 @@
 //! Places for every call, taken before its message is read: one caller (a Unix-socket
 //! peer uid; TCP clients share one count) may have at most `[api] max_calls_per_uid`
-//! calls open at once, from a call's arrival until its answer has been handed to HTTP/2
+//! calls open at once (the API's, health checks and reflection together), from a call's arrival until its answer has been handed to HTTP/2
 //! or dropped (a Watch stream: until it ends), and of them at most [`HEAVY`]'s number of
 //! each heavy call: a Reconcile (whose message may be large) and a ListDevices (whose
 //! answer is). One more is refused at once, unread.
@@ -60,6 +60,15 @@ impl<S> Gate<S> {
     /// `calls_per_uid` calls open at once for one caller, the heavy ones as [`HEAVY`] says.
     pub fn new(inner: S, calls_per_uid: usize, metrics: Arc<Metrics>) -> Gate<S> {
         Gate::with_turns(inner, calls_per_uid, HEAVY, metrics)
+    }
+
+    /// `inner` (another service on the same listener) taking its places from the same
+    /// counts as this gate's calls.
+    pub fn beside<T>(&self, inner: T) -> Gate<T> {
+        Gate {
+            inner,
+            turns: Arc::clone(&self.turns),
+        }
     }
 
     /// With other counts for the heavy calls than [`HEAVY`]'s (tests).
