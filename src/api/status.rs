@@ -246,6 +246,23 @@ pub fn trailers_only<B: Default>(status: &Status) -> http::Response<B> {
     answer
 }
 
+/// RESOURCE_EXHAUSTED for a caller over one of its limits: ErrorInfo `reason` with
+/// `facts`, and the caller's `uid` where it has one.
+fn over_a_limit<const N: usize>(
+    reason: &str,
+    msg: String,
+    facts: [(&str, String); N],
+    uid: Option<u32>,
+) -> Status {
+    let mut meta: HashMap<String, String> =
+        facts.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    if let Some(u) = uid {
+        meta.insert("uid".to_string(), u.to_string());
+    }
+    let d = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, meta);
+    Status::with_error_details(Code::ResourceExhausted, msg, d)
+}
+
 impl From<ApiError> for Status {
     fn from(e: ApiError) -> Status {
         to_status(&e)
@@ -398,44 +415,36 @@ pub fn to_status(e: &ApiError) -> Status {
             Status::with_error_details(Code::ResourceExhausted, msg, d)
         }
         ApiError::TooManyWatchers { limit, uid } => {
-            let meta = match uid {
-                Some(u) => HashMap::from([
-                    ("max_watch_streams_per_uid".to_string(), limit.to_string()),
-                    ("uid".to_string(), u.to_string()),
-                ]),
-                None => HashMap::from([("max_watch_streams".to_string(), limit.to_string())]),
+            // With a uid, its own cap was reached; without, the cap over all.
+            let setting = match uid {
+                Some(_) => "max_watch_streams_per_uid",
+                None => "max_watch_streams",
             };
-            let d = ErrorDetails::with_error_info("TOO_MANY_WATCHERS", ERROR_DOMAIN, meta);
-            Status::with_error_details(Code::ResourceExhausted, msg, d)
+            over_a_limit(
+                "TOO_MANY_WATCHERS",
+                msg,
+                [(setting, limit.to_string())],
+                *uid,
+            )
         }
-        ApiError::TooManyCalls { limit, uid } => {
-            let mut meta = HashMap::from([("max_calls_per_uid".to_string(), limit.to_string())]);
-            if let Some(u) = uid {
-                meta.insert("uid".to_string(), u.to_string());
-            }
-            let d = ErrorDetails::with_error_info(TOO_MANY_CALLS, ERROR_DOMAIN, meta);
-            Status::with_error_details(Code::ResourceExhausted, msg, d)
-        }
-        ApiError::TooManyAtOnce { rpc, limit, uid } => {
-            let mut meta = HashMap::from([
-                ("rpc".to_string(), rpc.to_string()),
-                ("at_once".to_string(), limit.to_string()),
-            ]);
-            if let Some(u) = uid {
-                meta.insert("uid".to_string(), u.to_string());
-            }
-            let d = ErrorDetails::with_error_info(TOO_MANY_AT_ONCE, ERROR_DOMAIN, meta);
-            Status::with_error_details(Code::ResourceExhausted, msg, d)
-        }
-        ApiError::TooManyConnections { limit, uid } => {
-            let mut meta =
-                HashMap::from([("max_connections_per_uid".to_string(), limit.to_string())]);
-            if let Some(u) = uid {
-                meta.insert("uid".to_string(), u.to_string());
-            }
-            let d = ErrorDetails::with_error_info("TOO_MANY_CONNECTIONS", ERROR_DOMAIN, meta);
-            Status::with_error_details(Code::ResourceExhausted, msg, d)
-        }
+        ApiError::TooManyCalls { limit, uid } => over_a_limit(
+            TOO_MANY_CALLS,
+            msg,
+            [("max_calls_per_uid", limit.to_string())],
+            *uid,
+        ),
+        ApiError::TooManyAtOnce { rpc, limit, uid } => over_a_limit(
+            TOO_MANY_AT_ONCE,
+            msg,
+            [("rpc", rpc.to_string()), ("at_once", limit.to_string())],
+            *uid,
+        ),
+        ApiError::TooManyConnections { limit, uid } => over_a_limit(
+            "TOO_MANY_CONNECTIONS",
+            msg,
+            [("max_connections_per_uid", limit.to_string())],
+            *uid,
+        ),
         ApiError::NotFound(_) => {
             let d = ErrorDetails::with_error_info("NOT_FOUND", ERROR_DOMAIN, HashMap::new());
             Status::with_error_details(Code::NotFound, msg, d)
