@@ -13,7 +13,6 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -21,6 +20,7 @@ use std::time::{Duration, Instant};
 use futures_util::{Stream, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::Semaphore;
 use tonic::transport::server::{Connected, UdsConnectInfo};
 
 use crate::api::per_uid::{PerUid, Place};
@@ -232,8 +232,8 @@ struct Accepting {
     listener: UnixListener,
     conns: Arc<Connections>,
     refused: Quiet,
-    /// Refused connections being answered now.
-    answering: Arc<AtomicUsize>,
+    /// A permit for each refused connection being answered now.
+    answering: Arc<Semaphore>,
 }
 
 /// The connections accepted on `listener` that `conns` admits. A connection over its
@@ -251,7 +251,7 @@ pub fn incoming(
         listener,
         conns,
         refused: Quiet::default(),
-        answering: Arc::new(AtomicUsize::new(0)),
+        answering: Arc::new(Semaphore::new(REFUSALS_ANSWERED_AT_ONCE)),
     };
     let admitted = futures_util::stream::unfold(state, |mut s| async move {
         loop {
@@ -288,17 +288,15 @@ pub fn incoming(
 
 /// Answers a refused connection on a task of its own, unless
 /// [`REFUSALS_ANSWERED_AT_ONCE`] are being answered already: then it is closed now.
-fn refuse(stream: UnixStream, why: &ApiError, answering: &Arc<AtomicUsize>) {
-    if answering.fetch_add(1, Ordering::SeqCst) >= REFUSALS_ANSWERED_AT_ONCE {
-        answering.fetch_sub(1, Ordering::SeqCst);
+fn refuse(stream: UnixStream, why: &ApiError, answering: &Arc<Semaphore>) {
+    let Ok(permit) = Arc::clone(answering).try_acquire_owned() else {
         return;
-    }
+    };
     let status = to_status(why);
-    let answering = Arc::clone(answering);
     tokio::spawn(async move {
         // Whatever the client does, the connection is closed by the time limit.
         let _ = tokio::time::timeout(REFUSAL_TIME, answer_refused(stream, status)).await;
-        answering.fetch_sub(1, Ordering::SeqCst);
+        drop(permit);
     });
 }
 
@@ -402,16 +400,21 @@ mod tests {
 
     /// The refusal's answer carries the reason and its facts, for clients that act on
     /// ErrorInfo, and the connection is closed once it went out.
+    /// Refused connections being answered now, of at most [`REFUSALS_ANSWERED_AT_ONCE`].
+    fn being_answered(answering: &Semaphore) -> usize {
+        REFUSALS_ANSWERED_AT_ONCE - answering.available_permits()
+    }
+
     #[tokio::test]
     async fn a_refused_connection_is_told_why_and_closed() {
         let (agent, client) = UnixStream::pair().expect("pair");
-        let answering = Arc::new(AtomicUsize::new(0));
+        let answering = Arc::new(Semaphore::new(REFUSALS_ANSWERED_AT_ONCE));
         let why = ApiError::TooManyConnections {
             limit: 512,
             uid: Some(1000),
         };
         refuse(agent, &why, &answering);
-        assert_eq!(answering.load(Ordering::SeqCst), 1);
+        assert_eq!(being_answered(&answering), 1);
         let direct = crate::client::Direct::handshake(client)
             .await
             .expect("handshake");
@@ -442,7 +445,7 @@ mod tests {
             .await
             .is_err());
         let deadline = Instant::now() + REFUSAL_TIME + Duration::from_secs(10);
-        while answering.load(Ordering::SeqCst) != 0 {
+        while being_answered(&answering) != 0 {
             assert!(Instant::now() < deadline, "the answering task never ended");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -453,7 +456,7 @@ mod tests {
     /// once without a word.
     #[tokio::test]
     async fn refusals_are_bounded_in_number_and_time() {
-        let answering = Arc::new(AtomicUsize::new(0));
+        let answering = Arc::new(Semaphore::new(REFUSALS_ANSWERED_AT_ONCE));
         let why = ApiError::TooManyConnections {
             limit: 1,
             uid: None,
@@ -464,7 +467,7 @@ mod tests {
             refuse(agent, &why, &answering);
             silent.push(client);
         }
-        assert_eq!(answering.load(Ordering::SeqCst), REFUSALS_ANSWERED_AT_ONCE);
+        assert_eq!(being_answered(&answering), REFUSALS_ANSWERED_AT_ONCE);
         let (agent, mut client) = UnixStream::pair().expect("pair");
         refuse(agent, &why, &answering);
         let mut byte = [0u8; 1];
@@ -476,12 +479,12 @@ mod tests {
         .expect("closed at once")
         .unwrap_or(0);
         assert_eq!(n, 0, "one past the answers under way is closed without one");
-        assert_eq!(answering.load(Ordering::SeqCst), REFUSALS_ANSWERED_AT_ONCE);
+        assert_eq!(being_answered(&answering), REFUSALS_ANSWERED_AT_ONCE);
         for s in silent {
             closed_within(s, REFUSAL_TIME + Duration::from_secs(10)).await;
         }
         let deadline = Instant::now() + Duration::from_secs(10);
-        while answering.load(Ordering::SeqCst) != 0 {
+        while being_answered(&answering) != 0 {
             assert!(Instant::now() < deadline, "the answering tasks never ended");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
