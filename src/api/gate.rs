@@ -51,7 +51,7 @@ pub struct Gate<S> {
 struct Turns {
     calls: Arc<PerUid>,
     /// One count per entry of [`HEAVY`], in its order.
-    open: Vec<(&'static str, Arc<PerUid>)>,
+    heavy: Vec<(&'static str, Arc<PerUid>)>,
     /// Counts refusals among the rejections (`TOO_MANY_CALLS`, `TOO_MANY_AT_ONCE`).
     metrics: Arc<Metrics>,
 }
@@ -82,7 +82,7 @@ impl<S> Gate<S> {
             inner,
             turns: Arc::new(Turns {
                 calls: PerUid::new(calls_per_uid),
-                open: heavy
+                heavy: heavy
                     .iter()
                     .map(|(rpc, n)| (*rpc, PerUid::new(*n)))
                     .collect(),
@@ -139,7 +139,7 @@ where
             return Box::pin(async move { Ok(answer) });
         };
         let method = req.uri().path().strip_prefix(SERVICE_PATH);
-        let heavy = match turns.open.iter().find(|(rpc, _)| method == Some(*rpc)) {
+        let heavy = match turns.heavy.iter().find(|(rpc, _)| method == Some(*rpc)) {
             None => None,
             Some((rpc, open)) => match open.take(caller) {
                 Some(turn) => Some(turn),
@@ -303,7 +303,7 @@ mod tests {
         // Their turns are given back once answered and read.
         let again = all_at_once(&gate, &calls[..2]).await;
         assert_eq!(again, [None, None]);
-        assert!(gate.turns.open.iter().all(|(_, o)| o.is_empty()));
+        assert!(gate.turns.heavy.iter().all(|(_, o)| o.is_empty()));
         assert!(gate.turns.calls.is_empty());
     }
 
@@ -361,7 +361,7 @@ mod tests {
             .oneshot(call_to(LIST, true))
             .await
             .expect("answer");
-        let (_, list_open) = &gate.turns.open[1];
+        let (_, list_open) = &gate.turns.heavy[1];
         assert_eq!(list_open.held_by(own_uid()), 1);
         assert_eq!(
             all_at_once(&gate, &[(LIST, true)]).await,
@@ -379,7 +379,7 @@ mod tests {
         let gate = gate(&slow, 1, Metrics::new());
         let running = tokio::spawn(gate.clone().oneshot(call_to(RECONCILE, true)));
         tokio::time::sleep(Duration::from_millis(5)).await;
-        let (_, reconciles) = &gate.turns.open[0];
+        let (_, reconciles) = &gate.turns.heavy[0];
         assert_eq!(reconciles.held_by(own_uid()), 1);
         running.abort();
         let _ = running.await;
