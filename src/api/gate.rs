@@ -1,9 +1,10 @@
 //! Places for every call, taken before its message is read: one caller (a Unix-socket
 //! peer uid; TCP clients share one count) may have at most `[api] max_calls_per_uid`
-//! calls open at once (the API's, health checks and reflection together), from a call's arrival until its answer has been handed to HTTP/2
-//! or dropped (a Watch stream: until it ends), and of them at most [`HEAVY`]'s number of
-//! each heavy call: a Reconcile (whose message may be large) and a ListDevices (whose
-//! answer is). One more is refused at once, unread.
+//! calls open at once (the API's, health checks and reflection together), from a call's
+//! arrival until its answer has been handed to HTTP/2 or dropped (a Watch stream: until
+//! it ends), and of them at most [`HEAVY`]'s number of each heavy call: a Reconcile
+//! (whose message may be large) and a ListDevices (whose answer is). One more is refused
+//! at once, unread.
 //!
 //! Without them, any client allowed on the socket could make the agent hold as many
 //! calls as its connections carry (1,024 each, 512 connections a uid), each a few KiB
