@@ -97,6 +97,7 @@ listen = "0.0.0.0:7443"
 cert = "/etc/hostdevd/tls/server.pem"
 key = "/etc/hostdevd/tls/server.key"
 client_ca = "/etc/hostdevd/tls/clients-ca.pem"
+max_connections_per_peer = 512
 
 [metrics]
 listen = "127.0.0.1:9464"

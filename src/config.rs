@@ -71,8 +71,9 @@ fn d_watch_bytes() -> usize {
 }
 /// The most Watch streams a configuration may allow.
 pub const MAX_WATCH_STREAMS: usize = 1 << 20;
-/// The most `[api] max_connections_per_uid` may be set to (the kernel's own limit on open
-/// files, `fs.nr_open`, defaults to 1,048,576).
+/// The most `[api] max_connections_per_uid` (and `[api.tcp] max_connections_per_peer`)
+/// may be set to (the kernel's own limit on open files, `fs.nr_open`, defaults to
+/// 1,048,576).
 pub const MAX_CONNECTIONS_PER_UID: usize = 1 << 20;
 /// The most `[api] max_streams_per_connection` may be set to.
 pub const MAX_STREAMS_PER_CONNECTION: usize = 1 << 20;
@@ -256,9 +257,10 @@ pub struct ApiConfig {
     pub tcp: Option<TcpConfig>,
 }
 
-/// The optional TCP listener. Every field is required: there is no TCP without mutual
-/// TLS. Clients must present a certificate signed by `client_ca`; such clients may
-/// mutate (the certificate is their credential, as the uid is on the Unix socket).
+/// The optional TCP listener. The address and the three TLS files are required: there is
+/// no TCP without mutual TLS. Clients must present a certificate signed by `client_ca`;
+/// such clients may mutate (the certificate is their credential, as the uid is on the
+/// Unix socket).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TcpConfig {
@@ -270,6 +272,12 @@ pub struct TcpConfig {
     pub key: PathBuf,
     /// PEM CA certificate(s) that client certificates must chain to.
     pub client_ca: PathBuf,
+    /// Connections one peer address may hold open, counted from the accept (before the
+    /// TLS handshake); one more is closed at once. The TCP listener's counterpart of
+    /// `[api] max_connections_per_uid`: a client that leaks connections, or never
+    /// finishes its handshake, cannot take every descriptor the agent has.
+    #[serde(default = "d_max_connections_per_uid")]
+    pub max_connections_per_peer: usize,
 }
 
 impl Default for ApiConfig {
@@ -573,6 +581,14 @@ impl Config {
             if value == 0 || value > max {
                 return Err(ConfigError::Invalid(format!(
                     "api.{key} = {value} is out of range: it must be from 1 to {max}"
+                )));
+            }
+        }
+        if let Some(tcp) = &api.tcp {
+            let n = tcp.max_connections_per_peer;
+            if n == 0 || n > MAX_CONNECTIONS_PER_UID {
+                return Err(ConfigError::Invalid(format!(
+                    "api.tcp.max_connections_per_peer = {n} is out of range: it must be from 1 to {MAX_CONNECTIONS_PER_UID}"
                 )));
             }
         }
@@ -918,6 +934,10 @@ mod tests {
             (
                 "[api]\nmax_calls_per_uid = 0",
                 "api.max_calls_per_uid = 0 is out of range",
+            ),
+            (
+                "[api.tcp]\nlisten = \"127.0.0.1:7443\"\ncert = \"c\"\nkey = \"k\"\nclient_ca = \"ca\"\nmax_connections_per_peer = 0",
+                "api.tcp.max_connections_per_peer = 0 is out of range",
             ),
             (
                 "[api]\nkeepalive_interval_ms = 10",

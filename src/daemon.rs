@@ -660,11 +660,12 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
         Some(tcp) => {
             let tls = crate::tcp::tls_config(tcp)?;
             let tcp_listener = crate::tcp::bind(tcp).await?;
+            let per_peer = tcp.max_connections_per_peer;
             tracing::info!(listen = %tcp.listen, "serving over TCP with mutual TLS");
             let mut rx = stop_rx.clone();
             let svc = service.clone();
             Some(tokio::spawn(async move {
-                crate::tcp::serve_tls(tcp_listener, tls, svc, async move {
+                crate::tcp::serve_tls(tcp_listener, tls, per_peer, svc, async move {
                     let _ = rx.wait_for(|s| *s).await;
                 })
                 .await

@@ -48,6 +48,11 @@ pub struct Metrics {
     connections_refused: AtomicU64,
     /// Accepts on the API's listeners that failed for want of descriptors or memory.
     accept_failures: AtomicU64,
+    /// Connections open on the TCP listener (from the accept, the TLS handshake included).
+    tcp_connections: AtomicU64,
+    /// TCP connections closed at once: their peer address held `[api.tcp]
+    /// max_connections_per_peer`.
+    tcp_connections_refused: AtomicU64,
 }
 
 /// What a request did, for counting.
@@ -182,6 +187,33 @@ impl Metrics {
         self.connections_refused.load(Ordering::Relaxed)
     }
 
+    /// A connection admitted on the TCP listener.
+    pub fn tcp_connection_opened(&self) {
+        self.tcp_connections.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An admitted TCP connection closed.
+    pub fn tcp_connection_closed(&self) {
+        let _ = self
+            .tcp_connections
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+
+    /// Connections open on the TCP listener now.
+    pub fn tcp_connections(&self) -> u64 {
+        self.tcp_connections.load(Ordering::Relaxed)
+    }
+
+    /// A TCP connection refused, its peer address holding as many as it may.
+    pub fn tcp_connection_refused(&self) {
+        self.tcp_connections_refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// TCP connections refused so far (see [`Self::tcp_connection_refused`]).
+    pub fn tcp_connections_refused(&self) -> u64 {
+        self.tcp_connections_refused.load(Ordering::Relaxed)
+    }
+
     /// An accept that failed for want of file descriptors or memory.
     pub fn accept_failed(&self) {
         self.accept_failures.fetch_add(1, Ordering::Relaxed);
@@ -313,6 +345,20 @@ pub fn render(m: &Metrics, writer: &Writer, libvirt_up: bool) -> String {
         "counter",
         "Connections on the API's Unix socket refused, served nothing: their peer uid held [api] max_connections_per_uid open connections.",
         m.connections_refused(),
+    );
+    single(
+        &mut out,
+        "hostdevd_tcp_connections",
+        "gauge",
+        "Connections open on the TCP listener, from the accept (the TLS handshake included).",
+        m.tcp_connections(),
+    );
+    single(
+        &mut out,
+        "hostdevd_tcp_connections_refused_total",
+        "counter",
+        "Connections on the TCP listener closed at once, before the TLS handshake: their peer address held [api.tcp] max_connections_per_peer open connections.",
+        m.tcp_connections_refused(),
     );
     single(
         &mut out,

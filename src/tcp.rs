@@ -1,15 +1,31 @@
 //! The optional TCP listener: mutual TLS only. A client must present a certificate
-//! signed by the configured CA, or the handshake fails before any RPC runs.
+//! signed by the configured CA, or the handshake fails before any RPC runs; one peer
+//! address holds at most `[api.tcp] max_connections_per_peer` connections.
 
 use std::future::Future;
+use std::io;
+use std::net::IpAddr;
 use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 
-use tokio::net::TcpListener;
+use futures_util::Stream;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tonic::transport::server::{Connected, TcpConnectInfo};
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
+use crate::api::connections::Quiet;
+use crate::api::per_uid::{PerUid, Place};
 use crate::api::HostDevService;
 use crate::config::TcpConfig;
 use crate::daemon::{routes, DaemonError};
+use crate::metrics::Metrics;
+
+/// A TCP peer as its connections are counted: its address, an IPv4 peer reached through
+/// an IPv4-mapped IPv6 address counted as itself.
+pub type Peer = IpAddr;
 
 fn read(path: &Path) -> Result<Vec<u8>, DaemonError> {
     std::fs::read(path).map_err(|source| DaemonError::Tls {
@@ -38,10 +54,12 @@ pub async fn bind(cfg: &TcpConfig) -> Result<TcpListener, DaemonError> {
         })
 }
 
-/// Serves the API over mutual TLS on `listener` until `shutdown` completes.
+/// Serves the API over mutual TLS on `listener` until `shutdown` completes, each peer
+/// address holding at most `per_peer` connections.
 pub async fn serve_tls(
     listener: TcpListener,
     tls: ServerTlsConfig,
+    per_peer: usize,
     service: HostDevService,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), DaemonError> {
@@ -56,9 +74,10 @@ pub async fn serve_tls(
         shutdown.await;
         streams.stop_streams();
     };
+    let metrics = service.connections().metrics().clone();
     let incoming = crate::api::connections::pausing(
-        tonic::transport::server::TcpIncoming::from(listener),
-        service.connections().metrics().clone(),
+        incoming(listener, PerUid::new(per_peer), Arc::clone(&metrics)),
+        metrics,
         "the TCP listener",
     );
     routes(builder, service)
@@ -66,4 +85,134 @@ pub async fn serve_tls(
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await?;
     Ok(())
+}
+
+/// The peer a connection from `addr` counts against (see [`Peer`]).
+pub fn peer_of(addr: std::net::SocketAddr) -> Peer {
+    addr.ip().to_canonical()
+}
+
+/// The connections accepted on `listener`, each holding one of its peer's places in
+/// `per_peer` until it closes. A connection whose peer holds as many as it may is closed
+/// at once, before the TLS handshake (a client can be told nothing before it): counted in
+/// `hostdevd_tcp_connections_refused_total` and logged at most every 10 s. Failed accepts
+/// go to the caller (see `connections::pausing`).
+pub fn incoming(
+    listener: TcpListener,
+    per_peer: Arc<PerUid<Peer>>,
+    metrics: Arc<Metrics>,
+) -> impl Stream<Item = io::Result<TcpConn>> {
+    let state = (listener, per_peer, metrics, Quiet::default());
+    futures_util::stream::unfold(state, |mut s| async move {
+        let (listener, per_peer, metrics, refused) = &mut s;
+        loop {
+            let (stream, addr) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => return Some((Err(e), s)),
+            };
+            let peer = peer_of(addr);
+            let Some(place) = per_peer.take(peer) else {
+                metrics.tcp_connection_refused();
+                if let Some(n) = refused.due() {
+                    tracing::warn!(
+                        peer = %addr.ip(),
+                        limit = per_peer.limit(),
+                        refused = n,
+                        "TCP connection closed: its peer address holds as many open connections as [api.tcp] max_connections_per_peer allows (a client that opens a connection per call and keeps them, or never finishes its handshake?)"
+                    );
+                }
+                drop(stream);
+                continue;
+            };
+            // As tonic's own listener does: gRPC's small frames must not wait for
+            // Nagle's algorithm.
+            let _ = stream.set_nodelay(true);
+            metrics.tcp_connection_opened();
+            let conn = TcpConn {
+                stream,
+                _place: place,
+                metrics: Arc::clone(metrics),
+            };
+            return Some((Ok(conn), s));
+        }
+    })
+}
+
+/// An accepted TCP connection, holding its peer's place until it closes.
+#[derive(Debug)]
+pub struct TcpConn {
+    stream: TcpStream,
+    _place: Place<Peer>,
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for TcpConn {
+    fn drop(&mut self) {
+        self.metrics.tcp_connection_closed();
+    }
+}
+
+impl Connected for TcpConn {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.stream.connect_info()
+    }
+}
+
+impl AsyncRead for TcpConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TcpConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_is_its_address_whatever_the_port_or_the_socket_family() {
+        let v4: std::net::SocketAddr = "10.1.2.3:40000".parse().expect("v4");
+        let mapped: std::net::SocketAddr = "[::ffff:10.1.2.3]:40001".parse().expect("mapped");
+        let v6: std::net::SocketAddr = "[2001:db8::7]:40002".parse().expect("v6");
+        assert_eq!(peer_of(v4), peer_of(mapped));
+        assert_eq!(peer_of(mapped).to_string(), "10.1.2.3");
+        assert_ne!(peer_of(v4), peer_of(v6));
+        let other: std::net::SocketAddr = "10.1.2.4:40000".parse().expect("other");
+        assert_ne!(peer_of(v4), peer_of(other));
+    }
 }

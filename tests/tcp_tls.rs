@@ -95,6 +95,11 @@ struct TlsAgent {
 
 impl TlsAgent {
     fn start(extra: &str, open_files: Option<u32>) -> TlsAgent {
+        TlsAgent::start_with(extra, "", open_files)
+    }
+
+    /// As [`TlsAgent::start`], with `tcp` (TOML) added to the `[api.tcp]` section.
+    fn start_with(extra: &str, tcp: &str, open_files: Option<u32>) -> TlsAgent {
         let mut f = FakeSys::new();
         f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
             .vf_iommu_groups("0000:3b:00.0", 50);
@@ -107,7 +112,7 @@ impl TlsAgent {
         let rogue = leaf(&[], "intruder", &rogue_issuer);
         let port = free_port();
         let cfg = format!(
-            "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n{extra}\n[libvirt]\nenabled = false\n[api]\nsocket = {:?}\n[api.tcp]\nlisten = \"127.0.0.1:{port}\"\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n",
+            "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n{extra}\n[libvirt]\nenabled = false\n[api]\nsocket = {:?}\n[api.tcp]\nlisten = \"127.0.0.1:{port}\"\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n{tcp}\n",
             tree.sysfs_root(),
             tree.dev_root(),
             dir.path().join("state"),
@@ -251,6 +256,61 @@ async fn a_tcp_flood_that_takes_every_descriptor_pauses_accepting() {
         (1.0..=100.0).contains(&failed),
         "{failed} accepts failed while the flood held every descriptor for {HOLD:?} (expected 1 to 100)"
     );
+}
+
+/// One peer address holds at most `[api.tcp] max_connections_per_peer` connections,
+/// counted from the accept: with 2, two clients are served, a third connection is closed
+/// before its TLS handshake (counted in the metrics), and once one of the two closes a
+/// new client is served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_address_holds_at_most_its_tcp_connections() {
+    let metrics = free_port();
+    let a = TlsAgent::start_with(
+        &format!("[metrics]\nlisten = \"127.0.0.1:{metrics}\""),
+        "max_connections_per_peer = 2",
+        None,
+    );
+    let list = |mut c: HostDevClient<Channel>| async move {
+        c.list_devices(proto::ListDevicesRequest {})
+            .await
+            .map(|_| c)
+    };
+    let first = list(a.client().await)
+        .await
+        .expect("the first connection is served");
+    let second = connect(a.port, &a.ca, Some(&a.client))
+        .await
+        .expect("a second connection");
+    let second = list(second).await.expect("the second connection is served");
+    let gauge = |name: &str| value(&scrape(metrics).expect("scrape"), name).expect(name);
+    assert_eq!(gauge("hostdevd_tcp_connections"), 2.0);
+    // The third: closed before its handshake, so the connect (or its first call) fails.
+    match connect(a.port, &a.ca, Some(&a.client)).await {
+        Err(_) => {}
+        Ok(third) => {
+            let r = list(third).await;
+            assert!(r.is_err(), "a third connection of the same peer was served");
+        }
+    }
+    assert!(gauge("hostdevd_tcp_connections_refused_total") >= 1.0);
+    assert_eq!(gauge("hostdevd_tcp_connections"), 2.0);
+    // A place comes back when its connection closes.
+    drop(second);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gauge("hostdevd_tcp_connections") > 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the closed connection's place never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let again = connect(a.port, &a.ca, Some(&a.client))
+        .await
+        .expect("a connection once a place is free");
+    list(again).await.expect("served once a place is free");
+    list(first)
+        .await
+        .expect("the first connection is still served");
 }
 
 #[test]

@@ -207,14 +207,14 @@ fn exhausted(e: &io::Error) -> bool {
 
 /// A warning at most every [`WARN_EVERY`], counting what happened in between.
 #[derive(Debug, Default)]
-struct Quiet {
+pub(crate) struct Quiet {
     last: Option<Instant>,
     since: u64,
 }
 
 impl Quiet {
     /// Counts one more; the count to report when a warning is due.
-    fn due(&mut self) -> Option<u64> {
+    pub(crate) fn due(&mut self) -> Option<u64> {
         self.since += 1;
         let now = Instant::now();
         if self

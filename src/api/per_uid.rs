@@ -1,27 +1,30 @@
 //! Places counted by caller against a limit: a caller (a Unix-socket peer uid, or `None`
-//! for one without credentials) holds at most `limit` at once, and a place is given back
-//! when its holder is dropped. The connections, the Watch streams and the Reconcile
-//! calls of one uid are each bounded this way.
+//! for one without credentials; for the TCP listener, a peer's address) holds at most
+//! `limit` at once, and a place is given back when its holder is dropped. The
+//! connections, the Watch streams and the calls of one uid, and the TCP connections of
+//! one peer, are each bounded this way.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-/// The places each caller holds now, against one limit for every caller.
+/// The places each caller holds now, against one limit for every caller. A caller is
+/// named by `K`: a Unix-socket peer uid unless said otherwise.
 #[derive(Debug)]
-pub struct PerUid {
+pub struct PerUid<K = Option<u32>> {
     limit: usize,
-    held: Mutex<HashMap<Option<u32>, usize>>,
+    held: Mutex<HashMap<K, usize>>,
 }
 
 /// One place of one caller, given back when dropped.
 #[derive(Debug)]
-pub struct Place {
-    of: Arc<PerUid>,
-    uid: Option<u32>,
+pub struct Place<K: Copy + Eq + Hash = Option<u32>> {
+    of: Arc<PerUid<K>>,
+    uid: K,
 }
 
-impl PerUid {
-    pub fn new(limit: usize) -> Arc<PerUid> {
+impl<K: Copy + Eq + Hash> PerUid<K> {
+    pub fn new(limit: usize) -> Arc<PerUid<K>> {
         Arc::new(PerUid {
             limit,
             held: Mutex::new(HashMap::new()),
@@ -35,7 +38,7 @@ impl PerUid {
 
     /// One more place for `uid`; `None` while it holds [`PerUid::limit`]. No entry is
     /// made for a caller refused.
-    pub fn take(self: &Arc<Self>, uid: Option<u32>) -> Option<Place> {
+    pub fn take(self: &Arc<Self>, uid: K) -> Option<Place<K>> {
         let mut held = self.lock();
         if held.get(&uid).copied().unwrap_or(0) >= self.limit {
             return None;
@@ -48,7 +51,7 @@ impl PerUid {
     }
 
     /// The places `uid` holds now.
-    pub fn held_by(&self, uid: Option<u32>) -> usize {
+    pub fn held_by(&self, uid: K) -> usize {
         self.lock().get(&uid).copied().unwrap_or(0)
     }
 
@@ -64,12 +67,12 @@ impl PerUid {
 
     /// The counts, whatever a panic elsewhere left them as: each change to them is one
     /// statement, so they are whole.
-    fn lock(&self) -> MutexGuard<'_, HashMap<Option<u32>, usize>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<K, usize>> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
-impl Drop for Place {
+impl<K: Copy + Eq + Hash> Drop for Place<K> {
     fn drop(&mut self) {
         let mut held = self.of.lock();
         if let Some(n) = held.get_mut(&self.uid) {
@@ -87,7 +90,7 @@ mod tests {
 
     #[test]
     fn a_caller_holds_at_most_the_limit_and_a_dropped_place_comes_back() {
-        let p = PerUid::new(2);
+        let p: Arc<PerUid> = PerUid::new(2);
         let a1 = p.take(Some(1)).expect("first");
         let a2 = p.take(Some(1)).expect("second");
         assert!(p.take(Some(1)).is_none(), "a third for uid 1");
@@ -108,7 +111,7 @@ mod tests {
 
     #[test]
     fn a_limit_of_zero_gives_no_place_and_keeps_no_entry() {
-        let p = PerUid::new(0);
+        let p: Arc<PerUid> = PerUid::new(0);
         assert!(p.take(Some(7)).is_none());
         assert!(p.is_empty());
     }
