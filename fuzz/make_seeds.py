@@ -98,6 +98,7 @@ cert = "/etc/hostdevd/tls/server.pem"
 key = "/etc/hostdevd/tls/server.key"
 client_ca = "/etc/hostdevd/tls/clients-ca.pem"
 max_connections_per_peer = 512
+handshake_timeout_ms = 10000
 
 [metrics]
 listen = "127.0.0.1:9464"

@@ -89,6 +89,11 @@ fn d_max_watchers_per_uid() -> usize {
 fn d_max_connections_per_uid() -> usize {
     512
 }
+fn d_handshake_timeout_ms() -> u64 {
+    10_000
+}
+/// The longest `[api.tcp] handshake_timeout_ms` may be (ten minutes).
+pub const MAX_HANDSHAKE_TIMEOUT_MS: u64 = 600_000;
 fn d_max_streams_per_connection() -> usize {
     1024
 }
@@ -278,6 +283,10 @@ pub struct TcpConfig {
     /// finishes its handshake, cannot take every descriptor the agent has.
     #[serde(default = "d_max_connections_per_uid")]
     pub max_connections_per_peer: usize,
+    /// How long a connection may take to finish its TLS handshake before it is closed
+    /// (its place given back), from the accept.
+    #[serde(default = "d_handshake_timeout_ms")]
+    pub handshake_timeout_ms: u64,
 }
 
 impl Default for ApiConfig {
@@ -589,6 +598,12 @@ impl Config {
             if n == 0 || n > MAX_CONNECTIONS_PER_UID {
                 return Err(ConfigError::Invalid(format!(
                     "api.tcp.max_connections_per_peer = {n} is out of range: it must be from 1 to {MAX_CONNECTIONS_PER_UID}"
+                )));
+            }
+            let t = tcp.handshake_timeout_ms;
+            if t == 0 || t > MAX_HANDSHAKE_TIMEOUT_MS {
+                return Err(ConfigError::Invalid(format!(
+                    "api.tcp.handshake_timeout_ms = {t} is out of range: it must be from 1 to {MAX_HANDSHAKE_TIMEOUT_MS}"
                 )));
             }
         }
@@ -938,6 +953,10 @@ mod tests {
             (
                 "[api.tcp]\nlisten = \"127.0.0.1:7443\"\ncert = \"c\"\nkey = \"k\"\nclient_ca = \"ca\"\nmax_connections_per_peer = 0",
                 "api.tcp.max_connections_per_peer = 0 is out of range",
+            ),
+            (
+                "[api.tcp]\nlisten = \"127.0.0.1:7443\"\ncert = \"c\"\nkey = \"k\"\nclient_ca = \"ca\"\nhandshake_timeout_ms = 600001",
+                "api.tcp.handshake_timeout_ms = 600001 is out of range",
             ),
             (
                 "[api]\nkeepalive_interval_ms = 10",

@@ -1,5 +1,6 @@
 //! The optional TCP listener: mutual TLS only. A client must present a certificate
-//! signed by the configured CA, or the handshake fails before any RPC runs; one peer
+//! signed by the configured CA, or the handshake fails before any RPC runs; a handshake
+//! not finished within `[api.tcp] handshake_timeout_ms` closes the connection; one peer
 //! address holds at most `[api.tcp] max_connections_per_peer` connections.
 
 use std::future::Future;
@@ -34,14 +35,16 @@ fn read(path: &Path) -> Result<Vec<u8>, DaemonError> {
     })
 }
 
-/// The TLS settings for a TCP listener: server identity, and client certificates
-/// required and checked against the CA.
+/// The TLS settings for a TCP listener: server identity, client certificates required
+/// and checked against the CA, and the time a handshake may take (without it, a
+/// connection that never sends its first TLS message would be held for ever).
 pub fn tls_config(cfg: &TcpConfig) -> Result<ServerTlsConfig, DaemonError> {
     let identity = Identity::from_pem(read(&cfg.cert)?, read(&cfg.key)?);
     Ok(ServerTlsConfig::new()
         .identity(identity)
         .client_ca_root(Certificate::from_pem(read(&cfg.client_ca)?))
-        .client_auth_optional(false))
+        .client_auth_optional(false)
+        .timeout(std::time::Duration::from_millis(cfg.handshake_timeout_ms)))
 }
 
 /// Binds the TCP listener.

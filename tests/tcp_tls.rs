@@ -313,6 +313,59 @@ async fn one_peer_address_holds_at_most_its_tcp_connections() {
         .expect("the first connection is still served");
 }
 
+/// A connection that never sends its first TLS message is closed once
+/// `[api.tcp] handshake_timeout_ms` has passed, and its place goes back: with one place
+/// for the peer, the agent closes a silent connection that holds it, and a client with
+/// a certificate is served after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_never_finishes_its_handshake_is_closed() {
+    use std::io::Read;
+    let metrics = free_port();
+    let a = TlsAgent::start_with(
+        &format!("[metrics]\nlisten = \"127.0.0.1:{metrics}\""),
+        "max_connections_per_peer = 1\nhandshake_timeout_ms = 300",
+        None,
+    );
+    let gauge = |name: &str| value(&scrape(metrics).expect("scrape"), name).expect(name);
+    drop(a.client().await);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gauge("hostdevd_tcp_connections") > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the first client's place never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut silent = std::net::TcpStream::connect(("127.0.0.1", a.port)).expect("connect");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gauge("hostdevd_tcp_connections") < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the silent connection was never accepted"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The agent closes the silent connection: the read ends instead of waiting (a
+    // 30 s bound on the read, far past the 300 ms allowed).
+    silent
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("read timeout");
+    let mut buf = [0u8; 16];
+    let closed = match silent.read(&mut buf) {
+        Ok(0) => true,
+        Ok(n) => panic!("the agent sent {n} bytes to a client that never said hello"),
+        Err(e) => !matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+    };
+    assert!(closed, "the silent connection was never closed");
+    let mut c = a.client().await;
+    c.list_devices(proto::ListDevicesRequest {})
+        .await
+        .expect("served once the silent connection is gone");
+}
+
 #[test]
 fn tcp_without_tls_files_is_refused_at_config_time() {
     let err = hostdevd::config::Config::parse("[api.tcp]\nlisten = \"127.0.0.1:7443\"\n")
