@@ -20,7 +20,7 @@ pub struct PerUid<K = Option<u32>> {
 #[derive(Debug)]
 pub struct Place<K: Copy + Eq + Hash = Option<u32>> {
     of: Arc<PerUid<K>>,
-    uid: K,
+    who: K,
 }
 
 impl<K: Copy + Eq + Hash> PerUid<K> {
@@ -36,23 +36,23 @@ impl<K: Copy + Eq + Hash> PerUid<K> {
         self.limit
     }
 
-    /// One more place for `uid`; `None` while it holds [`PerUid::limit`]. No entry is
+    /// One more place for `who`; `None` while it holds [`PerUid::limit`]. No entry is
     /// made for a caller refused.
-    pub fn take(self: &Arc<Self>, uid: K) -> Option<Place<K>> {
+    pub fn take(self: &Arc<Self>, who: K) -> Option<Place<K>> {
         let mut held = self.lock();
-        if held.get(&uid).copied().unwrap_or(0) >= self.limit {
+        if held.get(&who).copied().unwrap_or(0) >= self.limit {
             return None;
         }
-        *held.entry(uid).or_default() += 1;
+        *held.entry(who).or_default() += 1;
         Some(Place {
             of: Arc::clone(self),
-            uid,
+            who,
         })
     }
 
-    /// The places `uid` holds now.
-    pub fn held_by(&self, uid: K) -> usize {
-        self.lock().get(&uid).copied().unwrap_or(0)
+    /// The places `who` holds now.
+    pub fn held_by(&self, who: K) -> usize {
+        self.lock().get(&who).copied().unwrap_or(0)
     }
 
     /// The places held now, by every caller.
@@ -75,10 +75,10 @@ impl<K: Copy + Eq + Hash> PerUid<K> {
 impl<K: Copy + Eq + Hash> Drop for Place<K> {
     fn drop(&mut self) {
         let mut held = self.of.lock();
-        if let Some(n) = held.get_mut(&self.uid) {
+        if let Some(n) = held.get_mut(&self.who) {
             *n = n.saturating_sub(1);
             if *n == 0 {
-                held.remove(&self.uid);
+                held.remove(&self.who);
             }
         }
     }
