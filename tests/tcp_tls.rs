@@ -366,6 +366,67 @@ async fn a_connection_that_never_finishes_its_handshake_is_closed() {
         .expect("served once the silent connection is gone");
 }
 
+/// The cap is per peer address, not for the listener: with one peer's two places held
+/// (connections that have not begun their handshakes), a third from that address is
+/// closed while one from another loopback address (127.0.0.2) is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_peer_address_has_places_of_its_own() {
+    let metrics = free_port();
+    let a = TlsAgent::start_with(
+        &format!("[metrics]\nlisten = \"127.0.0.1:{metrics}\""),
+        "max_connections_per_peer = 2",
+        None,
+    );
+    let gauge = |name: &str| value(&scrape(metrics).expect("scrape"), name).expect(name);
+    drop(a.client().await);
+    let settle = |want: f64| async move {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let now = gauge("hostdevd_tcp_connections");
+            if now == want {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{now} TCP connections open, not {want}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    settle(0.0).await;
+    let from = |ip: &str| {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .bind(format!("{ip}:0").parse().expect("source"))
+            .expect("bind the source address");
+        socket.connect(([127, 0, 0, 1], a.port).into())
+    };
+    let _held = (
+        from("127.0.0.1").await.expect("first"),
+        from("127.0.0.1").await.expect("second"),
+    );
+    settle(2.0).await;
+    let refused = gauge("hostdevd_tcp_connections_refused_total");
+    let _third = from("127.0.0.1")
+        .await
+        .expect("the kernel accepts the third");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gauge("hostdevd_tcp_connections_refused_total") == refused {
+        assert!(
+            Instant::now() < deadline,
+            "the third connection was never refused"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _other = from("127.0.0.2").await.expect("another address");
+    settle(3.0).await;
+    assert_eq!(
+        gauge("hostdevd_tcp_connections_refused_total"),
+        refused + 1.0,
+        "only the third connection of the first address was refused"
+    );
+}
+
 #[test]
 fn tcp_without_tls_files_is_refused_at_config_time() {
     let err = hostdevd::config::Config::parse("[api.tcp]\nlisten = \"127.0.0.1:7443\"\n")
