@@ -1078,7 +1078,7 @@ async fn invalid_uuids_and_unknown_fields_change_nothing() {
 /// fills them after a few events.
 async fn small_window_channel(socket: &Path) -> Channel {
     let socket = socket.to_path_buf();
-    Endpoint::from_static("http://[::]:50051")
+    let channel = Endpoint::from_static("http://[::]:50051")
         .initial_stream_window_size(Some(4096))
         .initial_connection_window_size(Some(65_535))
         .connect_with_connector(tower::service_fn(move |_: Uri| {
@@ -1090,7 +1090,15 @@ async fn small_window_channel(socket: &Path) -> Channel {
             }
         }))
         .await
-        .expect("connect")
+        .expect("connect");
+    // h2 applies the client's SETTINGS (its small stream window among them) only once it
+    // has sent their acknowledgement: a stream opened before that could still be sent
+    // the default 64 KiB window's worth. One answered call first settles them.
+    HostDevClient::new(channel.clone())
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .expect("a first call to settle the connection's settings");
+    channel
 }
 
 /// One peer uid may hold at most `max_watch_streams_per_uid` streams, below the cap over
