@@ -7,17 +7,13 @@ use std::future::Future;
 use std::io;
 use std::net::IpAddr;
 use std::path::Path;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use futures_util::Stream;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tonic::transport::server::{Connected, TcpConnectInfo};
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
-use crate::api::connections::Quiet;
+use crate::api::connections::{Held, Quiet};
 use crate::api::per_uid::{PerUid, Place};
 use crate::api::HostDevService;
 use crate::config::TcpConfig;
@@ -131,75 +127,29 @@ pub fn incoming(
             // Nagle's algorithm.
             let _ = stream.set_nodelay(true);
             metrics.tcp_connection_opened();
-            let conn = TcpConn {
-                stream,
+            let slot = TcpSlot {
                 _place: place,
                 metrics: Arc::clone(metrics),
             };
-            return Some((Ok(conn), s));
+            return Some((Ok(Held::new(stream, slot)), s));
         }
     })
 }
 
 /// An accepted TCP connection, holding its peer's place until it closes.
+pub type TcpConn = Held<TcpStream, TcpSlot>;
+
+/// A TCP connection's place among its peer's, given back (and the gauge lowered) when the
+/// connection closes.
 #[derive(Debug)]
-pub struct TcpConn {
-    stream: TcpStream,
+pub struct TcpSlot {
     _place: Place<Peer>,
     metrics: Arc<Metrics>,
 }
 
-impl Drop for TcpConn {
+impl Drop for TcpSlot {
     fn drop(&mut self) {
         self.metrics.tcp_connection_closed();
-    }
-}
-
-impl Connected for TcpConn {
-    type ConnectInfo = TcpConnectInfo;
-
-    fn connect_info(&self) -> TcpConnectInfo {
-        self.stream.connect_info()
-    }
-}
-
-impl AsyncRead for TcpConn {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for TcpConn {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_shutdown(cx)
     }
 }
 

@@ -258,6 +258,24 @@ async fn a_tcp_flood_that_takes_every_descriptor_pauses_accepting() {
     );
 }
 
+/// The agent's gauge of open TCP connections, and its count of refused ones.
+const OPEN: &str = "hostdevd_tcp_connections";
+const REFUSED: &str = "hostdevd_tcp_connections_refused_total";
+
+/// Waits (10 s at most) until the agent's metric `name`, scraped from its metrics port,
+/// satisfies `ok`; `what` names what that shows.
+async fn until_metric(metrics: u16, name: &str, ok: impl Fn(f64) -> bool, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = value(&scrape(metrics).expect("scrape"), name).expect(name);
+        if ok(now) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "never {what}: {name} is {now}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// One peer address holds at most `[api.tcp] max_connections_per_peer` connections,
 /// counted from the accept: with 2, two clients are served, a third connection is closed
 /// before its TLS handshake (counted in the metrics), and once one of the two closes a
@@ -283,7 +301,7 @@ async fn one_peer_address_holds_at_most_its_tcp_connections() {
         .expect("a second connection");
     let second = list(second).await.expect("the second connection is served");
     let gauge = |name: &str| value(&scrape(metrics).expect("scrape"), name).expect(name);
-    assert_eq!(gauge("hostdevd_tcp_connections"), 2.0);
+    assert_eq!(gauge(OPEN), 2.0);
     // The third: closed before its handshake, so the connect (or its first call) fails.
     match connect(a.port, &a.ca, Some(&a.client)).await {
         Err(_) => {}
@@ -292,18 +310,17 @@ async fn one_peer_address_holds_at_most_its_tcp_connections() {
             assert!(r.is_err(), "a third connection of the same peer was served");
         }
     }
-    assert!(gauge("hostdevd_tcp_connections_refused_total") >= 1.0);
-    assert_eq!(gauge("hostdevd_tcp_connections"), 2.0);
+    assert!(gauge(REFUSED) >= 1.0);
+    assert_eq!(gauge(OPEN), 2.0);
     // A place comes back when its connection closes.
     drop(second);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while gauge("hostdevd_tcp_connections") > 1.0 {
-        assert!(
-            Instant::now() < deadline,
-            "the closed connection's place never came back"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_metric(
+        metrics,
+        OPEN,
+        |n| n == 1.0,
+        "the closed connection's place back",
+    )
+    .await;
     let again = connect(a.port, &a.ca, Some(&a.client))
         .await
         .expect("a connection once a place is free");
@@ -326,25 +343,16 @@ async fn a_connection_that_never_finishes_its_handshake_is_closed() {
         "max_connections_per_peer = 1\nhandshake_timeout_ms = 300",
         None,
     );
-    let gauge = |name: &str| value(&scrape(metrics).expect("scrape"), name).expect(name);
     drop(a.client().await);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while gauge("hostdevd_tcp_connections") > 0.0 {
-        assert!(
-            Instant::now() < deadline,
-            "the first client's place never came back"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_metric(metrics, OPEN, |n| n == 0.0, "the first client's place back").await;
     let mut silent = std::net::TcpStream::connect(("127.0.0.1", a.port)).expect("connect");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while gauge("hostdevd_tcp_connections") < 1.0 {
-        assert!(
-            Instant::now() < deadline,
-            "the silent connection was never accepted"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_metric(
+        metrics,
+        OPEN,
+        |n| n == 1.0,
+        "the silent connection accepted",
+    )
+    .await;
     // The agent closes the silent connection: the read ends instead of waiting (a
     // 30 s bound on the read, far past the 300 ms allowed).
     silent
@@ -379,21 +387,7 @@ async fn each_peer_address_has_places_of_its_own() {
     );
     let gauge = |name: &str| value(&scrape(metrics).expect("scrape"), name).expect(name);
     drop(a.client().await);
-    let settle = |want: f64| async move {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let now = gauge("hostdevd_tcp_connections");
-            if now == want {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{now} TCP connections open, not {want}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    settle(0.0).await;
+    until_metric(metrics, OPEN, |n| n == 0.0, "the first client's place back").await;
     let from = |ip: &str| {
         let socket = tokio::net::TcpSocket::new_v4().expect("socket");
         socket
@@ -405,23 +399,22 @@ async fn each_peer_address_has_places_of_its_own() {
         from("127.0.0.1").await.expect("first"),
         from("127.0.0.1").await.expect("second"),
     );
-    settle(2.0).await;
-    let refused = gauge("hostdevd_tcp_connections_refused_total");
+    until_metric(
+        metrics,
+        OPEN,
+        |n| n == 2.0,
+        "the first address's two accepted",
+    )
+    .await;
+    let refused = gauge(REFUSED);
     let _third = from("127.0.0.1")
         .await
         .expect("the kernel accepts the third");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while gauge("hostdevd_tcp_connections_refused_total") == refused {
-        assert!(
-            Instant::now() < deadline,
-            "the third connection was never refused"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_metric(metrics, REFUSED, |n| n > refused, "the third refused").await;
     let _other = from("127.0.0.2").await.expect("another address");
-    settle(3.0).await;
+    until_metric(metrics, OPEN, |n| n == 3.0, "the other address's accepted").await;
     assert_eq!(
-        gauge("hostdevd_tcp_connections_refused_total"),
+        gauge(REFUSED),
         refused + 1.0,
         "only the third connection of the first address was refused"
     );

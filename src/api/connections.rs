@@ -21,7 +21,7 @@ use futures_util::{Stream, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
-use tonic::transport::server::{Connected, UdsConnectInfo};
+use tonic::transport::server::Connected;
 
 use crate::api::per_uid::{PerUid, Place};
 use crate::api::status::{to_status, trailers_only, ApiError};
@@ -141,22 +141,36 @@ impl Drop for Slot {
     }
 }
 
-/// An accepted connection, holding its place.
+/// An accepted connection on the Unix socket, holding its place.
+pub type Conn = Held<UnixStream, Slot>;
+
+/// An accepted connection (`stream`) and what it holds while it is open (`hold`: its
+/// place among its caller's, given back when the connection closes); read and written as
+/// the stream itself. The Unix socket's connections and the TCP listener's are both one.
 #[derive(Debug)]
-pub struct Conn {
-    stream: UnixStream,
-    _slot: Slot,
+pub struct Held<S, H> {
+    stream: S,
+    _hold: H,
 }
 
-impl Connected for Conn {
-    type ConnectInfo = UdsConnectInfo;
+impl<S, H> Held<S, H> {
+    pub fn new(stream: S, hold: H) -> Held<S, H> {
+        Held {
+            stream,
+            _hold: hold,
+        }
+    }
+}
 
-    fn connect_info(&self) -> UdsConnectInfo {
+impl<S: Connected, H> Connected for Held<S, H> {
+    type ConnectInfo = S::ConnectInfo;
+
+    fn connect_info(&self) -> S::ConnectInfo {
         self.stream.connect_info()
     }
 }
 
-impl AsyncRead for Conn {
+impl<S: AsyncRead + Unpin, H: Unpin> AsyncRead for Held<S, H> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -166,7 +180,7 @@ impl AsyncRead for Conn {
     }
 }
 
-impl AsyncWrite for Conn {
+impl<S: AsyncWrite + Unpin, H: Unpin> AsyncWrite for Held<S, H> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -261,11 +275,7 @@ pub fn incoming(
             };
             let uid = stream.peer_cred().ok().map(|c| c.uid());
             if let Some(slot) = s.conns.admit(uid) {
-                let conn = Conn {
-                    stream,
-                    _slot: slot,
-                };
-                return Some((Ok(conn), s));
+                return Some((Ok(Held::new(stream, slot)), s));
             }
             let refusal = ApiError::TooManyConnections {
                 limit: s.conns.limits.per_uid,
