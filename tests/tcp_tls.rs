@@ -56,6 +56,16 @@ async fn connect(
     ca: &Pem,
     client: Option<&Pem>,
 ) -> Result<HostDevClient<Channel>, String> {
+    connect_from(None, port, ca, client).await
+}
+
+/// As [`connect`], from the local address `from` where one is given.
+async fn connect_from(
+    from: Option<std::net::IpAddr>,
+    port: u16,
+    ca: &Pem,
+    client: Option<&Pem>,
+) -> Result<HostDevClient<Channel>, String> {
     let mut tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&ca.cert))
         .domain_name("localhost");
@@ -64,6 +74,7 @@ async fn connect(
     }
     let channel = Channel::from_shared(format!("https://127.0.0.1:{port}"))
         .map_err(|e| e.to_string())?
+        .local_address(from)
         .tls_config(tls)
         .map_err(|e| e.to_string())?
         .connect()
@@ -95,11 +106,12 @@ struct TlsAgent {
 
 impl TlsAgent {
     fn start(extra: &str, open_files: Option<u32>) -> TlsAgent {
-        TlsAgent::start_with(extra, "", open_files)
+        TlsAgent::start_with(extra, "", "", open_files)
     }
 
-    /// As [`TlsAgent::start`], with `tcp` (TOML) added to the `[api.tcp]` section.
-    fn start_with(extra: &str, tcp: &str, open_files: Option<u32>) -> TlsAgent {
+    /// As [`TlsAgent::start`], with `api` and `tcp` (TOML) added to the `[api]` and
+    /// `[api.tcp]` sections.
+    fn start_with(extra: &str, api: &str, tcp: &str, open_files: Option<u32>) -> TlsAgent {
         let mut f = FakeSys::new();
         f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
             .vf_iommu_groups("0000:3b:00.0", 50);
@@ -112,7 +124,7 @@ impl TlsAgent {
         let rogue = leaf(&[], "intruder", &rogue_issuer);
         let port = free_port();
         let cfg = format!(
-            "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n{extra}\n[libvirt]\nenabled = false\n[api]\nsocket = {:?}\n[api.tcp]\nlisten = \"127.0.0.1:{port}\"\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n{tcp}\n",
+            "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n{extra}\n[libvirt]\nenabled = false\n[api]\nsocket = {:?}\n{api}\n[api.tcp]\nlisten = \"127.0.0.1:{port}\"\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n{tcp}\n",
             tree.sysfs_root(),
             tree.dev_root(),
             dir.path().join("state"),
@@ -285,6 +297,7 @@ async fn one_peer_address_holds_at_most_its_tcp_connections() {
     let metrics = free_port();
     let a = TlsAgent::start_with(
         &format!("[metrics]\nlisten = \"127.0.0.1:{metrics}\""),
+        "",
         "max_connections_per_peer = 2",
         None,
     );
@@ -340,6 +353,7 @@ async fn a_connection_that_never_finishes_its_handshake_is_closed() {
     let metrics = free_port();
     let a = TlsAgent::start_with(
         &format!("[metrics]\nlisten = \"127.0.0.1:{metrics}\""),
+        "",
         "max_connections_per_peer = 1\nhandshake_timeout_ms = 300",
         None,
     );
@@ -382,6 +396,7 @@ async fn each_peer_address_has_places_of_its_own() {
     let metrics = free_port();
     let a = TlsAgent::start_with(
         &format!("[metrics]\nlisten = \"127.0.0.1:{metrics}\""),
+        "",
         "max_connections_per_peer = 2",
         None,
     );
@@ -418,6 +433,44 @@ async fn each_peer_address_has_places_of_its_own() {
         refused + 1.0,
         "only the third connection of the first address was refused"
     );
+}
+
+/// Over TCP, each peer address has Watch streams of its own, as a uid does on the Unix
+/// socket (`[api] max_watch_streams_per_uid`): with 1, a peer's second stream is refused
+/// naming the peer, while another address (127.0.0.2) opens its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tcp_peer_has_watch_streams_of_its_own() {
+    let a = TlsAgent::start_with("", "max_watch_streams_per_uid = 1", "", None);
+    let watch = |mut c: HostDevClient<Channel>| async move {
+        let r = c
+            .watch(proto::WatchRequest {
+                from_generation: 0,
+                snapshot: true,
+            })
+            .await;
+        (c, r)
+    };
+    let (c, first) = watch(a.client().await).await;
+    let _first = first.expect("the first peer's stream");
+    let (_c, second) = watch(c).await;
+    let refused = second
+        .map(|_| ())
+        .expect_err("the first peer's second stream");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    assert!(
+        refused.message().contains("for TCP peer 127.0.0.1"),
+        "{}",
+        refused.message()
+    );
+    let other = connect_from(Some([127, 0, 0, 2].into()), a.port, &a.ca, Some(&a.client))
+        .await
+        .expect("a client from another address");
+    let (_other, theirs) = watch(other).await;
+    theirs.expect("another peer's stream");
 }
 
 #[test]

@@ -25,10 +25,9 @@ use std::task::{Context, Poll};
 
 use http_body::{Frame, SizeHint};
 use tonic::body::Body;
-use tonic::transport::server::UdsConnectInfo;
 use tower::Service;
 
-use crate::api::per_uid::{PerUid, Place};
+use crate::api::per_uid::{Caller, PerUid, Place};
 use crate::api::status::{to_status, trailers_only, ApiError};
 use crate::metrics::Metrics;
 
@@ -50,9 +49,9 @@ pub struct Gate<S> {
 /// The calls open, by caller, and the heavy ones by method and caller.
 #[derive(Debug)]
 struct Turns {
-    calls: Arc<PerUid>,
+    calls: Arc<PerUid<Caller>>,
     /// One count per entry of [`HEAVY`], in its order.
-    heavy: Vec<(&'static str, Arc<PerUid>)>,
+    heavy: Vec<(&'static str, Arc<PerUid<Caller>>)>,
     /// Counts refusals among the rejections (`TOO_MANY_CALLS`, `TOO_MANY_AT_ONCE`).
     metrics: Arc<Metrics>,
 }
@@ -126,16 +125,12 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let caller = req
-            .extensions()
-            .get::<UdsConnectInfo>()
-            .and_then(|i| i.peer_cred)
-            .map(|c| c.uid());
+        let caller = Caller::of(req.extensions());
         let turns = &self.turns;
         let Some(place) = turns.calls.take(caller) else {
             let answer = turns.refuse(ApiError::TooManyCalls {
                 limit: turns.calls.limit(),
-                uid: caller,
+                caller,
             });
             return Box::pin(async move { Ok(answer) });
         };
@@ -148,7 +143,7 @@ where
                     let answer = turns.refuse(ApiError::TooManyAtOnce {
                         rpc,
                         limit: open.limit(),
-                        uid: caller,
+                        caller,
                     });
                     return Box::pin(async move { Ok(answer) });
                 }
@@ -171,7 +166,7 @@ where
 /// dropped it (the client gone, the stream reset): the caller's, and a heavy call's turn.
 struct Holding {
     body: Body,
-    _places: (Place, Option<Place>),
+    _places: (Place<Caller>, Option<Place<Caller>>),
 }
 
 impl http_body::Body for Holding {
@@ -200,6 +195,7 @@ mod tests {
     use http_body::Body as _;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
+    use tonic::transport::server::UdsConnectInfo;
     use tower::ServiceExt;
 
     const RECONCILE: &str = "/hostdev.v1.HostDev/Reconcile";
@@ -252,8 +248,8 @@ mod tests {
         req
     }
 
-    fn own_uid() -> Option<u32> {
-        Some(nix::unistd::getuid().as_raw())
+    fn own_uid() -> Caller {
+        Caller::Uid(Some(nix::unistd::getuid().as_raw()))
     }
 
     fn gate(slow: &Slow, reconciles: usize, metrics: Arc<Metrics>) -> Gate<Slow> {

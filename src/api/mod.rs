@@ -28,6 +28,7 @@ use crate::rescan::Rescanner;
 use crate::writer::{Event, OrphanFree, View, WriteError, Writer};
 use convert::device_to_proto;
 use guard::VfioCheck;
+use per_uid::Caller;
 use status::ApiError;
 use watch_queue::Pending;
 pub use watch_queue::QueueLimits;
@@ -122,8 +123,9 @@ pub struct WatchLimits {
     pub max_streams: usize,
     pub queue: QueueLimits,
     slots: Arc<tokio::sync::Semaphore>,
-    /// Streams open by each Unix-socket peer uid, against the streams one may hold.
-    by_uid: Arc<per_uid::PerUid>,
+    /// Streams open by each caller with a name (a Unix-socket peer uid, a TCP peer's
+    /// address), against the streams one may hold.
+    by_uid: Arc<per_uid::PerUid<Caller>>,
 }
 
 impl WatchLimits {
@@ -138,7 +140,7 @@ impl WatchLimits {
         }
     }
 
-    /// At most `n` streams for one Unix-socket peer uid.
+    /// At most `n` streams for one Unix-socket peer uid, or one TCP peer address.
     pub fn per_uid(mut self, n: usize) -> Self {
         self.by_uid = per_uid::PerUid::new(n);
         self
@@ -157,13 +159,14 @@ impl WatchLimits {
     }
 
     /// Takes a place for one more stream: one among all streams, and one among the
-    /// streams of the peer's uid where the peer is on the Unix socket (`uid`).
-    fn take(&self, uid: Option<u32>) -> Result<watch_queue::Slot, ApiError> {
-        let uid_slot = match uid {
-            None => None,
-            Some(u) => Some(self.by_uid.take(Some(u)).ok_or(ApiError::TooManyWatchers {
+    /// caller's where it has a name (a uid, a TCP peer's address; not a Unix-socket peer
+    /// without credentials).
+    fn take(&self, caller: Caller) -> Result<watch_queue::Slot, ApiError> {
+        let uid_slot = match caller {
+            Caller::Uid(None) => None,
+            named => Some(self.by_uid.take(named).ok_or(ApiError::TooManyWatchers {
                 limit: self.by_uid.limit(),
-                uid: Some(u),
+                caller: Some(named),
             })?),
         };
         // Dropping `uid_slot` on this refusal gives the uid's place back.
@@ -173,7 +176,7 @@ impl WatchLimits {
                 .try_acquire_owned()
                 .map_err(|_| ApiError::TooManyWatchers {
                     limit: self.max_streams,
-                    uid: None,
+                    caller: None,
                 })?;
         Ok(Box::new((all, uid_slot)))
     }
@@ -959,12 +962,7 @@ impl HostDev for HostDevService {
             }
             .into());
         }
-        let uid = req
-            .extensions()
-            .get::<UdsConnectInfo>()
-            .and_then(|i| i.peer_cred)
-            .map(|c| c.uid());
-        let slot = self.watch.take(uid)?;
+        let slot = self.watch.take(Caller::of(req.extensions()))?;
         let convert: watch_queue::Convert = {
             let this = self.clone();
             Box::new(move |e: &Event| this.event_to_proto(e))
@@ -1478,47 +1476,54 @@ mod tests {
         .per_uid(per_uid)
     }
 
-    /// One uid at its cap leaves the others their streams; the cap over all streams
-    /// still holds across uids and over TCP (no uid); a refusal by the cap over all
-    /// gives the uid's place back, and a closed stream gives both back.
+    /// One uid at its cap leaves the others their streams, and a TCP peer address has a
+    /// cap of its own; the cap over all streams still holds across callers and for a
+    /// peer without credentials; a refusal by the cap over all gives the caller's place
+    /// back, and a closed stream gives both back.
     #[test]
-    fn watch_streams_are_capped_per_uid_and_in_all() {
-        let l = limits(4, 2);
-        let a1 = l.take(Some(0)).expect("root 1");
-        let _a2 = l.take(Some(0)).expect("root 2");
-        let e = l.take(Some(0)).map(|_| ()).expect_err("root's third");
+    fn watch_streams_are_capped_per_caller_and_in_all() {
+        let uid = |u: u32| Caller::Uid(Some(u));
+        let l = limits(5, 2);
+        let a1 = l.take(uid(0)).expect("root 1");
+        let _a2 = l.take(uid(0)).expect("root 2");
+        let e = l.take(uid(0)).map(|_| ()).expect_err("root's third");
         assert!(
-            matches!(
-                e,
-                ApiError::TooManyWatchers {
-                    limit: 2,
-                    uid: Some(0)
-                }
-            ),
+            matches!(e, ApiError::TooManyWatchers { limit: 2, caller: Some(c) } if c == uid(0)),
             "{e:?}"
         );
-        assert!(e.to_string().contains("max_watch_streams_per_uid"), "{e}");
-        let _b1 = l.take(Some(1000)).expect("another uid");
-        let _t = l.take(None).expect("over TCP");
-        let e = l.take(Some(1001)).map(|_| ()).expect_err("all four taken");
+        assert!(
+            e.to_string()
+                .contains("for uid 0, the limit ([api] max_watch_streams_per_uid)"),
+            "{e}"
+        );
+        let peer = Caller::Peer([10, 0, 0, 7].into());
+        let _p1 = l.take(peer).expect("a TCP peer");
+        let _p2 = l.take(peer).expect("the TCP peer's second");
+        let e = l.take(peer).map(|_| ()).expect_err("the TCP peer's third");
+        assert!(e.to_string().contains("for TCP peer 10.0.0.7"), "{e}");
+        let _t = l
+            .take(Caller::Uid(None))
+            .expect("no credentials: the cap over all only");
+        let e = l.take(uid(1001)).map(|_| ()).expect_err("all five taken");
         assert!(
             matches!(
                 e,
                 ApiError::TooManyWatchers {
-                    limit: 4,
-                    uid: None
+                    limit: 5,
+                    caller: None
                 }
             ),
             "{e:?}"
         );
         // The refusal left uid 1001 no place: once a stream closes, it has both.
         drop(a1);
-        let _c1 = l.take(Some(1001)).expect("a slot given back");
+        let _c1 = l.take(uid(1001)).expect("a slot given back");
         assert_eq!(
-            l.by_uid.held_by(Some(1001)),
+            l.by_uid.held_by(uid(1001)),
             1,
             "the refused try took nothing"
         );
-        assert_eq!(l.by_uid.held_by(Some(0)), 1);
+        assert_eq!(l.by_uid.held_by(uid(0)), 1);
+        assert_eq!(l.by_uid.held_by(peer), 2);
     }
 }

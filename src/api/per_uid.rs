@@ -1,12 +1,68 @@
 //! Places counted by caller against a limit: a caller (a Unix-socket peer uid, or `None`
-//! for one without credentials; for the TCP listener, a peer's address) holds at most
+//! for one without credentials; a TCP peer's address: [`Caller`]) holds at most
 //! `limit` at once, and a place is given back when its holder is dropped. The
 //! connections, the Watch streams and the calls of one uid, and the TCP connections of
 //! one peer, are each bounded this way.
 
 use std::collections::HashMap;
 use std::hash::Hash;
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
+
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
+
+/// Who a call or a Watch stream is counted against: a Unix-socket peer by its uid
+/// (`None`: the kernel gave no credentials), or a TCP peer by its address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Caller {
+    Uid(Option<u32>),
+    Peer(IpAddr),
+}
+
+impl Caller {
+    /// The caller of a request, from what its connection recorded in its extensions.
+    pub fn of(extensions: &http::Extensions) -> Caller {
+        if let Some(i) = extensions.get::<UdsConnectInfo>() {
+            return Caller::Uid(i.peer_cred.map(|c| c.uid()));
+        }
+        let tcp = extensions
+            .get::<TlsConnectInfo<TcpConnectInfo>>()
+            .and_then(|i| i.get_ref().remote_addr());
+        match tcp {
+            Some(addr) => Caller::Peer(crate::tcp::peer_of(addr)),
+            None => Caller::Uid(None),
+        }
+    }
+
+    /// "uid 0", "TCP peer 10.0.0.7", "callers without peer credentials": for messages.
+    pub fn name(&self) -> String {
+        match self {
+            Caller::Uid(Some(u)) => format!("uid {u}"),
+            Caller::Uid(None) => "callers without peer credentials".to_string(),
+            Caller::Peer(ip) => format!("TCP peer {ip}"),
+        }
+    }
+
+    /// "uid 0 has", "callers without peer credentials have": for messages.
+    pub fn has(&self) -> String {
+        let verb = if *self == Caller::Uid(None) {
+            "have"
+        } else {
+            "has"
+        };
+        format!("{} {verb}", self.name())
+    }
+
+    /// The ErrorInfo metadata that names the caller: `uid` or `peer` (none without
+    /// credentials).
+    pub fn metadata(&self) -> Option<(&'static str, String)> {
+        match self {
+            Caller::Uid(Some(u)) => Some(("uid", u.to_string())),
+            Caller::Uid(None) => None,
+            Caller::Peer(ip) => Some(("peer", ip.to_string())),
+        }
+    }
+}
 
 /// The places each caller holds now, against one limit for every caller. A caller is
 /// named by `K`: a Unix-socket peer uid unless said otherwise.
@@ -87,6 +143,26 @@ impl<K: Copy + Eq + Hash> Drop for Place<K> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_caller_is_named_by_its_uid_or_its_tcp_peer_address() {
+        let peer = Caller::Peer([10, 0, 0, 7].into());
+        assert_eq!(Caller::Uid(Some(0)).has(), "uid 0 has");
+        assert_eq!(
+            Caller::Uid(None).has(),
+            "callers without peer credentials have"
+        );
+        assert_eq!(peer.has(), "TCP peer 10.0.0.7 has");
+        assert_eq!(
+            Caller::Uid(Some(7)).metadata(),
+            Some(("uid", "7".to_string()))
+        );
+        assert_eq!(peer.metadata(), Some(("peer", "10.0.0.7".to_string())));
+        assert_eq!(Caller::Uid(None).metadata(), None);
+        // A request with no connection information (none of the agent's listeners makes
+        // one) counts with the callers without credentials.
+        assert_eq!(Caller::of(&http::Extensions::new()), Caller::Uid(None));
+    }
 
     #[test]
     fn a_caller_holds_at_most_the_limit_and_a_dropped_place_comes_back() {

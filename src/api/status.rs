@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
+use crate::api::per_uid::Caller;
 use crate::domains::DomainsError;
 use crate::ledger::LedgerError;
 use crate::pci::{IdError, PciAddress};
@@ -57,19 +58,23 @@ pub enum ApiError {
         in_snapshot: bool,
     },
     /// Every Watch stream slot is taken, or every one the caller's uid may hold.
-    #[error("too many watch streams: {limit} are open{}; close one, or share one stream between the consumers of a client", match .uid { Some(u) => format!(" for uid {u}, the limit ([api] max_watch_streams_per_uid)"), None => ", the limit ([api] max_watch_streams)".to_string() })]
-    TooManyWatchers { limit: usize, uid: Option<u32> },
+    #[error("too many watch streams: {limit} are open{}; close one, or share one stream between the consumers of a client", match .caller { Some(c) => format!(" for {}, the limit ([api] max_watch_streams_per_uid)", c.name()), None => ", the limit ([api] max_watch_streams)".to_string() })]
+    TooManyWatchers {
+        limit: usize,
+        /// The caller whose own cap was reached; `None`: the cap over all streams.
+        caller: Option<Caller>,
+    },
     /// A call while its caller has `[api] max_calls_per_uid` open (see `api::gate`).
-    #[error("too many calls at once: {} {limit} open already (running, answered and not yet read, or Watch streams), the limit ([api] max_calls_per_uid); read the answers asked for, or close streams not in use; nothing was changed", match .uid { Some(u) => format!("uid {u} has"), None => "callers without peer credentials have".to_string() })]
-    TooManyCalls { limit: usize, uid: Option<u32> },
+    #[error("too many calls at once: {} {limit} open already (running, answered and not yet read, or Watch streams), the limit ([api] max_calls_per_uid); read the answers asked for, or close streams not in use; nothing was changed", .caller.has())]
+    TooManyCalls { limit: usize, caller: Caller },
     /// A call of a kind whose calls are heavy (a Reconcile's message, a listing's answer)
     /// while its caller has as many of them open as it may: refused before its message
     /// is read (see `api::gate`).
-    #[error("too many {rpc} calls at once: {} {limit} open already (running, or answered and not yet read), the most one caller may; read the answers asked for, or try again once one has been answered; nothing was changed", match .uid { Some(u) => format!("uid {u} has"), None => "callers without peer credentials have".to_string() })]
+    #[error("too many {rpc} calls at once: {} {limit} open already (running, or answered and not yet read), the most one caller may; read the answers asked for, or try again once one has been answered; nothing was changed", .caller.has())]
     TooManyAtOnce {
         rpc: &'static str,
         limit: usize,
-        uid: Option<u32>,
+        caller: Caller,
     },
     /// A new connection whose peer uid holds `[api] max_connections_per_uid` already: its
     /// calls are answered with this, and it is closed.
@@ -247,17 +252,17 @@ pub fn trailers_only<B: Default>(status: &Status) -> http::Response<B> {
 }
 
 /// RESOURCE_EXHAUSTED for a caller over one of its limits: ErrorInfo `reason` with
-/// `facts`, and the caller's `uid` where it has one.
+/// `facts`, and the caller's `uid` or `peer` where it has one.
 fn over_a_limit<const N: usize>(
     reason: &str,
     msg: String,
     facts: [(&str, String); N],
-    uid: Option<u32>,
+    caller: Option<Caller>,
 ) -> Status {
     let mut meta: HashMap<String, String> =
         facts.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-    if let Some(u) = uid {
-        meta.insert("uid".to_string(), u.to_string());
+    if let Some((key, value)) = caller.as_ref().and_then(Caller::metadata) {
+        meta.insert(key.to_string(), value);
     }
     let d = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, meta);
     Status::with_error_details(Code::ResourceExhausted, msg, d)
@@ -414,9 +419,9 @@ pub fn to_status(e: &ApiError) -> Status {
             let d = ErrorDetails::with_error_info("WATCH_CUT_OFF", ERROR_DOMAIN, meta);
             Status::with_error_details(Code::ResourceExhausted, msg, d)
         }
-        ApiError::TooManyWatchers { limit, uid } => {
-            // With a uid, its own cap was reached; without, the cap over all.
-            let setting = match uid {
+        ApiError::TooManyWatchers { limit, caller } => {
+            // With a caller, its own cap was reached; without, the cap over all.
+            let setting = match caller {
                 Some(_) => "max_watch_streams_per_uid",
                 None => "max_watch_streams",
             };
@@ -424,26 +429,26 @@ pub fn to_status(e: &ApiError) -> Status {
                 "TOO_MANY_WATCHERS",
                 msg,
                 [(setting, limit.to_string())],
-                *uid,
+                *caller,
             )
         }
-        ApiError::TooManyCalls { limit, uid } => over_a_limit(
+        ApiError::TooManyCalls { limit, caller } => over_a_limit(
             TOO_MANY_CALLS,
             msg,
             [("max_calls_per_uid", limit.to_string())],
-            *uid,
+            Some(*caller),
         ),
-        ApiError::TooManyAtOnce { rpc, limit, uid } => over_a_limit(
+        ApiError::TooManyAtOnce { rpc, limit, caller } => over_a_limit(
             TOO_MANY_AT_ONCE,
             msg,
             [("rpc", rpc.to_string()), ("at_once", limit.to_string())],
-            *uid,
+            Some(*caller),
         ),
         ApiError::TooManyConnections { limit, uid } => over_a_limit(
             "TOO_MANY_CONNECTIONS",
             msg,
             [("max_connections_per_uid", limit.to_string())],
-            *uid,
+            Some(Caller::Uid(*uid)),
         ),
         ApiError::NotFound(_) => {
             let d = ErrorDetails::with_error_info("NOT_FOUND", ERROR_DOMAIN, HashMap::new());
