@@ -211,10 +211,10 @@ pub struct ApiConfig {
     /// Watch streams open at once; one more gets RESOURCE_EXHAUSTED. Default 1024.
     #[serde(default = "d_max_watchers")]
     pub max_watch_streams: usize,
-    /// Watch streams one Unix-socket peer uid may hold open at once, so that a reader
-    /// that leaks streams (a monitoring tool) cannot take every slot from the compute
-    /// manager. Streams over TCP (certificate-authenticated controllers) count only
-    /// against `max_watch_streams`. Default 256.
+    /// Watch streams one Unix-socket peer uid, or one TCP peer address, may hold open at
+    /// once, so that a reader that leaks streams (a monitoring tool) cannot take every
+    /// slot from the compute manager. Streams of a Unix-socket peer without credentials
+    /// count only against `max_watch_streams`. Default 256.
     #[serde(default = "d_max_watchers_per_uid")]
     pub max_watch_streams_per_uid: usize,
     /// Connections one peer uid may hold open on the Unix socket at once; one more is
@@ -233,7 +233,7 @@ pub struct ApiConfig {
     #[serde(default = "d_max_streams_per_connection")]
     pub max_streams_per_connection: usize,
     /// Calls one caller may have open at once over all its connections (a Unix-socket
-    /// peer uid; the TCP listener's clients count as one caller): running, answered and
+    /// peer uid, or a TCP peer address): running, answered and
     /// not yet read by the client, and Watch streams, health checks and reflection
     /// included. One more is refused at once,
     /// RESOURCE_EXHAUSTED (TOO_MANY_CALLS, naming this setting). Without it a caller's

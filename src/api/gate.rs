@@ -1,5 +1,5 @@
 //! Places for every call, taken before its message is read: one caller (a Unix-socket
-//! peer uid; TCP clients share one count) may have at most `[api] max_calls_per_uid`
+//! peer uid, or a TCP peer address: `Caller`) may have at most `[api] max_calls_per_uid`
 //! calls open at once (the API's, health checks and reflection together), from a call's
 //! arrival until its answer has been handed to HTTP/2 or dropped (a Watch stream: until
 //! it ends), and of them at most [`HEAVY`]'s number of each heavy call: a Reconcile
