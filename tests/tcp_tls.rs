@@ -154,6 +154,14 @@ impl TlsAgent {
         }
     }
 
+    /// As [`TlsAgent::start_with`], with a metrics listener, whose port comes back too,
+    /// and `tcp` in `[api.tcp]`.
+    fn with_metrics(tcp: &str) -> (TlsAgent, u16) {
+        let metrics = free_port();
+        let extra = format!("[metrics]\nlisten = \"127.0.0.1:{metrics}\"");
+        (TlsAgent::start_with(&extra, "", tcp, None), metrics)
+    }
+
     /// A client with the CA-signed certificate, once the listener serves (30 s at most).
     async fn client(&self) -> HostDevClient<Channel> {
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -294,13 +302,7 @@ async fn until_metric(metrics: u16, name: &str, ok: impl Fn(f64) -> bool, what: 
 /// new client is served again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_peer_address_holds_at_most_its_tcp_connections() {
-    let metrics = free_port();
-    let a = TlsAgent::start_with(
-        &format!("[metrics]\nlisten = \"127.0.0.1:{metrics}\""),
-        "",
-        "max_connections_per_peer = 2",
-        None,
-    );
+    let (a, metrics) = TlsAgent::with_metrics("max_connections_per_peer = 2");
     let list = |mut c: HostDevClient<Channel>| async move {
         c.list_devices(proto::ListDevicesRequest {})
             .await
@@ -350,13 +352,8 @@ async fn one_peer_address_holds_at_most_its_tcp_connections() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_that_never_finishes_its_handshake_is_closed() {
     use std::io::Read;
-    let metrics = free_port();
-    let a = TlsAgent::start_with(
-        &format!("[metrics]\nlisten = \"127.0.0.1:{metrics}\""),
-        "",
-        "max_connections_per_peer = 1\nhandshake_timeout_ms = 300",
-        None,
-    );
+    let (a, metrics) =
+        TlsAgent::with_metrics("max_connections_per_peer = 1\nhandshake_timeout_ms = 300");
     drop(a.client().await);
     until_metric(metrics, OPEN, |n| n == 0.0, "the first client's place back").await;
     let mut silent = std::net::TcpStream::connect(("127.0.0.1", a.port)).expect("connect");
@@ -393,13 +390,7 @@ async fn a_connection_that_never_finishes_its_handshake_is_closed() {
 /// closed while one from another loopback address (127.0.0.2) is accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_peer_address_has_places_of_its_own() {
-    let metrics = free_port();
-    let a = TlsAgent::start_with(
-        &format!("[metrics]\nlisten = \"127.0.0.1:{metrics}\""),
-        "",
-        "max_connections_per_peer = 2",
-        None,
-    );
+    let (a, metrics) = TlsAgent::with_metrics("max_connections_per_peer = 2");
     let gauge = |name: &str| value(&scrape(metrics).expect("scrape"), name).expect(name);
     drop(a.client().await);
     until_metric(metrics, OPEN, |n| n == 0.0, "the first client's place back").await;
