@@ -125,7 +125,7 @@ pub struct WatchLimits {
     slots: Arc<tokio::sync::Semaphore>,
     /// Streams open by each caller with a name (a Unix-socket peer uid, a TCP peer's
     /// address), against the streams one may hold.
-    by_uid: Arc<per_uid::PerUid<Caller>>,
+    by_caller: Arc<per_uid::PerUid<Caller>>,
 }
 
 impl WatchLimits {
@@ -136,13 +136,13 @@ impl WatchLimits {
             max_streams,
             queue,
             slots: Arc::new(tokio::sync::Semaphore::new(max_streams)),
-            by_uid: per_uid::PerUid::new(max_streams),
+            by_caller: per_uid::PerUid::new(max_streams),
         }
     }
 
     /// At most `n` streams for one Unix-socket peer uid, or one TCP peer address.
     pub fn per_uid(mut self, n: usize) -> Self {
-        self.by_uid = per_uid::PerUid::new(n);
+        self.by_caller = per_uid::PerUid::new(n);
         self
     }
 
@@ -162,14 +162,18 @@ impl WatchLimits {
     /// caller's where it has a name (a uid, a TCP peer's address; not a Unix-socket peer
     /// without credentials).
     fn take(&self, caller: Caller) -> Result<watch_queue::Slot, ApiError> {
-        let uid_slot = match caller {
+        let caller_slot = match caller {
             Caller::Uid(None) => None,
-            named => Some(self.by_uid.take(named).ok_or(ApiError::TooManyWatchers {
-                limit: self.by_uid.limit(),
-                caller: Some(named),
-            })?),
+            named => Some(
+                self.by_caller
+                    .take(named)
+                    .ok_or(ApiError::TooManyWatchers {
+                        limit: self.by_caller.limit(),
+                        caller: Some(named),
+                    })?,
+            ),
         };
-        // Dropping `uid_slot` on this refusal gives the uid's place back.
+        // Dropping `caller_slot` on this refusal gives the caller's place back.
         let all =
             self.slots
                 .clone()
@@ -178,7 +182,7 @@ impl WatchLimits {
                     limit: self.max_streams,
                     caller: None,
                 })?;
-        Ok(Box::new((all, uid_slot)))
+        Ok(Box::new((all, caller_slot)))
     }
 }
 
@@ -1519,11 +1523,11 @@ mod tests {
         drop(a1);
         let _c1 = l.take(uid(1001)).expect("a slot given back");
         assert_eq!(
-            l.by_uid.held_by(uid(1001)),
+            l.by_caller.held_by(uid(1001)),
             1,
             "the refused try took nothing"
         );
-        assert_eq!(l.by_uid.held_by(uid(0)), 1);
-        assert_eq!(l.by_uid.held_by(peer), 2);
+        assert_eq!(l.by_caller.held_by(uid(0)), 1);
+        assert_eq!(l.by_caller.held_by(peer), 2);
     }
 }
