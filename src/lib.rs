@@ -16,11 +16,13 @@
 //!   ledger, commits each batch once (group commit), publishes views and watch events.
 //! - [`api`]: the gRPC service `hostdev.v1.HostDev`, the caller check, the error map,
 //!   the per-watcher queues that bound what a slow client may cost, the accept loop
-//!   that bounds the connections one uid may hold, and the turns the heavy calls
-//!   (Reconcile, ListDevices) take before their messages are read.
+//!   that bounds the connections one uid may hold, and the places every call takes per
+//!   caller (a uid, a TCP peer), the heavy calls' turns among them, before its message
+//!   is read.
 //! - [`client`]: connecting a `HostDev` client to the agent's Unix socket, each request
 //!   sent whole on one HTTP/2 connection of its own (`client/direct.rs`).
-//! - [`tcp`]: the optional TCP listener, mutual TLS only.
+//! - [`tcp`]: the optional TCP listener, mutual TLS only, its connections bounded per
+//!   peer address and its handshakes in time.
 //! - [`metrics`]: Prometheus counters and gauges on an optional HTTP listener.
 //! - [`config`]: the TOML configuration and the managed-device selection.
 //! - [`domains`]: libvirt: the domains on this host and the PCI addresses they

@@ -408,13 +408,13 @@ mod tests {
         }
     }
 
-    /// The refusal's answer carries the reason and its facts, for clients that act on
-    /// ErrorInfo, and the connection is closed once it went out.
     /// Refused connections being answered now, of at most [`REFUSALS_ANSWERED_AT_ONCE`].
     fn being_answered(answering: &Semaphore) -> usize {
         REFUSALS_ANSWERED_AT_ONCE - answering.available_permits()
     }
 
+    /// The refusal's answer carries the reason and its facts, for clients that act on
+    /// ErrorInfo, and the connection is closed once it went out.
     #[tokio::test]
     async fn a_refused_connection_is_told_why_and_closed() {
         let (agent, client) = UnixStream::pair().expect("pair");

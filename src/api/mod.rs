@@ -129,7 +129,7 @@ pub struct WatchLimits {
 }
 
 impl WatchLimits {
-    /// `max_streams` in all, as many for one uid.
+    /// `max_streams` in all, as many for one caller.
     pub fn new(max_streams: usize, queue: QueueLimits) -> Self {
         let max_streams = max_streams.min(tokio::sync::Semaphore::MAX_PERMITS);
         WatchLimits {
@@ -141,7 +141,7 @@ impl WatchLimits {
     }
 
     /// At most `n` streams for one Unix-socket peer uid, or one TCP peer address.
-    pub fn per_uid(mut self, n: usize) -> Self {
+    pub fn per_caller(mut self, n: usize) -> Self {
         self.by_caller = per_uid::PerUid::new(n);
         self
     }
@@ -155,7 +155,7 @@ impl WatchLimits {
                 bytes: c.watch_client_bytes,
             },
         )
-        .per_uid(c.max_watch_streams_per_uid)
+        .per_caller(c.max_watch_streams_per_uid)
     }
 
     /// Takes a place for one more stream: one among all streams, and one among the
@@ -1477,7 +1477,7 @@ mod tests {
                 bytes: 1 << 16,
             },
         )
-        .per_uid(per_uid)
+        .per_caller(per_uid)
     }
 
     /// One uid at its cap leaves the others their streams, and a TCP peer address has a

@@ -57,7 +57,7 @@ pub enum ApiError {
         /// start again with one rather than resume.
         in_snapshot: bool,
     },
-    /// Every Watch stream slot is taken, or every one the caller's uid may hold.
+    /// Every Watch stream slot is taken, or every one the caller may hold.
     #[error("too many watch streams: {limit} are open{}; close one, or share one stream between the consumers of a client", match .caller { Some(c) => format!(" for {}, the limit ([api] max_watch_streams_per_uid)", c.name()), None => ", the limit ([api] max_watch_streams)".to_string() })]
     TooManyWatchers {
         limit: usize,
