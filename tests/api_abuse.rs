@@ -853,6 +853,11 @@ async fn non_utf8_and_malformed_protobuf_are_refused() {
     bytes_field(1, bad, &mut m);
     cases.push(("non-UTF-8 PrepareVfio address", "PrepareVfio", m));
     let mut m = Vec::new();
+    bytes_field(1, VF0.as_bytes(), &mut m);
+    bytes_field(2, &owner_bytes(GOOD_CONSUMER.as_bytes(), b""), &mut m);
+    bytes_field(4, b"bind\xff", &mut m);
+    cases.push(("non-UTF-8 PrepareVfio request id", "PrepareVfio", m));
+    let mut m = Vec::new();
     bytes_field(1, PF.as_bytes(), &mut m);
     bytes_field(2, b"8", &mut m); // vf_count is a uint32, not a string
     cases.push(("SetVfCount with vf_count as bytes", "SetVfCount", m));

@@ -231,6 +231,7 @@ async fn claim_with_vfio_binds_and_release_restores_the_driver() {
             address: a.clone(),
             owner: Some(owner(7)),
             generation: 1,
+            request_id: String::new(),
         })
         .await
         .expect_err("stale");
@@ -1792,6 +1793,7 @@ async fn prepare_vfio_failures_say_what_changed() {
         address: a.clone(),
         owner: Some(owner(7)),
         generation,
+        request_id: String::new(),
     };
 
     // vfio-pci not loaded (its driver directory gone): nothing recorded.
@@ -1833,6 +1835,155 @@ async fn prepare_vfio_failures_say_what_changed() {
         l.iter().any(|d| d.address == a && d.driver == "vfio-pci")
     })
     .await;
+    s.stop().await;
+}
+
+/// PrepareVfio with a request id is answered once: the binding is logged under it
+/// (GetRequestOutcome: "bound"); a retry of a binding whose sysfs step failed after it
+/// was recorded binds again, and one after a lost answer is the first answer, whatever
+/// generation either presents; once the claim has ended, a retry binds nothing. The id
+/// is the binding's: a binding at another address or a release with it is refused.
+/// Without an id, the same retry presents a generation the first call moved on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_vfio_with_a_request_id_is_answered_once() {
+    use nix::errno::Errno;
+    let _alone = alone().await;
+    let t = tree();
+    let a = virtfn(&t, 0);
+    let b = virtfn(&t, 1);
+    let fs = support::faultfs::FaultFs::mount(&[("driver_override", "(null)\n")]);
+    fs.plant(&t.bus_link(&a).join("driver_override"), "driver_override");
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    claim(&mut c, &a, 7, false).await.expect("claim");
+    claim(&mut c, &b, 7, false)
+        .await
+        .expect("claim the other VF");
+    let prepare = |address: &str, generation: u64, request_id: &str| proto::PrepareVfioRequest {
+        address: address.into(),
+        owner: Some(owner(7)),
+        generation,
+        request_id: request_id.into(),
+    };
+    let outcome = |c: &mut Client| {
+        let mut c = c.clone();
+        async move {
+            c.get_request_outcome(proto::GetRequestOutcomeRequest {
+                consumer_id: owner(7).consumer_id,
+                request_id: "bind-1".into(),
+            })
+            .await
+            .expect("the binding's outcome")
+            .into_inner()
+        }
+    };
+    let first = device(&mut c, &a).await.expect("VF").generation;
+    let e = c
+        .prepare_vfio(prepare(&a, first, &"r".repeat(129)))
+        .await
+        .expect_err("a request id over 128 bytes");
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert_eq!(device(&mut c, &a).await.expect("VF").generation, first);
+
+    // The binding is recorded and logged, then the kernel refuses the override.
+    fs.fail_writes("driver_override", Some(Errno::EIO));
+    let e = c
+        .prepare_vfio(prepare(&a, first, "bind-1"))
+        .await
+        .expect_err("the kernel refused the override");
+    let (why, meta) = reason(&e);
+    assert_eq!(why, "HARDWARE_STEP_FAILED", "{e:?}");
+    let recorded: u64 = meta["claim_generation"].parse().expect("claim_generation");
+    let o = outcome(&mut c).await;
+    assert_eq!(
+        (o.operation.as_str(), o.address.as_str(), o.generation),
+        ("bound", a.as_str(), recorded)
+    );
+
+    // The same request again, with the generation it first presented: bound this time.
+    fs.fail_writes("driver_override", None);
+    let r = c
+        .prepare_vfio(prepare(&a, first, "bind-1"))
+        .await
+        .expect("the retry binds")
+        .into_inner();
+    assert!(r.replayed);
+    assert_eq!(r.members.len(), 1, "{:?}", r.members);
+    let d = device(&mut c, &a).await.expect("VF");
+    assert_eq!(
+        (d.driver.as_str(), d.generation),
+        ("vfio-pci", r.generation)
+    );
+    assert!(r.generation > recorded, "bound again at a new generation");
+    assert_eq!(
+        outcome(&mut c).await.generation,
+        r.generation,
+        "the claim's now"
+    );
+
+    // A lost answer: the retry is the same answer, and changes nothing.
+    let again = c
+        .prepare_vfio(prepare(&a, first, "bind-1"))
+        .await
+        .expect("replayed")
+        .into_inner();
+    assert!(again.replayed);
+    assert_eq!(
+        (again.generation, &again.members),
+        (r.generation, &r.members)
+    );
+    assert_eq!(
+        device(&mut c, &a).await.expect("VF").generation,
+        r.generation
+    );
+    // Without a request id, that retry is a stale generation.
+    let e = c
+        .prepare_vfio(prepare(&a, first, ""))
+        .await
+        .expect_err("stale");
+    assert_eq!(
+        (e.code(), reason(&e).0.as_str()),
+        (Code::Aborted, "STALE_GENERATION")
+    );
+
+    // The id is the binding's: not for another address, nor for a release.
+    let gb = device(&mut c, &b).await.expect("VF").generation;
+    let e = c
+        .prepare_vfio(prepare(&b, gb, "bind-1"))
+        .await
+        .expect_err("another address");
+    assert_eq!(
+        (e.code(), reason(&e).0.as_str()),
+        (Code::InvalidArgument, "REQUEST_ID_REUSED")
+    );
+    let e = release_as(&mut c, &a, 7, "bind-1", r.generation)
+        .await
+        .expect_err("a release");
+    assert_eq!(reason(&e).0, "REQUEST_ID_REUSED");
+    assert_eq!(device(&mut c, &b).await.expect("VF").generation, gb);
+    assert_eq!(
+        device(&mut c, &a).await.expect("VF").generation,
+        r.generation
+    );
+
+    // Released since: a retry binds nothing and answers the logged generation.
+    release(&mut c, &a, 7).await.expect("release");
+    let freed = device(&mut c, &a).await.expect("VF");
+    assert_eq!(freed.driver, "iavf");
+    let logged = outcome(&mut c).await.generation;
+    let late = c
+        .prepare_vfio(prepare(&a, first, "bind-1"))
+        .await
+        .expect("replayed after the release")
+        .into_inner();
+    assert!(late.replayed && late.members.is_empty(), "{late:?}");
+    assert_eq!(late.generation, logged);
+    let d = device(&mut c, &a).await.expect("VF");
+    assert_eq!(
+        (d.driver.as_str(), d.generation),
+        ("iavf", freed.generation)
+    );
     s.stop().await;
 }
 

@@ -1032,6 +1032,65 @@ fn a_claim_whose_outcome_is_open_names_its_request_id() {
     assert!(!refusal(&r, 1).contains("request id"), "{r:?}");
 }
 
+/// prepare-vfio sends a request id of its own and prints it, with the two ways on, when
+/// a sysfs step fails after the binding was recorded (here no kernel answers the bind,
+/// so the step times out); the outcome names the binding, and the same request sent
+/// again with that id is the same binding retried, not a stale generation.
+#[test]
+fn a_binding_whose_outcome_is_open_names_its_request_id() {
+    let a = Agent::start_with(
+        nix::unistd::getuid().as_raw(),
+        "[hardware]\nstep_timeout_ms = 100\n",
+    );
+    // vfio-pci "loaded": its driver directory exists; nothing binds a device to it.
+    std::fs::create_dir_all(a.tree.sysfs_root().join("bus/pci/drivers/vfio-pci")).unwrap();
+    let v = a.vf(2).to_string();
+    a.ok(&["claim", &v, "--owner", INSTANCE, "--request-id", "boot"]);
+    let g = a.generation(&v).to_string();
+    let r = a.ctl(&["prepare-vfio", &v, "--owner", INSTANCE, "--generation", &g]);
+    let line = refusal(&r, 1);
+    assert!(line.contains("after the binding was recorded"), "{line}");
+    let id = line
+        .split("(request id ")
+        .nth(1)
+        .and_then(|rest| rest.split(':').next())
+        .unwrap_or_else(|| panic!("no request id in: {line}"))
+        .to_string();
+    assert!(
+        line.contains(&format!(
+            "either send the same prepare-vfio again with --request-id {id}"
+        )),
+        "{line}"
+    );
+    let o = a.json(&["outcome", "--owner", INSTANCE, "--request-id", &id]);
+    assert_eq!(
+        (o["operation"].as_str(), o["address"].as_str()),
+        (Some("bound"), Some(v.as_str())),
+        "{o}"
+    );
+    let now = a.generation(&v);
+    assert_eq!(o["generation"].as_u64(), Some(now), "{o}");
+    // The same request again: the binding retried (it fails the same way here, at a
+    // new generation), where without the id the generation it presents is stale.
+    let again = a.ctl(&[
+        "prepare-vfio",
+        &v,
+        "--owner",
+        INSTANCE,
+        "--generation",
+        &g,
+        "--request-id",
+        &id,
+    ]);
+    assert!(
+        refusal(&again, 1).contains("after the binding was recorded"),
+        "{again:?}"
+    );
+    assert!(a.generation(&v) > now);
+    let stale = a.ctl(&["prepare-vfio", &v, "--owner", INSTANCE, "--generation", &g]);
+    assert!(refusal(&stale, 1).contains("stale"), "{stale:?}");
+}
+
 /// A watch that the agent ends because it is stopping (SIGTERM) says so, and exits 4 as
 /// an answer that the agent cannot serve now (worth trying again), not 3 as a
 /// connection that broke, nor 1 as a refusal.

@@ -604,11 +604,12 @@ impl HostDev for HostDevService {
                     if let Some((now, on_vfio)) = self.claim_now(address, consumer, &request_id) {
                         generation = now;
                         if !on_vfio {
-                            generation = self.bind_vfio(address, consumer, generation).await?.0;
+                            generation =
+                                self.bind_vfio(address, consumer, generation, None).await?.0;
                         }
                     }
                 } else {
-                    generation = self.bind_vfio(address, consumer, generation).await?.0;
+                    generation = self.bind_vfio(address, consumer, generation, None).await?.0;
                 }
                 Ok::<_, ApiError>(generation)
             };
@@ -1158,24 +1159,28 @@ impl HostDev for HostDevService {
                     ))
                 })?
         };
-        let operation = match entry.outcome {
-            Outcome::Claimed { .. } => "claimed",
-            Outcome::Released { .. } => "released",
-            Outcome::Transferred { .. } => "transferred",
-        };
-        // The log holds the generation the claim was made at; a binding recorded after it
-        // (a Claim with vfio, PrepareVfio) moved the claim on, and so did its device
-        // vanishing (the claim lost). While the claim stands, its generation now is the
-        // one its owner must present.
+        // The log holds the generation the claim was made (or bound) at; a binding
+        // recorded after it (a Claim with vfio, PrepareVfio) moved the claim on, and so did
+        // its device vanishing (the claim lost). While the claim stands, its generation now
+        // is the one its owner must present.
         let mut generation = entry.outcome.generation();
-        if let Outcome::Claimed { address, .. } = entry.outcome {
-            let view = self.writer.view();
-            if let Some(standing) = Self::claim_record(&view, address, consumer, &request_id) {
-                generation = standing.generation;
+        let view = self.writer.view();
+        let standing = match &entry.outcome {
+            Outcome::Claimed { address, .. } => {
+                Self::claim_record(&view, *address, consumer, &request_id)
             }
+            Outcome::Bound { record, .. } => view.ledger.record(*record).filter(|r| {
+                r.claim
+                    .as_ref()
+                    .is_some_and(|c| c.owner.consumer == consumer)
+            }),
+            Outcome::Released { .. } | Outcome::Transferred { .. } => None,
+        };
+        if let Some(standing) = standing {
+            generation = standing.generation;
         }
         Ok(Response::new(proto::RequestOutcome {
-            operation: operation.into(),
+            operation: entry.outcome.operation().into(),
             address: entry.outcome.address().to_string(),
             generation: generation.0,
             at_unix: entry.at,
@@ -1239,8 +1244,18 @@ impl HostDev for HostDevService {
         let r = req.get_ref();
         let owner = convert::owner("owner", r.owner.as_ref())?;
         let address = convert::address("address", &r.address)?;
-        let (generation, members) = match self
-            .bind_vfio(address, owner.consumer, Generation(r.generation))
+        let request_id = if r.request_id.is_empty() {
+            None
+        } else {
+            Some(convert::request_id(&r.request_id)?)
+        };
+        let (generation, members, replayed) = match self
+            .bind_vfio(
+                address,
+                owner.consumer,
+                Generation(r.generation),
+                request_id,
+            )
             .await
         {
             Ok(bound) => bound,
@@ -1275,6 +1290,7 @@ impl HostDev for HostDevService {
             device: self.present_device(address),
             generation: generation.0,
             members,
+            replayed,
         }))
     }
 
@@ -1347,13 +1363,17 @@ impl HostDev for HostDevService {
 
 impl HostDevService {
     /// Binds a claimed device's group to vfio-pci, then rescans the members so the
-    /// listing shows their drivers; answers the device's generation after that.
+    /// listing shows their drivers; answers the device's generation after that, the
+    /// members, and whether the answer replays a logged request (`request_id`: logged
+    /// with the binding; a retry whose claim has ended since answers the first call's
+    /// generation and no members).
     async fn bind_vfio(
         &self,
         address: PciAddress,
         consumer: crate::pci::ConsumerId,
         generation: Generation,
-    ) -> Result<(Generation, Vec<proto::BoundMember>), ApiError> {
+        request_id: Option<RequestId>,
+    ) -> Result<(Generation, Vec<proto::BoundMember>, bool), ApiError> {
         let result = self
             .after_hardware(
                 move |w| async move {
@@ -1361,6 +1381,7 @@ impl HostDevService {
                         address,
                         consumer,
                         generation,
+                        request_id,
                     })
                     .await
                 },
@@ -1371,12 +1392,14 @@ impl HostDevService {
             )
             .await;
         let bound = result.map_err(ApiError::from)?;
+        let ended = bound.replayed && bound.members.is_empty();
         let now = self
             .writer
             .view()
             .device(address)
             .find(|v| v.record.present)
             .map(|v| v.record.generation)
+            .filter(|_| !ended)
             .unwrap_or(bound.generation);
         Ok((
             now,
@@ -1385,6 +1408,7 @@ impl HostDevService {
                 .iter()
                 .map(convert::bound_member_to_proto)
                 .collect(),
+            bound.replayed,
         ))
     }
 

@@ -122,7 +122,7 @@ pub enum ApiError {
     },
     /// A PrepareVfio that recorded its binding (a new generation) and then failed in a
     /// sysfs step: the claim stands at that generation, which the caller must learn.
-    #[error("binding {address} to vfio-pci failed after the binding was recorded: {source}; the claim stands at generation {generation}: send PrepareVfio again with it to finish the binding, or release with it")]
+    #[error("binding {address} to vfio-pci failed after the binding was recorded: {source}; the claim stands at generation {generation}: send PrepareVfio again with it, or the same request with its request id, to finish the binding, or release with it")]
     BindingNotDone {
         address: PciAddress,
         /// The claim's generation now.

@@ -129,6 +129,9 @@ struct PrepareVfioArgs {
     /// The device's current generation.
     #[arg(long, value_name = "G")]
     generation: u64,
+    /// [default: a fresh UUID, printed with the result]
+    #[arg(long, value_name = "ID")]
+    request_id: Option<RequestId>,
 }
 
 #[derive(Debug, Args)]
@@ -372,7 +375,7 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
     }
 }
 
-/// A failed claim, release or transfer whose outcome the answer leaves open (the
+/// A failed claim, release, transfer or binding whose outcome the answer leaves open (the
 /// connection broke, the agent could not commit or answer, or a claim stands though its
 /// binding failed), with the request id to ask about, or to send again with.
 fn open_outcome(
@@ -920,6 +923,10 @@ async fn current_generation(
 }
 
 async fn cmd_prepare_vfio(ctx: &mut Ctx, a: PrepareVfioArgs) -> Outcome {
+    let request_id = match a.request_id {
+        Some(r) => r,
+        None => fresh_request_id()?,
+    };
     let r = ctx
         .client
         .prepare_vfio(proto::PrepareVfioRequest {
@@ -929,22 +936,34 @@ async fn cmd_prepare_vfio(ctx: &mut Ctx, a: PrepareVfioArgs) -> Outcome {
                 label: String::new(),
             }),
             generation: a.generation,
+            request_id: request_id.to_string(),
         })
         .await
-        .map_err(|s| describe("prepare-vfio", &ctx.socket, &s))?
+        .map_err(|s| open_outcome("prepare-vfio", &ctx.socket, &s, &a.owner, &request_id))?
         .into_inner();
     if ctx.json {
         return out_json(&json!({
             "device": r.device.as_ref().map(device_json),
             "generation": r.generation,
             "members": r.members.iter().map(bound_json).collect::<Vec<_>>(),
+            "replayed": r.replayed,
+            "request_id": request_id.as_str(),
         }));
     }
+    if r.replayed && r.members.is_empty() {
+        return out(format!(
+            "the claim this request (request id {}) bound has ended since: nothing bound; the binding was recorded at generation {}",
+            request_id.as_str(),
+            r.generation
+        ));
+    }
     out(format!(
-        "bound to vfio-pci: {}; {} is at generation {}",
+        "bound to vfio-pci: {}; {} is at generation {} (request id {}){}",
         bound_text(&r.members),
         a.address,
-        r.generation
+        r.generation,
+        request_id.as_str(),
+        replay_note(r.replayed)
     ))
 }
 

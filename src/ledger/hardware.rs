@@ -4,8 +4,10 @@
 
 use std::sync::{Arc, Weak};
 
-use super::{BoundMember, ChangeSet, DeviceRecord, Ledger, LedgerError, Link, Tx, VfioBinding};
-use crate::pci::{ConsumerId, Generation, PciAddress};
+use super::{
+    BoundMember, ChangeSet, DeviceRecord, Ledger, LedgerError, Link, Outcome, Tx, VfioBinding,
+};
+use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 
 /// What binding a claimed device to vfio-pci covers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -14,6 +16,21 @@ pub struct BindPlan {
     pub members: Vec<PciAddress>,
     /// The binding recorded by an earlier call, if any (a retry keeps its originals).
     pub existing: Option<VfioBinding>,
+}
+
+/// How a retry of a binding that the request log holds is answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BindRetry {
+    /// The claim it bound stands on the present device, still its owner's: the claim's
+    /// generation now, and the binding recorded on it (to be carried out again where a
+    /// member is off vfio-pci, as when a sysfs step failed after it was recorded).
+    Standing {
+        generation: Generation,
+        binding: VfioBinding,
+    },
+    /// The claim has ended since (released, moved to another owner, or its device gone):
+    /// the first answer's generation, and nothing to bind.
+    Ended { generation: Generation },
 }
 
 /// A VF count change under way, by its PF: whether whoever carries it out still holds it
@@ -99,14 +116,27 @@ impl Ledger {
     }
 
     /// Records the binding on the claim at `address` (checked again as in
-    /// [`Ledger::bind_plan`]), with the next generation.
+    /// [`Ledger::bind_plan`]), with the next generation; with `logged`, also logs it
+    /// under that request id at that time (seconds since the Unix epoch), in the same
+    /// change set. A request id the log holds already is refused: a retry is answered by
+    /// [`Ledger::bind_retry`] before it gets here.
     pub fn record_binding(
         &mut self,
         address: PciAddress,
         consumer: ConsumerId,
         generation: Generation,
         members: Vec<BoundMember>,
+        logged: Option<(&RequestId, u64)>,
     ) -> Result<(Generation, ChangeSet), LedgerError> {
+        if let Some((request_id, _)) = logged {
+            if let Some(entry) = self.request(consumer, request_id) {
+                return Err(LedgerError::RequestIdReused {
+                    consumer,
+                    request_id: request_id.clone(),
+                    previous: entry.outcome,
+                });
+            }
+        }
         self.bind_plan(address, consumer, generation)?;
         let id = self.resolve_claimed(address, consumer, generation)?;
         let mut tx = Tx::new(self.host_generation);
@@ -115,7 +145,64 @@ impl Ledger {
                 c.vfio = Some(VfioBinding { members });
             }
         });
+        if let Some((request_id, now)) = logged {
+            let outcome = Outcome::Bound {
+                address,
+                record: id,
+                generation: g,
+            };
+            self.log_request(&mut tx, consumer, request_id, &outcome, now);
+        }
         Ok((g, tx.cs))
+    }
+
+    /// What a binding request with a request id the log holds is answered (`None`: the
+    /// log does not hold it, and it is a new request). A request id logged for another
+    /// operation, or for a binding at another address, is refused. Changes nothing.
+    pub fn bind_retry(
+        &self,
+        address: PciAddress,
+        consumer: ConsumerId,
+        request_id: &RequestId,
+    ) -> Result<Option<BindRetry>, LedgerError> {
+        let Some(entry) = self.request(consumer, request_id) else {
+            return Ok(None);
+        };
+        let Outcome::Bound {
+            address: bound_at,
+            record,
+            generation,
+        } = entry.outcome
+        else {
+            return Err(LedgerError::RequestIdReused {
+                consumer,
+                request_id: request_id.clone(),
+                previous: entry.outcome,
+            });
+        };
+        if bound_at != address {
+            return Err(LedgerError::RequestIdReused {
+                consumer,
+                request_id: request_id.clone(),
+                previous: entry.outcome,
+            });
+        }
+        let standing = self
+            .records
+            .get(&record)
+            .filter(|r| r.present)
+            .and_then(|r| {
+                let claim = r.claim.as_ref()?;
+                let binding = claim.vfio.clone()?;
+                (claim.owner.consumer == consumer).then_some((r.generation, binding))
+            });
+        Ok(Some(match standing {
+            Some((generation, binding)) => BindRetry::Standing {
+                generation,
+                binding,
+            },
+            None => BindRetry::Ended { generation },
+        }))
     }
 
     /// The binding to give back when the claim at `address` is released by `consumer`
@@ -316,7 +403,7 @@ mod tests {
         );
         let before = l.clone();
         assert!(matches!(
-            l.record_binding(addr("0000:5e:00.0"), owner(2).consumer, g, vec![]),
+            l.record_binding(addr("0000:5e:00.0"), owner(2).consumer, g, vec![], None),
             Err(LedgerError::WrongOwner { .. })
         ));
         assert!(matches!(
@@ -324,7 +411,8 @@ mod tests {
                 addr("0000:5e:00.0"),
                 owner(1).consumer,
                 Generation(g.0 - 1),
-                vec![]
+                vec![],
+                None
             ),
             Err(LedgerError::StaleGeneration { .. })
         ));
@@ -335,7 +423,13 @@ mod tests {
             original_override: None,
         }];
         let (g2, cs) = l
-            .record_binding(addr("0000:5e:00.0"), owner(1).consumer, g, members.clone())
+            .record_binding(
+                addr("0000:5e:00.0"),
+                owner(1).consumer,
+                g,
+                members.clone(),
+                None,
+            )
             .expect("recorded");
         assert!(g2 > g);
         assert_eq!(cs.upserts.len(), 1);
@@ -348,6 +442,80 @@ mod tests {
         // Undo (a failed commit) forgets the binding.
         l.undo(&cs);
         assert_eq!(l, before);
+    }
+
+    /// A binding logged under a request id: a retry is answered from the log and the
+    /// claim as it stands, the id is refused for anything else, and once the claim has
+    /// ended the retry gets the first generation and nothing to bind.
+    #[test]
+    fn a_logged_binding_is_retried_by_its_request_id_only() {
+        let mut l = ledger();
+        let a = addr("0000:5e:00.0");
+        let who = owner(1).consumer;
+        let g = claim(&mut l, "0000:5e:00.0", 1);
+        assert_eq!(
+            l.bind_retry(a, who, &rid("bind")),
+            Ok(None),
+            "not logged yet"
+        );
+        let members = vec![BoundMember {
+            address: a,
+            original_driver: Some("iavf".into()),
+            original_override: None,
+        }];
+        let before = l.clone();
+        let (g2, cs) = l
+            .record_binding(a, who, g, members.clone(), Some((&rid("bind"), 7)))
+            .expect("recorded");
+        assert_eq!(cs.requests.len(), 1, "logged in the binding's change set");
+        assert_eq!(cs.requests[0].outcome.operation(), "bound");
+        let standing = BindRetry::Standing {
+            generation: g2,
+            binding: VfioBinding {
+                members: members.clone(),
+            },
+        };
+        assert_eq!(l.bind_retry(a, who, &rid("bind")), Ok(Some(standing)));
+        // Another owner's id of that name is another request.
+        assert_eq!(l.bind_retry(a, owner(2).consumer, &rid("bind")), Ok(None));
+
+        let after = l.clone();
+        fn reused(e: Option<LedgerError>) -> bool {
+            matches!(
+                e,
+                Some(LedgerError::RequestIdReused {
+                    previous: Outcome::Bound { .. },
+                    ..
+                })
+            )
+        }
+        assert!(reused(
+            l.bind_retry(addr("0000:5e:00.1"), who, &rid("bind")).err()
+        ));
+        assert!(reused(
+            l.record_binding(a, who, g2, members.clone(), Some((&rid("bind"), 8)))
+                .err()
+        ));
+        let release = |id: &str, generation| ReleaseRequest {
+            address: a,
+            consumer: who,
+            request_id: rid(id),
+            generation,
+        };
+        assert!(reused(l.release(&release("bind", g2), 8).err()));
+        assert_eq!(l, after, "refusals change nothing");
+
+        let (freed, _) = l.release(&release("r", g2), 9).expect("release");
+        assert!(freed.generation() > g2);
+        assert_eq!(
+            l.bind_retry(a, who, &rid("bind")),
+            Ok(Some(BindRetry::Ended { generation: g2 }))
+        );
+        // Undo of the binding's change set takes its log entry back too.
+        let mut undone = after;
+        undone.undo(&cs);
+        assert_eq!(undone, before);
+        assert_eq!(undone.bind_retry(a, who, &rid("bind")), Ok(None));
     }
 
     #[test]

@@ -218,6 +218,13 @@ pub enum Outcome {
         generation: Generation,
         to: ConsumerId,
     },
+    /// A claim bound to vfio-pci (PrepareVfio with a request id): the claim's record and
+    /// the generation the recorded binding gave it.
+    Bound {
+        address: PciAddress,
+        record: RecordId,
+        generation: Generation,
+    },
 }
 
 impl Outcome {
@@ -225,14 +232,25 @@ impl Outcome {
         match self {
             Outcome::Claimed { address, .. }
             | Outcome::Released { address, .. }
-            | Outcome::Transferred { address, .. } => *address,
+            | Outcome::Transferred { address, .. }
+            | Outcome::Bound { address, .. } => *address,
         }
     }
     pub fn generation(&self) -> Generation {
         match self {
             Outcome::Claimed { generation, .. }
             | Outcome::Released { generation, .. }
-            | Outcome::Transferred { generation, .. } => *generation,
+            | Outcome::Transferred { generation, .. }
+            | Outcome::Bound { generation, .. } => *generation,
+        }
+    }
+    /// The operation's name, as GetRequestOutcome and the logs give it.
+    pub fn operation(&self) -> &'static str {
+        match self {
+            Outcome::Claimed { .. } => "claimed",
+            Outcome::Released { .. } => "released",
+            Outcome::Transferred { .. } => "transferred",
+            Outcome::Bound { .. } => "bound",
         }
     }
 }

@@ -36,6 +36,16 @@ enum Op {
         to: u8,
         dev: u8,
     },
+    /// Record a vfio-pci binding of device `dev`'s group, logged under a request id.
+    Bind {
+        actor: u8,
+        dev: u8,
+        stale: bool,
+    },
+    /// Retry the actor's last logged binding, whatever happened since.
+    RetryBind {
+        actor: u8,
+    },
     Vanish {
         dev: u8,
     },
@@ -77,6 +87,8 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0u8..3, 0u8..7, any::<bool>()).prop_map(|(actor, dev, stale)| Op::Release { actor, dev, stale }),
         2 => (0u8..3).prop_map(|actor| Op::Retry { actor }),
         1 => (0u8..3, 0u8..3, 0u8..7).prop_map(|(actor, to, dev)| Op::Transfer { actor, to, dev }),
+        2 => (0u8..3, 0u8..7, any::<bool>()).prop_map(|(actor, dev, stale)| Op::Bind { actor, dev, stale }),
+        2 => (0u8..3).prop_map(|actor| Op::RetryBind { actor }),
         1 => (0u8..7).prop_map(|dev| Op::Vanish { dev }),
         1 => (0u8..7).prop_map(|dev| Op::Return { dev }),
         1 => (0u8..7, proptest::option::of(prop_oneof![Just(20u32), Just(21), Just(30), Just(99)]))
@@ -96,6 +108,15 @@ enum LastReq {
     Release(ReleaseRequest, Outcome),
 }
 
+/// A binding logged under a request id: what it recorded.
+#[derive(Debug, Clone)]
+struct LoggedBind {
+    address: PciAddress,
+    record: RecordId,
+    request_id: RequestId,
+    first: Generation,
+}
+
 struct World {
     ledger: Ledger,
     inventory: Vec<DeviceFacts>,
@@ -105,6 +126,8 @@ struct World {
     /// Each actor's remembered generation per device (its possibly stale view).
     seen: BTreeMap<(u8, u8), Generation>,
     last: BTreeMap<u8, LastReq>,
+    /// Each actor's last logged binding.
+    binds: BTreeMap<u8, LoggedBind>,
     seq: u64,
     /// A VF count change under way: its token, and the PF and the VFs it had (the
     /// addresses no claim may take meanwhile).
@@ -131,6 +154,7 @@ impl World {
             claims: BTreeMap::new(),
             seen: BTreeMap::new(),
             last: BTreeMap::new(),
+            binds: BTreeMap::new(),
             seq: 0,
             changing: None,
         }
@@ -311,6 +335,93 @@ impl World {
                         Ok((None, cs))
                     }
                 }
+            }
+            // A binding's retry is answered from the log and the claim as it stands now:
+            // its generation now while the actor's bound claim stands on the present
+            // device, else the first one. It changes nothing.
+            Op::RetryBind { actor } => match self.binds.get(actor).cloned() {
+                None => Ok((None, self.ledger.empty_change())),
+                Some(b) => {
+                    let retry = self
+                        .ledger
+                        .bind_retry(b.address, consumer(*actor), &b.request_id)
+                        .map_err(|e| TestCaseError::fail(format!("retry failed: {e}")))?;
+                    let standing = self
+                        .ledger
+                        .record(b.record)
+                        .filter(|r| {
+                            r.present
+                                && r.claim.as_ref().is_some_and(|c| {
+                                    c.owner.consumer == consumer(*actor) && c.vfio.is_some()
+                                })
+                        })
+                        .map(|r| r.generation);
+                    match (retry, standing) {
+                        (Some(BindRetry::Standing { generation, .. }), Some(now)) => {
+                            prop_assert_eq!(generation, now);
+                        }
+                        (Some(BindRetry::Ended { generation }), None) => {
+                            prop_assert_eq!(generation, b.first);
+                        }
+                        (other, now) => {
+                            return Err(TestCaseError::fail(format!(
+                                "a binding's retry answered {other:?} with the claim at {now:?}"
+                            )))
+                        }
+                    }
+                    Ok((None, self.ledger.empty_change()))
+                }
+            },
+            Op::Bind { actor, dev, stale } => {
+                // Mostly one of the actor's own claims (a binding of anything else is
+                // refused), so that bindings are made, and then released, moved or lost.
+                let own: Vec<u8> = (0..7u8)
+                    .filter(|d| {
+                        self.ledger.record_at(self.address(*d)).is_some_and(|r| {
+                            r.claim
+                                .as_ref()
+                                .is_some_and(|c| c.owner.consumer == consumer(*actor))
+                        })
+                    })
+                    .collect();
+                let dev = match own.len() {
+                    0 => *dev,
+                    n => own[usize::from(*dev) % n],
+                };
+                let g = self.presented(*actor, dev, *stale);
+                let address = self.address(dev);
+                let request_id = self.next_rid();
+                let members = vec![BoundMember {
+                    address,
+                    original_driver: None,
+                    original_override: None,
+                }];
+                let now = self.seq;
+                self.ledger
+                    .record_binding(
+                        address,
+                        consumer(*actor),
+                        g,
+                        members,
+                        Some((&request_id, now)),
+                    )
+                    .map(|(first, cs)| {
+                        let record = match cs.requests.as_slice() {
+                            [RequestEntry {
+                                outcome: Outcome::Bound { record, .. },
+                                ..
+                            }] => *record,
+                            other => panic!("a logged binding logs itself once: {other:?}"),
+                        };
+                        let logged = LoggedBind {
+                            address,
+                            record,
+                            request_id,
+                            first,
+                        };
+                        self.binds.insert(*actor, logged);
+                        (None, cs)
+                    })
             }
             Op::Transfer { actor, to, dev } => {
                 let g = self.presented(*actor, *dev, false);

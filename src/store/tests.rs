@@ -225,11 +225,19 @@ fn every_kind_of_change_survives_reopen() {
     cs.removals = vec![RecordId(1)];
     let store = commit_and_check(store, &mut model, &[cs]);
 
-    // More request entries.
+    // More request entries, one of them a binding's.
     let mut cs = change(6, 7);
     let r3 = record(3, 2, 7, Some(8));
     cs.upserts = vec![r3.clone()];
-    cs.requests = vec![entry(8, "req-b", &r3, 101), entry(8, "req-c", &r3, 99)];
+    let bound = RequestEntry {
+        outcome: Outcome::Bound {
+            address: r3.address(),
+            record: r3.id,
+            generation: r3.generation,
+        },
+        ..entry(8, "req-c", &r3, 99)
+    };
+    cs.requests = vec![entry(8, "req-b", &r3, 101), bound.clone()];
     let store = commit_and_check(store, &mut model, &[cs]);
 
     // A release: owner gone, consumer column back to NULL.
@@ -253,6 +261,12 @@ fn every_kind_of_change_survives_reopen() {
         .request(consumer(8), &request_id("req-b"))
         .expect("lookup");
     assert_eq!(found.as_ref(), snapshot.requests.get(1));
+    assert_eq!(
+        store
+            .request(consumer(8), &request_id("req-c"))
+            .expect("lookup"),
+        Some(bound)
+    );
     assert_eq!(
         store
             .request(consumer(7), &request_id("req-b"))

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use super::{now_unix, Applied, Command, Worker, WriteError};
 use crate::hardware::sriov::Written;
 use crate::hardware::{Hardware, HardwareError};
-use crate::ledger::{BoundMember, ChangeSet, ReleaseRequest};
+use crate::ledger::{BindRetry, BoundMember, ChangeSet, ReleaseRequest};
 use crate::metrics::Op;
-use crate::pci::{ConsumerId, Generation, PciAddress};
+use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 
 /// Bind the IOMMU group of a claimed device to vfio-pci.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,14 +22,22 @@ pub struct BindVfio {
     pub address: PciAddress,
     pub consumer: ConsumerId,
     pub generation: Generation,
+    /// Logged with the binding, so that a retry is answered as the first call (a
+    /// Claim's own binding has none: the claim's request id covers it).
+    pub request_id: Option<RequestId>,
 }
 
 /// What a binding did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bound {
-    /// The device's generation after the binding was recorded.
+    /// The device's generation after the binding was recorded (a retry whose claim has
+    /// ended since: the first call's).
     pub generation: Generation,
+    /// The members bound (a retry whose claim has ended since: none).
     pub members: Vec<BoundMember>,
+    /// A retry of a logged request: answered from the log and the claim as it stands,
+    /// bound again only where a member was off vfio-pci.
+    pub replayed: bool,
 }
 
 /// Set the VF count of a PF.
@@ -152,7 +160,10 @@ impl Worker {
         match cmd {
             Command::BindVfio(req, reply) => {
                 let r = self.bind_vfio(&req);
-                self.count(Op::BindVfio, &r);
+                match &r {
+                    Ok(b) if b.replayed => self.metrics.applied(Op::BindVfio, true),
+                    _ => self.count(Op::BindVfio, &r),
+                }
                 let _ = reply.send(r);
             }
             Command::BeginVfCount(req, reply) => {
@@ -242,9 +253,50 @@ impl Worker {
 
     fn bind_vfio(&mut self, req: &BindVfio) -> Result<Bound, WriteError> {
         let hw = self.hardware.clone().ok_or(HardwareError::Disabled)?;
+        let mut generation = req.generation;
+        let mut logged = req.request_id.as_ref();
+        if let Some(request_id) = &req.request_id {
+            // As for a release: a retry that memory no longer holds is answered from the
+            // store, and a request id closed by GetRequestOutcome stays closed.
+            self.recall(req.consumer, request_id, &[])?;
+            self.open_request(req.consumer, request_id)?;
+            match self
+                .ledger
+                .bind_retry(req.address, req.consumer, request_id)?
+            {
+                None => {}
+                Some(BindRetry::Ended { generation }) => {
+                    return Ok(Bound {
+                        generation,
+                        members: Vec::new(),
+                        replayed: true,
+                    })
+                }
+                Some(BindRetry::Standing {
+                    generation: now,
+                    binding,
+                }) => {
+                    let on_vfio = binding.members.iter().all(|m| {
+                        matches!(hw.driver(m.address, "read current driver"),
+                            Ok(Some(d)) if d == crate::hardware::VFIO_PCI_DRIVER)
+                    });
+                    if on_vfio {
+                        return Ok(Bound {
+                            generation: now,
+                            members: binding.members,
+                            replayed: true,
+                        });
+                    }
+                    // The first call stopped part way: bind again, at the claim's
+                    // generation now, without logging the request a second time.
+                    generation = now;
+                    logged = None;
+                }
+            }
+        }
         let plan = self
             .ledger
-            .bind_plan(req.address, req.consumer, req.generation)?;
+            .bind_plan(req.address, req.consumer, generation)?;
         let mut members = Vec::with_capacity(plan.members.len());
         for m in &plan.members {
             let recorded = plan
@@ -265,11 +317,12 @@ impl Worker {
         // recorded (a new generation), so the refusal changes nothing. Where a member is
         // on vfio-pci already, the driver is loaded.
         hw.require_driver(req.address, crate::hardware::VFIO_PCI_DRIVER)?;
-        let (generation, cs) = self.ledger.record_binding(
+        let (recorded, cs) = self.ledger.record_binding(
             req.address,
             req.consumer,
-            req.generation,
+            generation,
             members.clone(),
+            logged.map(|id| (id, now_unix())),
         )?;
         self.commit_one(cs)?;
         for m in &members {
@@ -277,8 +330,9 @@ impl Worker {
             tracing::info!(device = %m.address, claimed = %req.address, original_driver = m.original_driver.as_deref().unwrap_or("none"), "bound to vfio-pci");
         }
         Ok(Bound {
-            generation,
+            generation: recorded,
             members,
+            replayed: req.request_id.is_some() && logged.is_none(),
         })
     }
 

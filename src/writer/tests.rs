@@ -198,7 +198,7 @@ fn a_release_run_alone_recalls_its_retry_from_the_store() {
     let next = answer(rx).expect("the next owner's claim").outcome;
     let (bound, cs) = w
         .ledger
-        .record_binding(x, consumer(2), next.generation(), vec![])
+        .record_binding(x, consumer(2), next.generation(), vec![], None)
         .expect("binding");
     w.commit_one(cs).expect("commit");
     assert!(w.acts_on_hardware(&Command::Release(
@@ -850,7 +850,7 @@ fn an_audit_stops_freeing_at_a_commit_whose_outcome_is_unknown() {
     // frees run alone.
     let (bound, cs) = w
         .ledger
-        .record_binding(x, consumer(1), orphans[0].2, vec![])
+        .record_binding(x, consumer(1), orphans[0].2, vec![], None)
         .expect("binding");
     w.commit_one(cs).expect("commit");
     orphans[0].2 = bound;
