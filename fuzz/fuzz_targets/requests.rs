@@ -134,6 +134,7 @@ fuzz_target!(|data: &[u8]| {
     if let Some(r) = decode::<proto::PrepareVfioRequest>(data) {
         check(convert::owner("owner", r.owner.as_ref()));
         check(convert::address("address", &r.address));
+        check(convert::request_id(&r.request_id));
     }
     if let Some(r) = decode::<proto::SetVfCountRequest>(data) {
         check(convert::address("address", &r.address));
