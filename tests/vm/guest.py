@@ -468,8 +468,22 @@ vf = true
         write(f"{PCI}/drivers_probe", vf)
         check("a VF bound to pci-stub through driver_override (autoprobe off)", link_name(vf, "driver") == "pci-stub", str(link_name(vf, "driver")))
         poll("the daemon sees the VF on pci-stub", lambda: show(vf), lambda d: d["driver"] == "pci-stub")
-        r = ctl("claim", vf, "--owner", owner, "--generation", gen(vf), "--vfio", ok=False)
-        check("claim --vfio of the overridden VF accepted", r.returncode == 0, r.stderr)
+        # Claimed first, then bound by prepare-vfio with a request id: the same request
+        # sent again (an answer lost) is the first answer, replayed, with nothing redone.
+        r = ctl("claim", vf, "--owner", owner, "--generation", gen(vf), ok=False)
+        check("claim of the overridden VF accepted", r.returncode == 0, r.stderr)
+        g, rid = gen(vf), str(uuid.uuid4())
+        r = ctl("prepare-vfio", vf, "--owner", owner, "--generation", g, "--request-id", rid, ok=False)
+        first = json.loads(r.stdout) if r.returncode == 0 else {}
+        check("prepare-vfio of the overridden VF binds it to vfio-pci",
+              r.returncode == 0 and first.get("replayed") is False and link_name(vf, "driver") == "vfio-pci", r.stdout + r.stderr)
+        r = ctl("prepare-vfio", vf, "--owner", owner, "--generation", g, "--request-id", rid, ok=False)
+        again = json.loads(r.stdout) if r.returncode == 0 else {}
+        check("the same prepare-vfio again is replayed: its members, the claim's generation, still on vfio-pci",
+              r.returncode == 0 and again.get("replayed") is True and again.get("members") == first.get("members")
+              and again.get("generation", 0) >= first.get("generation", 1) and link_name(vf, "driver") == "vfio-pci", r.stdout + r.stderr)
+        o = json.loads(ctl("outcome", "--owner", owner, "--request-id", rid).stdout)
+        check("the binding's outcome is 'bound'", o.get("operation") == "bound" and o.get("address") == vf, json.dumps(o))
         r = ctl("release", vf, "--owner", owner, "--generation", gen(vf), ok=False)
         restored = link_name(vf, "driver") == "pci-stub"
         check("release of a VF bound through driver_override (autoprobe off) restores pci-stub", r.returncode == 0 and restored,
