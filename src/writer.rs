@@ -41,7 +41,7 @@ mod hardware;
 #[cfg(test)]
 mod tests;
 pub use events::{Event, EventBuffer, EventLog};
-pub use hardware::{BindVfio, Bound, SetVfCount, VfChange, VfCountSet, VfWritten};
+pub use hardware::{BindVfio, Bound, SetVfCount, VfBegun, VfChange, VfCountSet, VfWritten};
 
 /// How many commands one batch takes at most.
 const MAX_BATCH: usize = 512;
@@ -160,7 +160,7 @@ pub enum Command {
     BindVfio(BindVfio, Reply<Bound>),
     /// Begin a change of a PF's VF count: checked, and its devices held back from
     /// claims, while the writes run elsewhere.
-    BeginVfCount(SetVfCount, Reply<VfChange>),
+    BeginVfCount(SetVfCount, Reply<VfBegun>),
     /// Record what a VF count change wrote, and end it.
     EndVfCount(Box<VfWritten>, Reply<VfCountSet>),
 }
@@ -525,7 +525,10 @@ impl Writer {
     /// recorded, as a write that may have destroyed the VFs (the side that hands no
     /// destroyed VF out), with the PF's devices held back until then.
     pub async fn set_vf_count(&self, req: SetVfCount) -> Result<VfCountSet, WriteError> {
-        let change = self.call(|r| Command::BeginVfCount(req, r)).await?;
+        let change = match self.call(|r| Command::BeginVfCount(req, r)).await? {
+            VfBegun::Change(change) => change,
+            VfBegun::Replayed(first) => return Ok(first),
+        };
         let mut unanswered = EndOnDrop {
             writer: self.clone(),
             end: Some(change.unanswered("the change was dropped before it was recorded")),

@@ -193,6 +193,7 @@ async fn set_vfs(
         vf_count: count,
         generation,
         drivers_autoprobe: Some(false),
+        ..Default::default()
     })
     .await
     .map(|r| r.into_inner())
@@ -492,6 +493,7 @@ async fn vf_count_changes_are_fenced_and_refused_while_a_vf_is_claimed() {
             vf_count: 1,
             generation: plain.generation,
             drivers_autoprobe: None,
+            ..Default::default()
         })
         .await
         .expect_err("not a PF");
@@ -531,6 +533,104 @@ async fn vf_count_changes_are_fenced_and_refused_while_a_vf_is_claimed() {
         .await
         .expect_err("old generation");
     assert_eq!(e.code(), Code::Aborted);
+    s.stop().await;
+}
+
+/// SetVfCount with the caller's consumer id and a request id: the change written in full
+/// is logged (GetRequestOutcome: "vf_count_set"), and the same request again, whatever
+/// generation it presents, is the first answer (the count before it, 4, where a change
+/// made again would find 0) and changes nothing. The ids are refused for another count,
+/// and a request id alone; without ids, the same retry is stale. (The stand-in kernel
+/// carries out a count of 0 only.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vf_count_change_with_a_request_id_is_answered_once() {
+    let _alone = alone().await;
+    let t = tree();
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let numvfs = || {
+        std::fs::read_to_string(t.bus_link(PF).join("sriov_numvfs"))
+            .expect("numvfs")
+            .trim()
+            .to_string()
+    };
+    let g = device(&mut c, PF).await.expect("PF").generation;
+    let req = |count: u32, generation: u64| proto::SetVfCountRequest {
+        address: PF.into(),
+        vf_count: count,
+        generation,
+        drivers_autoprobe: Some(false),
+        consumer_id: owner(9).consumer_id,
+        request_id: "vfs-1".into(),
+    };
+
+    let e = c
+        .set_vf_count(proto::SetVfCountRequest {
+            consumer_id: String::new(),
+            ..req(0, g)
+        })
+        .await
+        .expect_err("a request id without a consumer id");
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert_eq!(numvfs(), "4", "nothing was written");
+
+    let first = c.set_vf_count(req(0, g)).await.expect("set 0").into_inner();
+    assert!(!first.replayed);
+    assert_eq!(first.previous_vf_count, 4);
+    until(&mut c, "VFs gone", |l| !l.iter().any(|d| d.physfn == PF)).await;
+    let o = c
+        .get_request_outcome(proto::GetRequestOutcomeRequest {
+            consumer_id: owner(9).consumer_id,
+            request_id: "vfs-1".into(),
+        })
+        .await
+        .expect("the change's outcome")
+        .into_inner();
+    assert_eq!(
+        (o.operation.as_str(), o.address.as_str()),
+        ("vf_count_set", PF)
+    );
+    assert!(
+        o.generation > g && o.generation <= first.generation,
+        "{o:?}"
+    );
+
+    // Without ids, the same retry is a stale generation.
+    let e = c
+        .set_vf_count(proto::SetVfCountRequest {
+            consumer_id: String::new(),
+            request_id: String::new(),
+            ..req(0, g)
+        })
+        .await
+        .expect_err("stale");
+    assert_eq!(e.code(), Code::Aborted, "{e:?}");
+
+    // With them, the retry is the first answer.
+    let now = device(&mut c, PF).await.expect("PF").generation;
+    let again = c
+        .set_vf_count(req(0, g))
+        .await
+        .expect("the retry is the first answer")
+        .into_inner();
+    assert!(again.replayed);
+    assert_eq!(
+        (again.generation, again.previous_vf_count),
+        (o.generation, 4)
+    );
+    assert_eq!(device(&mut c, PF).await.expect("PF").generation, now);
+
+    // Another count under the same ids is another request: refused, nothing written.
+    let e = c
+        .set_vf_count(req(1, now))
+        .await
+        .expect_err("another count");
+    assert_eq!(
+        (e.code(), reason(&e).0.as_str()),
+        (Code::InvalidArgument, "REQUEST_ID_REUSED")
+    );
+    assert_eq!(numvfs(), "0");
     s.stop().await;
 }
 
@@ -681,6 +781,7 @@ async fn a_vf_count_change_that_writes_nothing_keeps_the_pf_generation() {
             vf_count: vfs,
             generation: pf.generation,
             drivers_autoprobe: None,
+            ..Default::default()
         })
         .await
         .expect("the count it has")
@@ -1258,6 +1359,7 @@ async fn a_vf_count_change_dropped_mid_write_is_recorded_as_destroying_the_vfs()
         generation: hostdevd::pci::Generation(pf.generation),
         count: 2,
         autoprobe: None,
+        request: None,
     });
     tokio::time::timeout(Duration::from_secs(1), change)
         .await

@@ -945,6 +945,7 @@ async fn a_vf_count_change_is_refused_while_a_domain_or_a_vfio_holder_uses_a_vf(
                 vf_count: 2,
                 generation,
                 drivers_autoprobe: None,
+                ..Default::default()
             })
             .await
         }

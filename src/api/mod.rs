@@ -1174,7 +1174,9 @@ impl HostDev for HostDevService {
                     .as_ref()
                     .is_some_and(|c| c.owner.consumer == consumer)
             }),
-            Outcome::Released { .. } | Outcome::Transferred { .. } => None,
+            Outcome::Released { .. } | Outcome::Transferred { .. } | Outcome::VfCountSet { .. } => {
+                None
+            }
         };
         if let Some(standing) = standing {
             generation = standing.generation;
@@ -1301,6 +1303,48 @@ impl HostDev for HostDevService {
         self.access.check(&req, "set-vf-count")?;
         let r = req.get_ref();
         let pf = convert::address("address", &r.address)?;
+        let request = match (r.consumer_id.is_empty(), r.request_id.is_empty()) {
+            (true, true) => None,
+            (false, false) => Some((
+                convert::consumer("consumer_id", &r.consumer_id)?,
+                convert::request_id(&r.request_id)?,
+            )),
+            (true, false) => {
+                return Err(ApiError::BadField {
+                    field: "consumer_id",
+                    reason: "a request id needs the caller's consumer id, which keys it".into(),
+                }
+                .into())
+            }
+            (false, true) => {
+                return Err(ApiError::BadField {
+                    field: "request_id",
+                    reason: "a consumer id is used only with a request id".into(),
+                }
+                .into())
+            }
+        };
+        // A retry of a change logged under its request id is answered as the first call,
+        // before any check: the VFs may be claimed or in use by now, which is no reason
+        // to refuse an answer about a change made before. The writer looks again when the
+        // change begins, for a retry that arrives while the first call is recorded.
+        if let Some((consumer, request_id)) = &request {
+            let logged = self
+                .writer
+                .lookup(*consumer, request_id.clone())
+                .await
+                .map_err(ApiError::from)?;
+            if let Some(entry) = logged {
+                let first = crate::ledger::vf_count_replay(&entry, pf, r.vf_count)
+                    .map_err(|e| ApiError::from(WriteError::Ledger(e)))?;
+                return Ok(Response::new(proto::SetVfCountResponse {
+                    device: self.present_device(pf),
+                    generation: first.generation.0,
+                    previous_vf_count: first.before,
+                    replayed: true,
+                }));
+            }
+        }
         let old_vfs: BTreeSet<PciAddress> = self
             .writer
             .view()
@@ -1331,6 +1375,7 @@ impl HostDev for HostDevService {
             generation: Generation(r.generation),
             count: r.vf_count,
             autoprobe: r.drivers_autoprobe,
+            request,
         };
         let result = self
             .after_hardware(
@@ -1354,9 +1399,11 @@ impl HostDev for HostDevService {
             generation: device
                 .as_ref()
                 .map(|d| d.generation)
+                .filter(|_| !done.replayed)
                 .unwrap_or(done.generation.0),
             device,
             previous_vf_count: done.before,
+            replayed: done.replayed,
         }))
     }
 }

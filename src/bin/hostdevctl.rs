@@ -147,6 +147,13 @@ struct SetVfsArgs {
     /// Write sriov_drivers_autoprobe first (false: new VFs stay unbound).
     #[arg(long, value_name = "BOOL")]
     autoprobe: Option<bool>,
+    /// The caller's own consumer id: with it the change is logged under a request id,
+    /// and the same command sent again with that --request-id is answered as the first.
+    #[arg(long, value_name = "UUID")]
+    owner: Option<ConsumerId>,
+    /// [default with --owner: a fresh UUID, printed with the result]
+    #[arg(long, value_name = "ID", requires = "owner")]
+    request_id: Option<RequestId>,
 }
 
 #[derive(Debug, Args)]
@@ -972,6 +979,11 @@ async fn cmd_set_vfs(ctx: &mut Ctx, a: SetVfsArgs) -> Outcome {
         Some(g) => g,
         None => current_generation(ctx, a.pf, "set-vfs").await?,
     };
+    let request_id = match (&a.owner, a.request_id) {
+        (Some(_), Some(r)) => Some(r),
+        (Some(_), None) => Some(fresh_request_id()?),
+        (None, _) => None,
+    };
     let r = ctx
         .client
         .set_vf_count(proto::SetVfCountRequest {
@@ -979,15 +991,25 @@ async fn cmd_set_vfs(ctx: &mut Ctx, a: SetVfsArgs) -> Outcome {
             vf_count: a.count,
             generation,
             drivers_autoprobe: a.autoprobe,
+            consumer_id: a.owner.map(|o| o.to_string()).unwrap_or_default(),
+            request_id: request_id
+                .as_ref()
+                .map(|r| r.to_string())
+                .unwrap_or_default(),
         })
         .await
-        .map_err(|s| describe("set-vfs", &ctx.socket, &s))?
+        .map_err(|s| match (&a.owner, &request_id) {
+            (Some(owner), Some(id)) => open_outcome("set-vfs", &ctx.socket, &s, owner, id),
+            _ => describe("set-vfs", &ctx.socket, &s),
+        })?
         .into_inner();
     if ctx.json {
         return out_json(&json!({
             "device": r.device.as_ref().map(device_json),
             "generation": r.generation,
             "previous_vf_count": r.previous_vf_count,
+            "replayed": r.replayed,
+            "request_id": request_id.as_ref().map(|r| r.as_str()),
         }));
     }
     let vfs = r
@@ -997,7 +1019,7 @@ async fn cmd_set_vfs(ctx: &mut Ctx, a: SetVfsArgs) -> Outcome {
         .map(|s| s.vfs.join(", "))
         .unwrap_or_default();
     out(format!(
-        "{}: {} VFs (was {}), PF at generation {}{}",
+        "{}: {} VFs (was {}), PF at generation {}{}{}{}",
         a.pf,
         a.count,
         r.previous_vf_count,
@@ -1006,7 +1028,11 @@ async fn cmd_set_vfs(ctx: &mut Ctx, a: SetVfsArgs) -> Outcome {
             String::new()
         } else {
             format!("; VFs {vfs}")
-        }
+        },
+        request_id
+            .map(|id| format!(" (request id {})", id.as_str()))
+            .unwrap_or_default(),
+        replay_note(r.replayed)
     ))
 }
 

@@ -5,7 +5,8 @@
 use std::sync::{Arc, Weak};
 
 use super::{
-    BoundMember, ChangeSet, DeviceRecord, Ledger, LedgerError, Link, Outcome, Tx, VfioBinding,
+    BoundMember, ChangeSet, DeviceRecord, Ledger, LedgerError, Link, Outcome, RequestEntry, Tx,
+    VfioBinding,
 };
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 
@@ -346,11 +347,16 @@ impl Ledger {
     /// (I6), found by the rescan that follows; until then a claim presenting the old VF's
     /// generation finds no device. Only VFs that are not claimed may be listed (a claimed
     /// one would be kept, lost).
+    ///
+    /// With `logged` (a change written in full, asked for with a request id), the change
+    /// is also logged under that request id, in the same change set, unless the log
+    /// holds the id already (used meanwhile for another request: that one keeps it).
     pub fn vf_count_written(
         &mut self,
         pf: PciAddress,
         vfs: &[PciAddress],
         destroyed: bool,
+        logged: Option<VfCountLog<'_>>,
     ) -> ChangeSet {
         let mut tx = Tx::new(self.host_generation);
         if destroyed {
@@ -362,7 +368,75 @@ impl Ledger {
         if let Some(id) = self.present.get(&pf).copied() {
             self.modify(&mut tx, id, |_| {});
         }
+        if let Some(l) = logged.filter(|l| self.request(l.consumer, l.request_id).is_none()) {
+            let outcome = Outcome::VfCountSet {
+                address: pf,
+                generation: tx.cs.host_generation,
+                count: l.count,
+                before: l.before,
+            };
+            self.log_request(&mut tx, l.consumer, l.request_id, &outcome, l.at);
+        }
         tx.cs
+    }
+
+    /// How a VF count change with a request id the log holds is answered (`None`: the
+    /// log does not hold it, and it is a new request); see [`vf_count_replay`]. Changes
+    /// nothing.
+    pub fn vf_count_retry(
+        &self,
+        pf: PciAddress,
+        count: u32,
+        consumer: ConsumerId,
+        request_id: &RequestId,
+    ) -> Result<Option<VfCountReplay>, LedgerError> {
+        self.request(consumer, request_id)
+            .map(|entry| vf_count_replay(&entry, pf, count))
+            .transpose()
+    }
+}
+
+/// What a VF count change logs with its request id.
+#[derive(Debug, Clone, Copy)]
+pub struct VfCountLog<'a> {
+    pub consumer: ConsumerId,
+    pub request_id: &'a RequestId,
+    /// The count written.
+    pub count: u32,
+    /// The count before.
+    pub before: u32,
+    /// Seconds since the Unix epoch.
+    pub at: u64,
+}
+
+/// The first answer of a VF count change, replayed to a retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VfCountReplay {
+    /// The generation the change gave the PF.
+    pub generation: Generation,
+    /// The count before the change.
+    pub before: u32,
+}
+
+/// A retry of a VF count change answered from its logged entry: the same PF and count
+/// replay it, anything else under that request id is refused (`RequestIdReused`).
+pub fn vf_count_replay(
+    entry: &RequestEntry,
+    pf: PciAddress,
+    count: u32,
+) -> Result<VfCountReplay, LedgerError> {
+    match entry.outcome {
+        Outcome::VfCountSet {
+            address,
+            generation,
+            count: written,
+            before,
+        } if address == pf && written == count => Ok(VfCountReplay { generation, before }),
+        _ => Err(LedgerError::RequestIdReused {
+            consumer: entry.consumer,
+            request_id: entry.request_id.clone(),
+            previous: entry.outcome.clone(),
+        }),
     }
 }
 
@@ -545,7 +619,7 @@ mod tests {
         )
         .expect("release");
         l.check_vf_change(pf, g).expect("free again");
-        let cs = l.vf_count_written(pf, &[], false);
+        let cs = l.vf_count_written(pf, &[], false, None);
         assert!(matches!(
             l.check_vf_change(pf, g),
             Err(LedgerError::StaleGeneration { .. })
@@ -697,7 +771,7 @@ mod tests {
         let vfs = l.check_vf_change(pf, g).expect("free");
         let vf = addr("0000:3b:02.1");
         let old = l.record_at(vf).expect("vf").clone();
-        let cs = l.vf_count_written(pf, &vfs, true);
+        let cs = l.vf_count_written(pf, &vfs, true, None);
         assert_eq!(cs.removals.len(), vfs.len(), "every VF gone: {cs:?}");
         assert!(vfs.iter().all(|a| l.record_at(*a).is_none()));
         assert_eq!(l.record_at(pf).expect("pf").generation, cs.host_generation);
@@ -724,7 +798,7 @@ mod tests {
         // Undone, the change gives back the PF's generation and every VF as it was.
         let mut again = ledger();
         let before = again.clone();
-        let cs = again.vf_count_written(pf, &vfs, true);
+        let cs = again.vf_count_written(pf, &vfs, true, None);
         again.undo(&cs);
         assert_eq!(again, before);
     }

@@ -225,6 +225,14 @@ pub enum Outcome {
         record: RecordId,
         generation: Generation,
     },
+    /// A PF's VF count written in full (SetVfCount with a request id): the generation the
+    /// change gave the PF, the count written and the count before.
+    VfCountSet {
+        address: PciAddress,
+        generation: Generation,
+        count: u32,
+        before: u32,
+    },
 }
 
 impl Outcome {
@@ -233,7 +241,8 @@ impl Outcome {
             Outcome::Claimed { address, .. }
             | Outcome::Released { address, .. }
             | Outcome::Transferred { address, .. }
-            | Outcome::Bound { address, .. } => *address,
+            | Outcome::Bound { address, .. }
+            | Outcome::VfCountSet { address, .. } => *address,
         }
     }
     pub fn generation(&self) -> Generation {
@@ -241,7 +250,8 @@ impl Outcome {
             Outcome::Claimed { generation, .. }
             | Outcome::Released { generation, .. }
             | Outcome::Transferred { generation, .. }
-            | Outcome::Bound { generation, .. } => *generation,
+            | Outcome::Bound { generation, .. }
+            | Outcome::VfCountSet { generation, .. } => *generation,
         }
     }
     /// The operation's name, as GetRequestOutcome and the logs give it.
@@ -251,6 +261,7 @@ impl Outcome {
             Outcome::Released { .. } => "released",
             Outcome::Transferred { .. } => "transferred",
             Outcome::Bound { .. } => "bound",
+            Outcome::VfCountSet { .. } => "vf_count_set",
         }
     }
 }

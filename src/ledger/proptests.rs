@@ -71,9 +71,11 @@ enum Op {
     /// A change of the PF's VF count begins (if it may): the PF and its VFs are held
     /// back until it ends.
     BeginVfChange,
-    /// The change is recorded: the VFs it had are gone when `destroyed`.
+    /// The change is recorded: the VFs it had are gone when `destroyed`; logged under a
+    /// request id of actor 0 when `logged` (a change written in full).
     EndVfChange {
         destroyed: bool,
+        logged: bool,
     },
     /// The change's task ends unanswered: its token is dropped, the change never
     /// recorded.
@@ -97,7 +99,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::NoDomains),
         1 => (0u32..3).prop_map(|ahead| Op::Raise { ahead: ahead * 1000 }),
         1 => Just(Op::BeginVfChange),
-        1 => any::<bool>().prop_map(|destroyed| Op::EndVfChange { destroyed }),
+        1 => (any::<bool>(), any::<bool>()).prop_map(|(destroyed, logged)| Op::EndVfChange { destroyed, logged }),
         1 => Just(Op::AbandonVfChange),
     ]
 }
@@ -485,8 +487,35 @@ impl World {
                 Ok((None, cs.unwrap_or_else(|| Tx::new(now).cs)))
             }
             Op::BeginVfChange | Op::AbandonVfChange => Ok((None, self.ledger.empty_change())),
-            Op::EndVfChange { destroyed } if !ended.is_empty() || self.present[0] => {
-                Ok((None, self.ledger.vf_count_written(pf, &ended, *destroyed)))
+            Op::EndVfChange { destroyed, logged } if !ended.is_empty() || self.present[0] => {
+                let request_id = self.next_rid();
+                let log = logged.then_some(VfCountLog {
+                    consumer: consumer(0),
+                    request_id: &request_id,
+                    count: 2,
+                    before: 4,
+                    at: self.seq,
+                });
+                let cs = self.ledger.vf_count_written(pf, &ended, *destroyed, log);
+                // A logged change is replayed to its retry (the same PF and count) with
+                // the generation it gave the PF, and its id refused for anything else.
+                let retry = self.ledger.vf_count_retry(pf, 2, consumer(0), &request_id);
+                if *logged {
+                    let first = VfCountReplay {
+                        generation: cs.host_generation,
+                        before: 4,
+                    };
+                    prop_assert_eq!(retry, Ok(Some(first)));
+                    let other = self.ledger.vf_count_retry(pf, 3, consumer(0), &request_id);
+                    prop_assert!(
+                        matches!(other, Err(LedgerError::RequestIdReused { .. })),
+                        "{:?}",
+                        other
+                    );
+                } else {
+                    prop_assert_eq!(retry, Ok(None));
+                }
+                Ok((None, cs))
             }
             Op::EndVfChange { .. } => Ok((None, self.ledger.empty_change())),
         };

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use super::{now_unix, Applied, Command, Worker, WriteError};
 use crate::hardware::sriov::Written;
 use crate::hardware::{Hardware, HardwareError};
-use crate::ledger::{BindRetry, BoundMember, ChangeSet, ReleaseRequest};
+use crate::ledger::{BindRetry, BoundMember, ChangeSet, ReleaseRequest, VfCountLog};
 use crate::metrics::Op;
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 
@@ -48,6 +48,18 @@ pub struct SetVfCount {
     pub count: u32,
     /// Written to `sriov_drivers_autoprobe` first, when given.
     pub autoprobe: Option<bool>,
+    /// The caller's consumer id and request id: a change written in full is logged
+    /// under them, and a retry is answered as the first call.
+    pub request: Option<(ConsumerId, RequestId)>,
+}
+
+/// How a VF count change begins: written, or answered from the request log.
+#[derive(Debug)]
+pub enum VfBegun {
+    /// Checked, its devices held back: to be written, then recorded.
+    Change(VfChange),
+    /// A retry of a change logged under its request id: its first answer.
+    Replayed(VfCountSet),
 }
 
 /// A VF count change begun: checked against the ledger, with the PF and its VFs held
@@ -138,6 +150,8 @@ pub struct VfCountSet {
     pub generation: Generation,
     /// The VF count before.
     pub before: u32,
+    /// A retry answered from the request log: nothing was written.
+    pub replayed: bool,
 }
 
 impl Worker {
@@ -168,8 +182,10 @@ impl Worker {
             }
             Command::BeginVfCount(req, reply) => {
                 let r = self.begin_vf_count(req);
-                if r.is_err() {
-                    self.count(Op::SetVfCount, &r);
+                match &r {
+                    Ok(VfBegun::Change(_)) => {}
+                    Ok(VfBegun::Replayed(_)) => self.metrics.applied(Op::SetVfCount, true),
+                    Err(_) => self.count(Op::SetVfCount, &r),
                 }
                 let _ = reply.send(r);
             }
@@ -376,17 +392,33 @@ impl Worker {
 
     /// Checks a VF count change against the ledger and holds the PF and its VFs back
     /// from claims until [`Self::end_vf_count`]; the writes happen off this thread.
-    fn begin_vf_count(&mut self, req: SetVfCount) -> Result<VfChange, WriteError> {
+    fn begin_vf_count(&mut self, req: SetVfCount) -> Result<VfBegun, WriteError> {
         let hw = self.hardware.clone().ok_or(HardwareError::Disabled)?;
+        if let Some((consumer, request_id)) = &req.request {
+            // As for a release: a retry that memory no longer holds is answered from the
+            // store, and a request id closed by GetRequestOutcome stays closed.
+            self.recall(*consumer, request_id, &[])?;
+            self.open_request(*consumer, request_id)?;
+            if let Some(first) = self
+                .ledger
+                .vf_count_retry(req.pf, req.count, *consumer, request_id)?
+            {
+                return Ok(VfBegun::Replayed(VfCountSet {
+                    generation: first.generation,
+                    before: first.before,
+                    replayed: true,
+                }));
+            }
+        }
         let vfs = self.ledger.check_vf_change(req.pf, req.generation)?;
         let token = Arc::new(());
         self.ledger.vf_change_began(req.pf, Arc::downgrade(&token));
-        Ok(VfChange {
+        Ok(VfBegun::Change(VfChange {
             req,
             vfs,
             hw,
             token,
-        })
+        }))
     }
 
     /// Records what a VF count change wrote, and lets the PF and its VFs go.
@@ -408,19 +440,37 @@ impl Worker {
             return Ok(VfCountSet {
                 generation: req.generation,
                 before,
+                replayed: false,
             });
         }
         // Written or half-written, the PF gets a new generation (whoever holds the old
         // one must look again), and where the VFs it had may be gone, they are gone in
         // the same commit: the kernel destroys them all first, so a claim must not take
         // one before the rescan finds what is there now.
+        // Logged only when written in full: a retry of a change that failed part way is a
+        // new request (its generation moved: refused as stale).
+        let logged =
+            req.request
+                .as_ref()
+                .filter(|_| result.is_ok())
+                .map(|(consumer, request_id)| VfCountLog {
+                    consumer: *consumer,
+                    request_id,
+                    count: req.count,
+                    before,
+                    at: now_unix(),
+                });
         let cs = self
             .ledger
-            .vf_count_written(req.pf, &vfs, written == Written::Vfs);
+            .vf_count_written(req.pf, &vfs, written == Written::Vfs, logged);
         let generation = cs.host_generation;
         self.commit_one(cs)?;
         tracing::info!(pf = %req.pf, count = req.count, before, ok = result.is_ok(), "VF count written");
         result?;
-        Ok(VfCountSet { generation, before })
+        Ok(VfCountSet {
+            generation,
+            before,
+            replayed: false,
+        })
     }
 }

@@ -593,7 +593,10 @@ fn pf_worker(
 fn set_vf_count(w: &mut Worker, req: SetVfCount) -> Result<VfCountSet, WriteError> {
     let (reply, rx) = oneshot::channel();
     w.run_alone(Command::BeginVfCount(req, reply));
-    let written = answer(rx)?.write();
+    let written = match answer(rx)? {
+        VfBegun::Change(change) => change.write(),
+        VfBegun::Replayed(first) => return Ok(first),
+    };
     let (reply, rx) = oneshot::channel();
     w.run_alone(Command::EndVfCount(Box::new(written), reply));
     answer(rx)
@@ -617,10 +620,13 @@ fn requests_are_decided_while_a_vf_count_is_written() {
             generation: generation(addr(pf)),
             count: 2,
             autoprobe: None,
+            request: None,
         },
         reply,
     ));
-    let change = answer(rx).expect("begun");
+    let VfBegun::Change(change) = answer(rx).expect("begun") else {
+        panic!("no request id: nothing to replay");
+    };
     let (c, other) = claim(
         1,
         "other",
@@ -684,6 +690,7 @@ fn a_claim_after_a_vf_count_write_and_before_the_rescan_finds_no_old_vf() {
             generation: generation(addr(pf)),
             count: 2,
             autoprobe: None,
+            request: None,
         },
     );
     let set = result.expect("written");
@@ -719,6 +726,7 @@ fn a_claim_after_a_vf_count_write_and_before_the_rescan_finds_no_old_vf() {
             generation: pf_generation,
             count: 1,
             autoprobe: Some(false),
+            request: None,
         },
     );
     let err = result.expect_err("unreadable count");
@@ -806,6 +814,7 @@ fn a_commit_whose_outcome_is_unknown_stops_the_writer() {
             generation: Generation(1),
             count: 0,
             autoprobe: None,
+            request: None,
         },
     );
     assert!(matches!(result, Err(WriteError::StoreFailed(_))));

@@ -319,10 +319,22 @@ vf = true
 
         # 1. VFs through the daemon; their uevents bring them into the ledger.
         stale = gen(pf)
-        r = set_vfs(pf, 2, "--autoprobe", "false")
-        check("set-vfs 2 --autoprobe false accepted", r.returncode == 0, r.stderr)
+        tool, rid = str(uuid.uuid4()), str(uuid.uuid4())
+        r = ctl("set-vfs", pf, "2", "--generation", stale, "--autoprobe", "false", "--owner", tool, "--request-id", rid, ok=False)
+        first = json.loads(r.stdout) if r.returncode == 0 else {}
+        check("set-vfs 2 --autoprobe false (with a request id) accepted", r.returncode == 0 and first.get("replayed") is False, r.stdout + r.stderr)
         devs = poll("2 VFs appear in the daemon via uevents", listing, lambda l: len(vfs_of(pf, l)) == 2)
         vfs = vfs_of(pf, devs)
+        # The same command again (its answer lost): the first answer, and the kernel's VFs
+        # untouched (writing the count again would destroy and remake them).
+        r = ctl("set-vfs", pf, "2", "--generation", stale, "--autoprobe", "false", "--owner", tool, "--request-id", rid, ok=False)
+        again = json.loads(r.stdout) if r.returncode == 0 else {}
+        check("the same set-vfs again is replayed with the first answer's count before",
+              r.returncode == 0 and again.get("replayed") is True and again.get("previous_vf_count") == first.get("previous_vf_count") == 0, r.stdout + r.stderr)
+        check("the replay left the kernel's VFs as they were", sysfs(pf, "sriov_numvfs") == "2" and [v for _, v in virtfns(pf)] == vfs
+              and vfs_of(pf, listing()) == vfs, str(virtfns(pf)))
+        o = json.loads(ctl("outcome", "--owner", tool, "--request-id", rid).stdout)
+        check("the change's outcome is 'vf_count_set'", o.get("operation") == "vf_count_set" and o.get("address") == pf, json.dumps(o))
         check("the kernel shows the same 2 VFs", sysfs(pf, "sriov_numvfs") == "2" and [v for _, v in virtfns(pf)] == vfs, f"{virtfns(pf)} vs {vfs}")
         check("the new VFs are free, managed and unbound", all(devs[a]["state"] == "free" and devs[a]["managed"] and devs[a]["driver"] is None for a in vfs),
               str({a: (devs[a]["state"], devs[a]["driver"]) for a in vfs}))
