@@ -138,5 +138,7 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Some(r) = decode::<proto::SetVfCountRequest>(data) {
         check(convert::address("address", &r.address));
+        check(convert::consumer("consumer_id", &r.consumer_id));
+        check(convert::request_id(&r.request_id));
     }
 });

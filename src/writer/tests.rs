@@ -761,6 +761,81 @@ fn a_claim_after_a_vf_count_write_and_before_the_rescan_finds_no_old_vf() {
     );
 }
 
+/// A VF count change logged under a request id, retried once memory no longer holds the
+/// entry: answered from the store as the first call (the count before it, the generation
+/// it gave the PF), with nothing written again; the same ids with another count are
+/// refused. A change that failed part way is not logged.
+#[test]
+fn a_vf_count_change_is_replayed_from_the_store() {
+    let pf = "0000:3b:00.0";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut w, tree, _vfs) = pf_worker(dir.path(), pf, Some("0000:5e:00.0"));
+    w.ledger.set_request_log_limit(2);
+    let pf_generation = |w: &Worker| {
+        w.view_now()
+            .device(addr(pf))
+            .next()
+            .expect("PF")
+            .record
+            .generation
+    };
+    let g = pf_generation(&w);
+    let change = |count, request_id: &str| SetVfCount {
+        pf: addr(pf),
+        generation: g,
+        count,
+        autoprobe: None,
+        request: Some((consumer(1), rid(request_id))),
+    };
+    let first = set_vf_count(&mut w, change(2, "vfs")).expect("written");
+    assert_eq!((first.before, first.replayed), (4, false));
+    // Two claims and their releases push the entry out of memory: it is the oldest
+    // (written first, and with the lowest consumer id where the second is the same).
+    for n in 7..=8 {
+        let (c, rx) = claim_any(n, "other");
+        w.apply_batch(vec![c]);
+        let claimed = answer(rx).expect("claim").outcome;
+        w.release_restoring(&release(n, "free", claimed.address(), claimed.generation()))
+            .expect("release");
+    }
+    assert!(!w.ledger.knows_request(consumer(1), &rid("vfs")));
+    tree.write_attr(pf, "sriov_numvfs", b"3\n");
+    let again = set_vf_count(&mut w, change(2, "vfs")).expect("replayed");
+    assert_eq!(
+        again,
+        VfCountSet {
+            generation: first.generation,
+            before: 4,
+            replayed: true,
+        }
+    );
+    let numvfs = std::fs::read_to_string(tree.device_dir(pf).join("sriov_numvfs")).expect("numvfs");
+    assert_eq!(numvfs.trim(), "3", "nothing written again");
+    let err = set_vf_count(&mut w, change(1, "vfs")).expect_err("another count");
+    assert!(
+        matches!(err, WriteError::Ledger(LedgerError::RequestIdReused { .. })),
+        "{err:?}"
+    );
+
+    // A count the PF cannot show fails before anything is written: nothing is logged.
+    tree.write_attr(pf, "sriov_numvfs", b"x\n");
+    let now = pf_generation(&w);
+    let err = set_vf_count(
+        &mut w,
+        SetVfCount {
+            generation: now,
+            ..change(1, "unread")
+        },
+    )
+    .expect_err("unreadable count");
+    assert!(matches!(err, WriteError::Hardware(_)), "{err:?}");
+    assert_eq!(
+        w.store
+            .request(consumer(1), &rid("unread"))
+            .expect("lookup"),
+        None
+    );
+}
 /// A commit whose COMMIT fails with an I/O error (a failed fsync) may be in the log on
 /// disk or not: its callers hear that the outcome is unknown, never "not made", and the
 /// writer decides nothing more (the agent stops; its next start reads back what the disk
