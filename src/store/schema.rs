@@ -58,6 +58,12 @@ pub(crate) const MIGRATIONS: &[&str] = &[
         ORDER BY at, consumer, request_id;
     DROP TABLE requests;
     ALTER TABLE request_log RENAME TO requests;",
+    // 4: no change to the tables. A request-log outcome may now be a binding's (PrepareVfio
+    // with a request id) or a VF count change's (SetVfCount with one), which a build
+    // before them cannot decode: with the version raised, such a build refuses the
+    // database as written by a newer hostdevd, changing nothing, rather than calling an
+    // entry corrupt (or opening it while no such entry exists yet, to fail on the first).
+    "-- request-log outcomes: Bound and VfCountSet as well",
 ];
 
 /// The schema version this build writes and understands.
