@@ -991,6 +991,15 @@ fn a_vanished_claimed_vf_is_shown_lost_until_released() {
     assert!(refusal(&gone, 1).contains("unknown device"), "{gone:?}");
 }
 
+/// The request id an error line names: "(request id ID: ...".
+fn request_id_in(line: &str) -> String {
+    line.split("(request id ")
+        .nth(1)
+        .and_then(|rest| rest.split(':').next())
+        .unwrap_or_else(|| panic!("no request id in: {line}"))
+        .to_string()
+}
+
 /// A claim whose outcome the error leaves open (here: claimed, but the binding it asked
 /// for failed) names the generated request id and how to ask about it, so that the
 /// operator can look it up or send it again rather than claim a second device.
@@ -1005,12 +1014,7 @@ fn a_claim_whose_outcome_is_open_names_its_request_id() {
     let r = a.ctl(&["claim", &v, "--owner", INSTANCE, "--vfio"]);
     let line = refusal(&r, 1);
     assert!(line.contains("the claim stands"), "{line}");
-    let id = line
-        .split("request id ")
-        .nth(1)
-        .and_then(|rest| rest.split(':').next())
-        .unwrap_or_else(|| panic!("no request id in: {line}"))
-        .to_string();
+    let id = request_id_in(&line);
     assert!(
         line.contains(&format!(
             "hostdevctl outcome --owner {INSTANCE} --request-id {id}"
@@ -1050,12 +1054,7 @@ fn a_binding_whose_outcome_is_open_names_its_request_id() {
     let r = a.ctl(&["prepare-vfio", &v, "--owner", INSTANCE, "--generation", &g]);
     let line = refusal(&r, 1);
     assert!(line.contains("after the binding was recorded"), "{line}");
-    let id = line
-        .split("(request id ")
-        .nth(1)
-        .and_then(|rest| rest.split(':').next())
-        .unwrap_or_else(|| panic!("no request id in: {line}"))
-        .to_string();
+    let id = request_id_in(&line);
     assert!(
         line.contains(&format!(
             "either send the same prepare-vfio again with --request-id {id}"
