@@ -1261,6 +1261,19 @@ impl Worker {
         Ok(())
     }
 
+    /// For a command decided alone (nothing decided and not yet committed): a logged
+    /// request that memory no longer holds is put back from the store, so that a retry is
+    /// answered as the first time, and a request id that GetRequestOutcome closed without
+    /// an outcome stays closed.
+    fn recall_alone(
+        &mut self,
+        consumer: ConsumerId,
+        request_id: &RequestId,
+    ) -> Result<(), WriteError> {
+        self.recall(consumer, request_id, &[])?;
+        self.open_request(consumer, request_id)
+    }
+
     fn view_now(&self) -> Arc<View> {
         match self.view.read() {
             Ok(v) => v.clone(),

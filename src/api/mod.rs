@@ -1337,6 +1337,9 @@ impl HostDev for HostDevService {
             if let Some(entry) = logged {
                 let first = crate::ledger::vf_count_replay(&entry, pf, r.vf_count)
                     .map_err(|e| ApiError::from(WriteError::Ledger(e)))?;
+                self.writer
+                    .metrics()
+                    .applied(crate::metrics::Op::SetVfCount, true);
                 return Ok(Response::new(proto::SetVfCountResponse {
                     device: self.present_device(pf),
                     generation: first.generation.0,

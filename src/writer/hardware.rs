@@ -272,10 +272,7 @@ impl Worker {
         let mut generation = req.generation;
         let mut logged = req.request_id.as_ref();
         if let Some(request_id) = &req.request_id {
-            // As for a release: a retry that memory no longer holds is answered from the
-            // store, and a request id closed by GetRequestOutcome stays closed.
-            self.recall(req.consumer, request_id, &[])?;
-            self.open_request(req.consumer, request_id)?;
+            self.recall_alone(req.consumer, request_id)?;
             match self
                 .ledger
                 .bind_retry(req.address, req.consumer, request_id)?
@@ -359,10 +356,7 @@ impl Worker {
         req: &ReleaseRequest,
     ) -> Result<Applied, WriteError> {
         self.still_sound()?;
-        // As in a batch: a retry that memory no longer holds is answered from the store
-        // (this runs alone, so nothing is decided and not yet committed).
-        self.recall(req.consumer, &req.request_id, &[])?;
-        self.open_request(req.consumer, &req.request_id)?;
+        self.recall_alone(req.consumer, &req.request_id)?;
         let now = now_unix();
         if let Some(binding) =
             self.ledger
@@ -395,10 +389,7 @@ impl Worker {
     fn begin_vf_count(&mut self, req: SetVfCount) -> Result<VfBegun, WriteError> {
         let hw = self.hardware.clone().ok_or(HardwareError::Disabled)?;
         if let Some((consumer, request_id)) = &req.request {
-            // As for a release: a retry that memory no longer holds is answered from the
-            // store, and a request id closed by GetRequestOutcome stays closed.
-            self.recall(*consumer, request_id, &[])?;
-            self.open_request(*consumer, request_id)?;
+            self.recall_alone(*consumer, request_id)?;
             if let Some(first) = self
                 .ledger
                 .vf_count_retry(req.pf, req.count, *consumer, request_id)?
