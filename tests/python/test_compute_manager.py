@@ -385,6 +385,31 @@ def test_claim_refusals_carry_details(stub, pb):
     assert error_info(e.value).reason == "UNMANAGED"
 
 
+def test_hardware_request_ids_are_checked_before_anything(stub, pb):
+    """PrepareVfio's and SetVfCount's request ids, as grpcio sends them: a request id
+    over 128 bytes, and SetVfCount's request id without the caller's consumer id, are
+    refused INVALID_ARGUMENT naming the field, and nothing changes."""
+    msgs, _ = pb
+    before, devs = devices_by_address(stub, msgs)
+    vf = next(a for a, d in devs.items() if d.physfn == PF)
+    owner = msgs.Owner(consumer_id=str(uuid.uuid4()))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PrepareVfio(msgs.PrepareVfioRequest(address=vf, owner=owner, generation=devs[vf].generation,
+                                                 request_id="r" * 129), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    bad = detail_of(e.value, error_details_pb2.BadRequest)
+    assert bad is not None and bad.field_violations[0].field == "request_id", e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.SetVfCount(msgs.SetVfCountRequest(address=PF, vf_count=0, generation=devs[PF].generation,
+                                               request_id="vfs-1"), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    bad = detail_of(e.value, error_details_pb2.BadRequest)
+    assert bad is not None and bad.field_violations[0].field == "consumer_id", e.value.details()
+    after, devs_after = devices_by_address(stub, msgs)
+    assert after.host_generation == before.host_generation
+    assert {a: d.generation for a, d in devs_after.items()} == {a: d.generation for a, d in devs.items()}
+
+
 def _collect(stream, n, timeout=10):
     """The first n events of a Watch stream (fails after timeout seconds)."""
     got, errors = [], []
