@@ -21,6 +21,8 @@ const OTHER: &str = "0b9f7c1e-3d2a-4e5f-8a6b-7c8d9e0f1a2b";
 /// A running daemon on its own fake tree, socket and state dir; killed on drop.
 struct Agent {
     child: Child,
+    /// What `hostdevd` was started with, to start it again.
+    args: Vec<std::ffi::OsString>,
     socket: PathBuf,
     log: PathBuf,
     vfs: Vec<String>,
@@ -66,31 +68,31 @@ impl Agent {
         std::fs::create_dir(&proc).unwrap();
         let config_path = dir.path().join("config.toml");
         std::fs::write(&config_path, config).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_hostdevd"))
-            .arg("serve")
-            .arg("--config")
-            .arg(&config_path)
-            .arg("--sysfs-root")
-            .arg(tree.sysfs_root())
-            .arg("--dev-root")
-            .arg(tree.dev_root())
-            .arg("--proc-root")
-            .arg(&proc)
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--writer-uid")
-            .arg(writer_uid.to_string())
+        let args: Vec<std::ffi::OsString> = vec![
+            "serve".into(),
+            "--config".into(),
+            config_path.into(),
+            "--sysfs-root".into(),
+            tree.sysfs_root().into(),
+            "--dev-root".into(),
+            tree.dev_root().into(),
+            "--proc-root".into(),
+            proc.clone().into(),
+            "--state-dir".into(),
+            dir.path().join("state").into(),
+            "--socket".into(),
+            socket.clone().into(),
+            "--writer-uid".into(),
+            writer_uid.to_string().into(),
             // In-process test driver: no libvirtd, and no domain references a VF.
-            .arg("--libvirt-uri")
-            .arg("test:///default")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
+            "--libvirt-uri".into(),
+            "test:///default".into(),
+        ];
+        std::fs::File::create(&log).unwrap();
+        let child = spawn_agent(&args, &log);
         let mut agent = Agent {
             child,
+            args,
             socket,
             log,
             vfs,
@@ -100,6 +102,16 @@ impl Agent {
         };
         agent.wait_ready();
         agent
+    }
+
+    /// Stops the agent (SIGTERM) and starts it again on the same state, tree and socket.
+    fn restart(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "hostdevd stopped with {status}");
+        self.child = spawn_agent(&self.args, &self.log);
+        self.wait_ready();
     }
 
     fn wait_ready(&mut self) {
@@ -190,6 +202,17 @@ impl Drop for Agent {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Starts `hostdevd` with `args`, its log appended to `log`.
+fn spawn_agent(args: &[std::ffi::OsString], log: &Path) -> Child {
+    let log = std::fs::OpenOptions::new().append(true).open(log).unwrap();
+    Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap()
 }
 
 #[derive(Debug)]
@@ -1130,6 +1153,87 @@ fn a_watch_ended_by_the_agent_stopping_says_so() {
         rest.starts_with("hostdevctl: watch failed: agent stopping: the agent is shutting down"),
         "{rest}"
     );
+}
+
+/// `watch --follow` goes on across a restart of the agent: the stream ends, hostdevctl
+/// connects again and, since a restarted agent cannot replay from before its start,
+/// begins again with a snapshot, and the next claim reaches it. Without --follow the
+/// same watch ends (the test above).
+#[test]
+fn a_followed_watch_goes_on_across_a_restart() {
+    use std::io::BufRead;
+    let mut a = Agent::start();
+    let mut watch = Command::new(env!("CARGO_BIN_EXE_hostdevctl"))
+        .args(["--json", "--socket"])
+        .arg(&a.socket)
+        .args(["watch", "--follow", "--snapshot"])
+        .env_remove("HOSTDEVD_SOCKET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<Value>();
+    let stdout = std::io::BufReader::new(watch.stdout.take().unwrap());
+    std::thread::spawn(move || {
+        for line in stdout.lines() {
+            let Ok(line) = line else { return };
+            let Ok(v) = serde_json::from_str(&line) else {
+                return;
+            };
+            if tx.send(v).is_err() {
+                return;
+            }
+        }
+    });
+    let (etx, erx) = std::sync::mpsc::channel::<String>();
+    let stderr = std::io::BufReader::new(watch.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for line in stderr.lines().map_while(Result::ok) {
+            let _ = etx.send(line);
+        }
+    });
+    type Events = std::sync::mpsc::Receiver<Value>;
+    let until = |rx: &Events, what: &str, f: &dyn Fn(&Value) -> bool| loop {
+        let e = rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("no {what} within 30 s"));
+        if f(&e) {
+            return e;
+        }
+    };
+    let until_claimed = |rx: &Events, vf: &str| {
+        until(rx, vf, &|e| {
+            e["kind"] == "changed" && e["address"] == vf && e["device"]["state"] == "claimed"
+        })
+    };
+    // In JSON hostdevctl says nothing on stderr once it watches: the snapshot's end says
+    // that the stream is open.
+    until(&rx, "snapshot's end", &|e| e["kind"] == "snapshot-end");
+    let v0 = a.vf(0).to_string();
+    a.ok(&["claim", &v0, "--owner", INSTANCE]);
+    until_claimed(&rx, &v0);
+
+    a.restart();
+    // The restarted agent cannot replay from before its start: the watch begins again
+    // with a snapshot, and the changes after it follow.
+    until(&rx, "new snapshot's end", &|e| e["kind"] == "snapshot-end");
+    let v1 = a.vf(1).to_string();
+    a.ok(&["claim", &v1, "--owner", INSTANCE]);
+    let e = until_claimed(&rx, &v1);
+    assert!(e["generation"].as_u64() > Some(0), "{e}");
+    let said: Vec<String> = erx.try_iter().collect();
+    assert!(
+        said.iter()
+            .any(|l| l.starts_with("hostdevctl: watch interrupted")
+                && l.ends_with("starting again with a snapshot")),
+        "{said:?}"
+    );
+    assert!(
+        watch.try_wait().unwrap().is_none(),
+        "the watch is still running: {said:?}"
+    );
+    let _ = watch.kill();
+    let _ = watch.wait();
 }
 
 /// A protected device says why it is kept: the text names the process holding its VFIO

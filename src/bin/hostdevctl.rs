@@ -202,6 +202,13 @@ struct WatchArgs {
     /// Exit after this many events (snapshot lines included).
     #[arg(long, value_name = "N")]
     count: Option<u64>,
+    /// Keep watching across the agent's restarts and broken connections: connect again
+    /// every second and resume after the last change received; where the agent cannot
+    /// replay from there (it restarted, or this watcher fell too far behind), start again
+    /// with a snapshot. Each is said on stderr. Ends only at --count, at an answer no
+    /// retry mends (a refusal), or when stopped.
+    #[arg(long)]
+    follow: bool,
 }
 
 #[derive(Debug, Args)]
@@ -1165,42 +1172,142 @@ async fn cmd_watch(ctx: &mut Ctx, a: WatchArgs) -> Outcome {
                 .host_generation
         }
     };
+    let mut at = WatchAt {
+        from,
+        snapshot: a.snapshot,
+        seen: 0,
+    };
+    loop {
+        let why = match watch_stream(ctx, &a, &mut at).await {
+            Ok(()) => return Ok(()),
+            Err(WatchEnd::Output(f)) => return Err(f),
+            Err(WatchEnd::Ended) if !a.follow => {
+                return Err(Failure::Refused(
+                    "watch failed: the agent ended the stream (it may be shutting down); resume with --from the last generation".into(),
+                ))
+            }
+            Err(WatchEnd::Status(s)) if !a.follow || !worth_following(&s) => {
+                return Err(describe("watch", &ctx.socket, &s))
+            }
+            Err(WatchEnd::Ended) => "the agent ended the stream".to_string(),
+            Err(WatchEnd::Status(s)) => {
+                if s.code() == Code::OutOfRange {
+                    at.from = 0;
+                    at.snapshot = true;
+                }
+                s.message().trim().to_string()
+            }
+        };
+        if at.snapshot {
+            eprintln!("hostdevctl: watch interrupted ({why}); starting again with a snapshot");
+        } else {
+            eprintln!(
+                "hostdevctl: watch interrupted ({why}); resuming after generation {}",
+                at.from
+            );
+        }
+        reconnect(ctx).await;
+    }
+}
+
+/// Where a watch goes on from: the generation after which changes are wanted, and
+/// whether a snapshot comes first (until its end has been received, a resumed watch
+/// starts it again); the events printed so far, for --count.
+struct WatchAt {
+    from: u64,
+    snapshot: bool,
+    seen: u64,
+}
+
+/// Why one Watch stream ended, short of --count.
+enum WatchEnd {
+    /// The stream ended without a status.
+    Ended,
+    Status(Status),
+    /// Printing failed.
+    Output(Failure),
+}
+
+/// One Watch stream from `at`, printing its events and moving `at` on with them.
+async fn watch_stream(ctx: &mut Ctx, a: &WatchArgs, at: &mut WatchAt) -> Result<(), WatchEnd> {
     let mut stream = ctx
         .client
         .watch(proto::WatchRequest {
-            from_generation: from,
-            snapshot: a.snapshot,
+            from_generation: at.from,
+            snapshot: at.snapshot,
         })
         .await
-        .map_err(|s| describe("watch", &ctx.socket, &s))?
+        .map_err(WatchEnd::Status)?
         .into_inner();
-    if !ctx.json && !a.snapshot {
-        eprintln!("hostdevctl: watching changes after generation {from}");
+    if !ctx.json && !at.snapshot {
+        eprintln!("hostdevctl: watching changes after generation {}", at.from);
     }
-    let mut seen = 0u64;
     loop {
-        if a.count.is_some_and(|n| seen >= n) {
+        if a.count.is_some_and(|n| at.seen >= n) {
             return Ok(());
         }
-        let Some(e) = stream
+        let e = stream
             .message()
             .await
-            .map_err(|s| describe("watch", &ctx.socket, &s))?
-        else {
-            return Err(Failure::Refused(
-                "watch failed: the agent ended the stream (it may be shutting down); resume with --from the last generation".into(),
-            ));
-        };
-        seen += 1;
-        if ctx.json {
+            .map_err(WatchEnd::Status)?
+            .ok_or(WatchEnd::Ended)?;
+        at.seen += 1;
+        match proto::WatchEventKind::try_from(e.kind) {
+            Ok(proto::WatchEventKind::Snapshot) => {}
+            _ => {
+                at.from = e.generation;
+                at.snapshot = false;
+            }
+        }
+        let printed = if ctx.json {
             out_json(&json!({
                 "kind": kind_name(e.kind),
                 "generation": e.generation,
                 "address": nonempty(&e.address),
                 "device": e.device.as_ref().map(device_json),
-            }))?;
+            }))
         } else {
-            out(event_text(&e))?;
+            out(event_text(&e))
+        };
+        printed.map_err(WatchEnd::Output)?;
+    }
+}
+
+/// Whether --follow goes on after a Watch stream ended with `s`: the connection broke,
+/// the agent stopped, the watcher was cut off for falling behind, or it can no longer be
+/// replayed to (then from a snapshot). A refusal ends it.
+fn worth_following(s: &Status) -> bool {
+    let ours = s
+        .get_details_error_info()
+        .filter(|i| i.domain == ERROR_DOMAIN)
+        .map(|i| i.reason);
+    matches!(
+        (s.code(), ours.as_deref()),
+        (Code::OutOfRange, _)
+            | (Code::ResourceExhausted, Some("WATCH_CUT_OFF"))
+            | (Code::Unavailable, Some("SHUTTING_DOWN"))
+            | (Code::Unavailable | Code::Unknown | Code::Cancelled, None)
+    )
+}
+
+/// Connects again, every second until the agent answers (said on stderr once).
+async fn reconnect(ctx: &mut Ctx) {
+    let mut said = false;
+    loop {
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        match client::connect(&ctx.socket).await {
+            Ok(c) => {
+                ctx.client = c;
+                return;
+            }
+            Err(e) if !said => {
+                eprintln!(
+                    "hostdevctl: cannot connect to hostdevd at {} ({e}); trying again every second",
+                    ctx.socket.display()
+                );
+                said = true;
+            }
+            Err(_) => {}
         }
     }
 }
