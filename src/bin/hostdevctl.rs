@@ -1619,6 +1619,49 @@ fn main() -> ExitCode {
 mod tests {
     use super::*;
 
+    /// `watch --follow` goes on where a later stream may be served, and stops at a
+    /// refusal, which no retry mends.
+    #[test]
+    fn a_followed_watch_goes_on_only_where_a_retry_can_be_served() {
+        let goes_on = [
+            ours(Code::OutOfRange, "GENERATION_TOO_OLD", "the agent\'s words"),
+            ours(
+                Code::ResourceExhausted,
+                "WATCH_CUT_OFF",
+                "the agent\'s words",
+            ),
+            ours(Code::Unavailable, "SHUTTING_DOWN", "the agent\'s words"),
+            Status::unavailable("transport error: connection reset"),
+            Status::unknown("h2 protocol error"),
+            Status::cancelled("the connection closed"),
+        ];
+        for s in &goes_on {
+            assert!(worth_following(s), "{s:?}");
+        }
+        let ends = [
+            ours(
+                Code::ResourceExhausted,
+                "TOO_MANY_WATCHERS",
+                "the agent\'s words",
+            ),
+            ours(
+                Code::ResourceExhausted,
+                "TOO_MANY_CALLS",
+                "the agent\'s words",
+            ),
+            ours(
+                Code::PermissionDenied,
+                "PERMISSION_DENIED",
+                "the agent\'s words",
+            ),
+            ours(Code::Unavailable, "STORE_UNAVAILABLE", "the agent\'s words"),
+            Status::invalid_argument("bad request"),
+        ];
+        for s in &ends {
+            assert!(!worth_following(s), "{s:?}");
+        }
+    }
+
     #[test]
     fn a_removal_says_which_record_went() {
         let removed = |present| proto::WatchEvent {
