@@ -169,25 +169,20 @@ impl Ledger {
         let Some(entry) = self.request(consumer, request_id) else {
             return Ok(None);
         };
-        let Outcome::Bound {
-            address: bound_at,
-            record,
-            generation,
-        } = entry.outcome
-        else {
-            return Err(LedgerError::RequestIdReused {
-                consumer,
-                request_id: request_id.clone(),
-                previous: entry.outcome,
-            });
+        let (record, generation) = match entry.outcome {
+            Outcome::Bound {
+                address: bound_at,
+                record,
+                generation,
+            } if bound_at == address => (record, generation),
+            previous => {
+                return Err(LedgerError::RequestIdReused {
+                    consumer,
+                    request_id: request_id.clone(),
+                    previous,
+                })
+            }
         };
-        if bound_at != address {
-            return Err(LedgerError::RequestIdReused {
-                consumer,
-                request_id: request_id.clone(),
-                previous: entry.outcome,
-            });
-        }
         let standing = self
             .records
             .get(&record)
