@@ -67,6 +67,11 @@ pub enum Op {
     SetVfCount,
 }
 
+/// Lowers a gauge by one, never below zero, whatever the order of updates.
+fn lower(gauge: &AtomicU64) {
+    let _ = gauge.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+}
+
 impl Metrics {
     pub fn new() -> Arc<Metrics> {
         Arc::new(Metrics::default())
@@ -166,10 +171,7 @@ impl Metrics {
 
     /// An admitted connection closed.
     pub fn connection_closed(&self) {
-        // Never below zero, whatever the order of updates.
-        let _ = self
-            .connections
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        lower(&self.connections);
     }
 
     /// Connections open on the API socket now.
@@ -194,9 +196,7 @@ impl Metrics {
 
     /// An admitted TCP connection closed.
     pub fn tcp_connection_closed(&self) {
-        let _ = self
-            .tcp_connections
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        lower(&self.tcp_connections);
     }
 
     /// Connections open on the TCP listener now.

@@ -13,8 +13,8 @@ use futures_util::Stream;
 use tokio::net::{TcpListener, TcpStream};
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
-use crate::api::connections::{Held, Quiet};
-use crate::api::per_uid::{PerUid, Place};
+use crate::api::connections::{Held, Quiet, Slot};
+use crate::api::per_uid::PerUid;
 use crate::api::HostDevService;
 use crate::config::TcpConfig;
 use crate::daemon::{routes, DaemonError};
@@ -126,32 +126,19 @@ pub fn incoming(
             // As tonic's own listener does: gRPC's small frames must not wait for
             // Nagle's algorithm.
             let _ = stream.set_nodelay(true);
-            metrics.tcp_connection_opened();
-            let slot = TcpSlot {
-                _place: place,
-                metrics: Arc::clone(metrics),
-            };
+            let slot = Slot::new(
+                place,
+                Arc::clone(metrics),
+                Metrics::tcp_connection_opened,
+                Metrics::tcp_connection_closed,
+            );
             return Some((Ok(Held::new(stream, slot)), s));
         }
     })
 }
 
 /// An accepted TCP connection, holding its peer's place until it closes.
-pub type TcpConn = Held<TcpStream, TcpSlot>;
-
-/// A TCP connection's place among its peer's, given back (and the gauge lowered) when the
-/// connection closes.
-#[derive(Debug)]
-pub struct TcpSlot {
-    _place: Place<Peer>,
-    metrics: Arc<Metrics>,
-}
-
-impl Drop for TcpSlot {
-    fn drop(&mut self) {
-        self.metrics.tcp_connection_closed();
-    }
-}
+pub type TcpConn = Held<TcpStream, Slot<Peer>>;
 
 #[cfg(test)]
 mod tests {

@@ -1623,14 +1623,11 @@ mod tests {
     /// refusal, which no retry mends.
     #[test]
     fn a_followed_watch_goes_on_only_where_a_retry_can_be_served() {
+        let agent = |code, reason| ours(code, reason, "the agent's words");
         let goes_on = [
-            ours(Code::OutOfRange, "GENERATION_TOO_OLD", "the agent\'s words"),
-            ours(
-                Code::ResourceExhausted,
-                "WATCH_CUT_OFF",
-                "the agent\'s words",
-            ),
-            ours(Code::Unavailable, "SHUTTING_DOWN", "the agent\'s words"),
+            agent(Code::OutOfRange, "GENERATION_TOO_OLD"),
+            agent(Code::ResourceExhausted, "WATCH_CUT_OFF"),
+            agent(Code::Unavailable, "SHUTTING_DOWN"),
             Status::unavailable("transport error: connection reset"),
             Status::unknown("h2 protocol error"),
             Status::cancelled("the connection closed"),
@@ -1639,22 +1636,10 @@ mod tests {
             assert!(worth_following(s), "{s:?}");
         }
         let ends = [
-            ours(
-                Code::ResourceExhausted,
-                "TOO_MANY_WATCHERS",
-                "the agent\'s words",
-            ),
-            ours(
-                Code::ResourceExhausted,
-                "TOO_MANY_CALLS",
-                "the agent\'s words",
-            ),
-            ours(
-                Code::PermissionDenied,
-                "PERMISSION_DENIED",
-                "the agent\'s words",
-            ),
-            ours(Code::Unavailable, "STORE_UNAVAILABLE", "the agent\'s words"),
+            agent(Code::ResourceExhausted, "TOO_MANY_WATCHERS"),
+            agent(Code::ResourceExhausted, "TOO_MANY_CALLS"),
+            agent(Code::PermissionDenied, "PERMISSION_DENIED"),
+            agent(Code::Unavailable, "STORE_UNAVAILABLE"),
             Status::invalid_argument("bad request"),
         ];
         for s in &ends {
