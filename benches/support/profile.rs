@@ -2,8 +2,11 @@
 //! seconds and sorts each sample into the stage of a request it belongs to.
 //!
 //! Each sample is counted once, under the first bucket of [`BUCKETS`] whose pattern
-//! appears anywhere in its stack (leaf to root): a commit made in place on an async
-//! worker counts as the writer's work, like one on the writer thread, and a handler,
+//! appears anywhere in its stack (leaf to root), except that every sample taken on the
+//! writer thread ([`WRITER_THREAD`]) is the writer's work: `perf` cannot unwind some of
+//! its deeper stacks (SQLite's, the kernel's sync) as far as the batch's frame, and those
+//! used to fall to "other". A commit made in place on an async worker counts as the
+//! writer's work too (its frames name the writer's or the store's functions), and a handler,
 //! which runs inside gRPC's unary call, counts as the handler's, leaving to gRPC's stage
 //! the rest of that call (decoding the request, encoding the answer). Stacks are unwound
 //! from DWARF (release builds keep no frame pointers), so the agent needs its debug
@@ -19,7 +22,7 @@ use std::process::{Child, Command, Stdio};
 pub const BUCKETS: &[(&str, &[&str])] = &[
     (
         "the writer's work (decisions, commit, next view)",
-        &["Worker::run_batch"],
+        &["writer::Worker::", "store::Store::", "sqlite3"],
     ),
     (
         "the service's handlers",
@@ -37,6 +40,10 @@ pub const BUCKETS: &[(&str, &[&str])] = &[
     ),
     ("the runtime's parking and polling", &["park", "epoll_wait"]),
 ];
+
+/// The name the agent gives its writer thread: each of its samples counts under the first
+/// bucket, whatever its stack shows.
+pub const WRITER_THREAD: &str = "hostdevd-writer";
 
 /// The name of the bucket for a sample in none of [`BUCKETS`].
 pub const OTHER: &str = "other";
@@ -107,6 +114,8 @@ pub fn read(data: &Path) -> Profile {
     let out = script.stdout.take().expect("perf script's output");
     let mut tally = Tally::default();
     let mut stack: Vec<String> = Vec::new();
+    // The thread of the sample being read, from its header.
+    let mut comm = String::new();
     for line in BufReader::new(out).lines() {
         let line = line.expect("read perf script's output");
         let frame = line.trim();
@@ -116,11 +125,14 @@ pub fn read(data: &Path) -> Profile {
             stack.push(symbol.trim_end_matches(" (inlined)").to_string());
         } else {
             // A blank line or the next sample's header ("<comm> <tid>") ends a sample.
-            tally.add(&stack);
+            tally.add(&comm, &stack);
             stack.clear();
+            if let Some((name, _)) = frame.rsplit_once(char::is_whitespace) {
+                comm = name.trim().to_string();
+            }
         }
     }
-    tally.add(&stack);
+    tally.add(&comm, &stack);
     let status = script.wait().expect("wait for perf script");
     assert!(status.success(), "perf script failed: {status}");
     tally.profile()
@@ -136,12 +148,12 @@ struct Tally {
 }
 
 impl Tally {
-    fn add(&mut self, stack: &[String]) {
+    fn add(&mut self, comm: &str, stack: &[String]) {
         let Some(leaf) = stack.first() else {
             return;
         };
         self.samples += 1;
-        *self.buckets.entry(bucket(stack)).or_default() += 1;
+        *self.buckets.entry(bucket(comm, stack)).or_default() += 1;
         for (name, pattern) in WITHIN {
             if stack.iter().any(|frame| frame.contains(pattern)) {
                 *self.within.entry(name).or_default() += 1;
@@ -177,8 +189,12 @@ impl Tally {
     }
 }
 
-/// The first bucket whose pattern appears in the stack.
-fn bucket(stack: &[String]) -> &'static str {
+/// The first bucket whose pattern appears in the stack; the first bucket for every sample
+/// of the writer thread.
+fn bucket(comm: &str, stack: &[String]) -> &'static str {
+    if comm == WRITER_THREAD {
+        return BUCKETS[0].0;
+    }
     BUCKETS
         .iter()
         .find(|(_, patterns)| {
