@@ -66,20 +66,33 @@ pub async fn connect(path: &Path) -> Result<Client, ConnectError> {
     Ok(HostDevClient::new(connect_transport(path).await?))
 }
 
-/// A connection to the agent's socket for any generated client (health included).
-pub async fn connect_transport(path: &Path) -> Result<Direct, ConnectError> {
-    connect_within(path, CONNECT_TIMEOUT).await
+/// [`connect`], with the process id of the agent listening on the socket, as the kernel
+/// gives it to this client (`None` where it cannot: an agent in a PID namespace that this
+/// process does not see into).
+pub async fn connect_with_pid(path: &Path) -> Result<(Client, Option<i32>), ConnectError> {
+    let (transport, pid) = connect_within(path, CONNECT_TIMEOUT).await?;
+    Ok((HostDevClient::new(transport), pid))
 }
 
-/// [`connect_transport`], giving up after `limit`.
-async fn connect_within(path: &Path, limit: Duration) -> Result<Direct, ConnectError> {
+/// A connection to the agent's socket for any generated client (health included).
+pub async fn connect_transport(path: &Path) -> Result<Direct, ConnectError> {
+    Ok(connect_within(path, CONNECT_TIMEOUT).await?.0)
+}
+
+/// [`connect_transport`], giving up after `limit`; with the listening process's id.
+async fn connect_within(
+    path: &Path,
+    limit: Duration,
+) -> Result<(Direct, Option<i32>), ConnectError> {
     let err = |source| ConnectError::Connect {
         path: path.to_path_buf(),
         source,
     };
     let attempt = async {
         let io = tokio::net::UnixStream::connect(path).await?;
-        Direct::handshake(io).await
+        // The credentials of the process that made the listening socket, read at connect.
+        let pid = io.peer_cred().ok().and_then(|c| c.pid()).filter(|p| *p > 0);
+        Ok::<_, std::io::Error>((Direct::handshake(io).await?, pid))
     };
     match tokio::time::timeout(limit, attempt).await {
         Ok(made) => made.map_err(err),

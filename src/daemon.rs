@@ -13,7 +13,7 @@ use tokio::net::UnixListener;
 use crate::api::connections::ConnectionLimits;
 use crate::api::guard::FreeGuard;
 use crate::api::proto::host_dev_server::HostDevServer;
-use crate::api::{proto, Access, AgentInfo, HealthInfo, HostDevService, WatchLimits};
+use crate::api::{proto, Access, AgentInfo, HealthInfo, HostDevService, Reloads, WatchLimits};
 use crate::config::{Config, ConfigError, Selection};
 use crate::hardware::Hardware;
 use crate::hotplug::{Notice, UeventSocket};
@@ -281,6 +281,7 @@ impl Agent {
                         "disabled in config ([hotplug] enabled = false): the inventory changes only at start and on SIGHUP".into()
                     },
                 })),
+                reloads: RwLock::new(Reloads::default()),
             }),
             guard,
             _poller: None,
@@ -461,6 +462,14 @@ impl Agent {
         .map_err(DaemonError::Thread)?;
         self._poller = Some(Arc::new(poller));
         Ok(self)
+    }
+
+    /// Updates the count of configuration reloads that GetStatus reports.
+    fn reloads(&self, update: impl FnOnce(&mut Reloads)) {
+        match self.info.reloads.write() {
+            Ok(mut g) => update(&mut g),
+            Err(p) => update(&mut p.into_inner()),
+        }
     }
 
     /// A full scan with a (new) selection, applied to the ledger (off the async threads).
@@ -687,6 +696,10 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
     let running = cfg.clone();
     tokio::spawn(async move {
         while hup.recv().await.is_some() {
+            // Counted as begun before the config is read, so that a caller who read the
+            // count before signalling knows which reload's end answers it (GetStatus;
+            // `hostdevctl reload`).
+            reload_agent.reloads(|r| r.started += 1);
             // systemd shows the unit reloading until READY=1 comes back, and the outcome
             // in its status line (MONOTONIC_USEC is what systemd 253's notify-reload
             // units match the reload by; older ones ignore it).
@@ -706,26 +719,37 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
                 }),
                 None => Ok(initial_selection.clone()),
             };
-            let status = match selection {
+            let (applied, outcome) = match selection {
                 Ok(sel) => match reload_agent.rescan(&sel).await {
                     Ok(()) => {
                         tracing::info!(selection = %sel, "reloaded device selection");
-                        "serving; reloaded the device selection".to_string()
+                        (true, "reloaded the device selection".to_string())
                     }
                     Err(e) => {
                         tracing::error!(error = %e, "rescan after reload failed");
-                        format!("serving; the rescan after a reload failed: {e}")
+                        (false, format!("the rescan after a reload failed: {e}"))
                     }
                 },
                 Err(e) => {
                     tracing::error!(error = %e, "reload refused; the previous selection stays");
-                    format!("serving; reload refused, the previous selection stays: {e}")
+                    (
+                        false,
+                        format!("reload refused, the previous selection stays: {e}"),
+                    )
                 }
             };
+            let outcome = one_line(&outcome);
             notify_systemd(&[
                 sd_notify::NotifyState::Ready,
-                sd_notify::NotifyState::Status(&one_line(&status)),
+                sd_notify::NotifyState::Status(&format!("serving; {outcome}")),
             ]);
+            reload_agent.reloads(|r| {
+                r.finished += 1;
+                r.last = Some(HealthInfo {
+                    ok: applied,
+                    detail: outcome,
+                });
+            });
         }
     });
     // A commit whose outcome is unknown (the disk failed mid-commit) stops the agent as

@@ -1155,6 +1155,62 @@ fn a_watch_ended_by_the_agent_stopping_says_so() {
     );
 }
 
+/// `reload` signals the agent and waits for the reload it asked for: a config the agent
+/// refuses is exit 1 with the reason (and the status says so), a good one exit 0; a PID
+/// that is not the agent's is refused before anything is signalled.
+#[test]
+fn reload_waits_for_the_agent_and_says_how_it_ended() {
+    let a = Agent::start();
+    let config = a._dir.path().join("config.toml");
+    let status = a.json(&["status"]);
+    assert_eq!(status["reloads"]["finished"], 0, "{status}");
+    assert!(status["reloads"]["last"].is_null(), "{status}");
+    let text = a.ok(&["status"]);
+    assert!(text.contains("none since the start"), "{text}");
+
+    // Without --pid: the process listening on the socket. A config that does not parse.
+    std::fs::write(&config, "[[devices]]\nvendor = \"8086\"\n").unwrap();
+    let r = a.ctl(&["reload"]);
+    let why = refusal(&r, 1);
+    assert!(
+        why.contains("reload refused") && why.contains("unknown field `vendor`"),
+        "{why}"
+    );
+    let status = a.json(&["status"]);
+    assert_eq!(status["reloads"]["finished"], 1, "{status}");
+    assert_eq!(status["reloads"]["last"]["ok"], false, "{status}");
+
+    // With the agent's own PID, as systemd passes it: a good config is applied.
+    std::fs::write(&config, "").unwrap();
+    let pid = a.child.id().to_string();
+    let said = a.ok(&["reload", "--pid", &pid]);
+    assert!(
+        said.starts_with("reloaded the device selection (agent PID "),
+        "{said}"
+    );
+    let done = a.json(&["reload", "--pid", &pid]);
+    assert_eq!(done["reloaded"], true, "{done}");
+    assert_eq!(done["reloads_finished"], 3, "{done}");
+    let text = a.ok(&["status"]);
+    assert!(
+        text.contains("3 done, the last ok (reloaded the device selection)"),
+        "{text}"
+    );
+
+    // Another process's PID (this test's own) is not signalled: the count stays.
+    let other = std::process::id().to_string();
+    let why = refusal(&a.ctl(&["reload", "--pid", &other]), 1);
+    assert!(
+        why.contains(&format!("PID {other} is not the agent listening on"))
+            && why.contains("nothing was signalled"),
+        "{why}"
+    );
+    // A PID of 1 or less (a process group for kill) is a usage error.
+    assert_eq!(a.ctl(&["reload", "--pid", "0"]).code, 2);
+    assert_eq!(a.ctl(&["reload", "--pid", "-1"]).code, 2);
+    assert_eq!(a.json(&["status"])["reloads"]["started"], 3);
+}
+
 /// `watch --follow` goes on across a restart of the agent: the stream ends, hostdevctl
 /// connects again and, since a restarted agent cannot replay from before its start,
 /// begins again with a snapshot, and the next claim reaches it. Without --follow the

@@ -96,6 +96,17 @@ pub struct AgentInfo {
     pub libvirt_events: RwLock<HealthInfo>,
     /// The uevent listener (shared with its task).
     pub hotplug: Arc<RwLock<HealthInfo>>,
+    /// The configuration reloads since the start (set by the daemon's SIGHUP task).
+    pub reloads: RwLock<Reloads>,
+}
+
+/// The configuration reloads since the agent started: how many began and ended, and how
+/// the last to end did (`None` until one has).
+#[derive(Debug, Clone, Default)]
+pub struct Reloads {
+    pub started: u64,
+    pub finished: u64,
+    pub last: Option<HealthInfo>,
 }
 
 /// The service implementation.
@@ -1212,6 +1223,10 @@ impl HostDev for HostDevService {
                 detail: h.detail,
             }
         };
+        let reloads = match self.info.reloads.read() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        };
         let store = self.writer.store_health();
         let oldest = match self.writer.events().lock() {
             Ok(g) => g.oldest(),
@@ -1235,6 +1250,12 @@ impl HostDev for HostDevService {
             uevents: self.writer.metrics().uevent_counts().0,
             uevent_resyncs: self.writer.metrics().uevent_counts().1,
             libvirt_events: Some(read(&self.info.libvirt_events)),
+            reloads_started: reloads.started,
+            reloads_finished: reloads.finished,
+            last_reload: reloads.last.map(|h| proto::Health {
+                ok: h.ok,
+                detail: h.detail,
+            }),
         }))
     }
 

@@ -24,7 +24,7 @@ use hostdevd::pci::{ConsumerId, DeviceId, OwnerLabel, PciAddress, PhysNet, Reque
     name = "hostdevctl",
     version,
     about = "Client of hostdevd, the per-hypervisor authority on PCI device ownership",
-    after_help = "Exit status: 0 done, 1 refused by the agent, 2 usage error, 3 cannot connect."
+    after_help = "Exit status: 0 done, 1 refused by the agent, 2 usage error, 3 cannot connect, 4 the agent cannot act now (try again later)."
 )]
 struct Cli {
     /// The agent's Unix socket [default: $HOSTDEVD_SOCKET, else /run/hostdevd/hostdevd.sock].
@@ -58,6 +58,10 @@ enum Command {
     Reconcile(ReconcileArgs),
     /// The agent's version, host generation, health and device counts.
     Status,
+    /// Reload the agent's configuration (as SIGHUP does) and wait until it is done: exit
+    /// 0 once it applied, 1 if the agent refused it (the reason is printed; the previous
+    /// device selection stays). The systemd unit's ExecReload.
+    Reload(ReloadArgs),
     /// Bind a claimed device and its IOMMU group to vfio-pci (release gives the
     /// original drivers back).
     PrepareVfio(PrepareVfioArgs),
@@ -132,6 +136,17 @@ struct PrepareVfioArgs {
     /// [default: a fresh UUID, printed with the result]
     #[arg(long, value_name = "ID")]
     request_id: Option<RequestId>,
+}
+
+#[derive(Debug, Args)]
+struct ReloadArgs {
+    /// The agent's process id (systemd's $MAINPID), checked against the process that
+    /// listens on the socket before any signal is sent [default: that process].
+    #[arg(long, value_name = "PID", value_parser = clap::value_parser!(i32).range(2..))]
+    pid: Option<i32>,
+    /// How long to wait for the reload to end.
+    #[arg(long, value_name = "SECONDS", default_value_t = 90, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    timeout: u64,
 }
 
 #[derive(Debug, Args)]
@@ -261,6 +276,8 @@ struct Ctx {
     client: client::Client,
     socket: PathBuf,
     json: bool,
+    /// The process listening on the socket, as the kernel named it at connect.
+    agent_pid: Option<i32>,
 }
 
 fn socket_path(cli: &Cli) -> PathBuf {
@@ -1431,6 +1448,75 @@ fn health_text(h: &Option<proto::Health>) -> String {
     }
 }
 
+/// Signals the agent to reload (SIGHUP), then asks its status until a reload that began
+/// after the signal has ended, and says how it ended.
+async fn cmd_reload(ctx: &mut Ctx, a: ReloadArgs) -> Outcome {
+    let socket = ctx.socket.display().to_string();
+    let pid = match (a.pid, ctx.agent_pid) {
+        (Some(asked), Some(agent)) if asked != agent => {
+            return Err(Failure::Refused(format!(
+                "PID {asked} is not the agent listening on {socket} (that is PID {agent}): nothing was signalled"
+            )))
+        }
+        (Some(pid), _) | (None, Some(pid)) => pid,
+        (None, None) => {
+            return Err(Failure::Usage(format!(
+                "the kernel does not name the process listening on {socket} (an agent in another PID namespace): pass --pid"
+            )))
+        }
+    };
+    let status = |ctx: &mut Ctx| {
+        let mut client = ctx.client.clone();
+        let socket = ctx.socket.clone();
+        async move {
+            client
+                .get_status(proto::GetStatusRequest {})
+                .await
+                .map(tonic::Response::into_inner)
+                .map_err(|s| describe("reload", &socket, &s))
+        }
+    };
+    // A reload counted as begun now may have read the config before this call: the one
+    // that answers is the next to begin, so the wait is for one more to end than had begun.
+    let begun = status(ctx).await?.reloads_started;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .map_err(|e| Failure::Refused(format!("cannot signal the agent (PID {pid}): {e}")))?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.timeout);
+    let s = loop {
+        let s = status(ctx).await?;
+        if s.reloads_finished > begun {
+            break s;
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(Failure::Unavailable(format!(
+                "SIGHUP sent to the agent (PID {pid}), but no reload ended within {} s (an agent older than this hostdevctl does not count them); `hostdevctl status` shows the last one's outcome",
+                a.timeout
+            )));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    let Some(last) = s.last_reload else {
+        return Err(Failure::Refused(
+            "the agent counts a reload as ended but gives no outcome".into(),
+        ));
+    };
+    if !last.ok {
+        return Err(Failure::Refused(last.detail));
+    }
+    if ctx.json {
+        return out_json(&json!({
+            "reloaded": true,
+            "detail": last.detail,
+            "pid": pid,
+            "reloads_finished": s.reloads_finished,
+        }));
+    }
+    out(format!("{} (agent PID {pid})", last.detail))
+}
+
 async fn cmd_status(ctx: &mut Ctx) -> Outcome {
     let s = ctx
         .client
@@ -1459,6 +1545,11 @@ async fn cmd_status(ctx: &mut Ctx) -> Outcome {
             "strays": s.strays,
             "lost": s.lost,
             "watch_oldest_generation": s.watch_oldest_generation,
+            "reloads": {
+                "started": s.reloads_started,
+                "finished": s.reloads_finished,
+                "last": health(&s.last_reload),
+            },
             "socket": ctx.socket.display().to_string(),
         }));
     }
@@ -1490,6 +1581,18 @@ async fn cmd_status(ctx: &mut Ctx) -> Outcome {
         (
             "watch from",
             format!("generation {} or later", s.watch_oldest_generation),
+        ),
+        (
+            "reloads",
+            match &s.last_reload {
+                Some(_) => format!(
+                    "{} done, the last {}",
+                    s.reloads_finished,
+                    health_text(&s.last_reload)
+                ),
+                None if s.reloads_started > 0 => "the first under way".into(),
+                None => "none since the start".into(),
+            },
         ),
     ];
     for (k, v) in lines {
@@ -1534,7 +1637,7 @@ fn unreached(kind: std::io::ErrorKind) -> bool {
 
 async fn run(cli: Cli) -> Outcome {
     let socket = socket_path(&cli);
-    let client = client::connect(&socket).await.map_err(|e| {
+    let (client, agent_pid) = client::connect_with_pid(&socket).await.map_err(|e| {
         let cause = std::error::Error::source(&e)
             .map(|c| c.to_string())
             .unwrap_or_else(|| e.to_string());
@@ -1560,6 +1663,7 @@ async fn run(cli: Cli) -> Outcome {
         client,
         socket,
         json: cli.json,
+        agent_pid,
     };
     match cli.command {
         Command::List => cmd_list(&mut ctx).await,
@@ -1570,6 +1674,7 @@ async fn run(cli: Cli) -> Outcome {
         Command::Watch(a) => cmd_watch(&mut ctx, a).await,
         Command::Reconcile(a) => cmd_reconcile(&mut ctx, a).await,
         Command::Status => cmd_status(&mut ctx).await,
+        Command::Reload(a) => cmd_reload(&mut ctx, a).await,
         Command::PrepareVfio(a) => cmd_prepare_vfio(&mut ctx, a).await,
         Command::SetVfs(a) => cmd_set_vfs(&mut ctx, a).await,
         Command::Outcome { owner, request_id } => cmd_outcome(&mut ctx, owner, request_id).await,

@@ -290,6 +290,28 @@ hostdevctl --json claim 0000:3b:10.0 --owner "$owner" >"$work/claim.json" 2>/dev
 gen=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["generation"])' "$work/claim.json")
 echo "  claimed 0000:3b:10.0 for $owner at generation $gen"
 
+step "the unit's ExecReload on the installed daemon"
+# As systemd runs it, with $MAINPID: it waits for the reload and fails if it was refused.
+exec_reload=$(sed -n 's/^ExecReload=//p' "$unit")
+# shellcheck disable=SC2016
+[ "$exec_reload" = '/usr/bin/hostdevctl reload --pid $MAINPID' ] ||
+  fail "unexpected ExecReload: $exec_reload"
+reload_cmd=${exec_reload//\$MAINPID/$daemon_pid}
+said=$($reload_cmd 2>&1) || fail "the unit's ExecReload failed on a good config: $said"
+echo "  $said"
+cp /etc/hostdevd/config.toml "$work/config.toml.kept"
+printf '[[devices]]\nvendor = "8086"\n' >>/etc/hostdevd/config.toml
+if said=$($reload_cmd 2>&1); then
+  fail "the unit's ExecReload succeeded on a config the agent refuses: $said"
+fi
+case $said in
+*"reload refused"*) echo "  refused as it should be: $said" ;;
+*) fail "the refused reload does not say why: $said" ;;
+esac
+cp "$work/config.toml.kept" /etc/hostdevd/config.toml
+hostdevctl status | grep -q 'reloads.*2 done, the last NOT OK' ||
+  fail "hostdevctl status does not show the refused reload: $(hostdevctl status)"
+
 # --- 5. upgrade ------------------------------------------------------------------------
 step "upgrade to a rebuilt package (revision 2)"
 echo "# a local change that the upgrade must keep" >>/etc/hostdevd/config.toml
