@@ -2138,39 +2138,54 @@ async fn a_watcher_silent_in_its_snapshot_is_cut_off() {
     let mut a = start(64, "watch_client_events = 16\nwatch_client_bytes = 256").await;
     let mut c = a.client().await;
     let devices = listing(&mut c).await.devices.len();
-    let mut silent = HostDevClient::new(small_window_channel(&a.socket).await)
-        .watch(proto::WatchRequest {
-            from_generation: 0,
-            snapshot: true,
-        })
-        .await
-        .expect("watch")
-        .into_inner();
-    let mut fast = a
-        .client()
-        .await
-        .watch(proto::WatchRequest {
-            from_generation: listing(&mut c).await.host_generation,
-            snapshot: false,
-        })
-        .await
-        .expect("fast")
-        .into_inner();
-    // Well past the silent watcher's 16-event limit.
-    churn_until_read(&a.socket, 400..401, &mut fast, 200).await;
-    let mut snapshot_events = 0;
-    let status = loop {
-        match tokio::time::timeout(Duration::from_secs(10), silent.next()).await {
-            Ok(Some(Ok(e))) => {
-                assert_eq!(
-                    e.kind,
-                    proto::WatchEventKind::Snapshot as i32,
-                    "after {snapshot_events} snapshot events: {e:?}"
-                );
-                snapshot_events += 1;
+    // An attempt in which the whole snapshot reached the silent watcher says nothing of
+    // the agent: the 4 KiB window was not yet in force for its stream (h2 applies the
+    // client's settings once they are acknowledged; about one run in twenty on these
+    // machines), so the agent could send all of it. Such an attempt is made again, at
+    // most twice; an agent that never cuts a silent watcher off fails all three.
+    let mut attempts = 0;
+    let (status, snapshot_events) = loop {
+        attempts += 1;
+        let mut silent = HostDevClient::new(small_window_channel(&a.socket).await)
+            .watch(proto::WatchRequest {
+                from_generation: 0,
+                snapshot: true,
+            })
+            .await
+            .expect("watch")
+            .into_inner();
+        let mut fast = a
+            .client()
+            .await
+            .watch(proto::WatchRequest {
+                from_generation: listing(&mut c).await.host_generation,
+                snapshot: false,
+            })
+            .await
+            .expect("fast")
+            .into_inner();
+        // Well past the silent watcher's 16-event limit.
+        churn_until_read(&a.socket, 400..401, &mut fast, 200).await;
+        let mut snapshot_events = 0;
+        let cut = loop {
+            match tokio::time::timeout(Duration::from_secs(10), silent.next()).await {
+                Ok(Some(Ok(e))) if e.kind == proto::WatchEventKind::Snapshot as i32 => {
+                    snapshot_events += 1;
+                }
+                Ok(Some(Ok(e))) if e.kind == proto::WatchEventKind::SnapshotEnd as i32 => {
+                    break None;
+                }
+                Ok(Some(Ok(e))) => panic!("after {snapshot_events} snapshot events: {e:?}"),
+                Ok(Some(Err(e))) => break Some(e),
+                other => panic!("after {snapshot_events} snapshot events: {other:?}"),
             }
-            Ok(Some(Err(e))) => break e,
-            other => panic!("after {snapshot_events} snapshot events: {other:?}"),
+        };
+        match cut {
+            Some(status) => break (status, snapshot_events),
+            None => assert!(
+                attempts < 3,
+                "the whole snapshot reached a silent watcher in each of {attempts} attempts"
+            ),
         }
     };
     assert_cut_off(&status, true);
