@@ -30,6 +30,7 @@ fn facts(n: u32) -> Vec<DeviceFacts> {
             is_pf: false,
             physnets: vec![],
             managed: true,
+            instance: None,
         })
         .collect()
 }

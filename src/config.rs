@@ -886,6 +886,7 @@ impl Selection {
             is_pf: dev.sriov.is_some(),
             physnets,
             managed: managed && readable,
+            instance: dev.instance,
         }
     }
 }

@@ -163,6 +163,9 @@ impl Agent {
         let mut store = store;
         // Written only when it changed: a restart on a full disk writes nothing here.
         let prev = store.meta_get("boot_id")?;
+        // The instances recorded (each device's sysfs directory's number) tell a device
+        // made again at the same address apart within one boot only.
+        let same_boot = !boot.is_empty() && prev.as_deref() == Some(boot.as_str());
         if prev.as_deref() != Some(boot.as_str()) {
             if let Some(prev) = &prev {
                 tracing::warn!(previous = %prev, current = %boot, "new boot: claims are kept and checked against the new inventory");
@@ -180,6 +183,9 @@ impl Agent {
         store.set_request_log_limit(cfg.api.request_log_entries);
         let mut ledger = Ledger::from_snapshot(snapshot);
         ledger.set_request_log_limit(in_memory);
+        if !same_boot {
+            ledger.forget_instances();
+        }
         // I5 across restores: a state dir restored from an older copy must not hand out
         // again the generations handed out after that copy was taken.
         let stored = ledger.host_generation();

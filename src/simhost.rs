@@ -823,15 +823,24 @@ impl FakeTree {
     }
 
     /// Brings back device `a`, removed by [`FakeTree::remove_device`], the way a hot-add
-    /// of the same function would: its directory as it was when removed, its bus link,
-    /// and the driver, IOMMU group and PF links that point at it.
+    /// of the same function would: its directory's contents as they were when removed,
+    /// its bus link, and the driver, IOMMU group and PF links that point at it. The
+    /// directory itself is a new one, with an inode number of its own, as the kernel
+    /// makes a new one for a device it adds.
     pub fn replug_device(&self, a: &str) {
         let a = addr(a);
         let bdf = a.to_string();
         let dir = self.device_dir(&bdf);
         let stash = self.unplugged(&bdf);
-        fs::rename(&stash, &dir)
+        let entries = fs::read_dir(&stash)
             .unwrap_or_else(|e| panic!("{bdf} was not removed ({}): {e}", stash.display()));
+        mkdir(&dir);
+        for e in entries {
+            let e = e.unwrap_or_else(|e| panic!("list {}: {e}", stash.display()));
+            fs::rename(e.path(), dir.join(e.file_name()))
+                .unwrap_or_else(|err| panic!("put back {}: {err}", e.path().display()));
+        }
+        fs::remove_dir(&stash).unwrap_or_else(|e| panic!("remove {}: {e}", stash.display()));
         link(
             &self.sysfs,
             Path::new("bus/pci/devices"),

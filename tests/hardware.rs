@@ -914,14 +914,14 @@ async fn a_removal_older_than_the_scan_that_found_the_device_is_not_its_own() {
     s.stop().await;
 }
 
-/// A scan that finds a device and keeps its ledger record (here the PF's rescan, which
-/// takes in its VFs) says nothing of which device it found: the VF may be a new one
-/// whose removal is still to be read. That removal, numbered after the scan that made
-/// the record, is still the claimed device's own, and the claim goes lost. An earlier
-/// version took any scan that found the device as its first sight, so the late removal
-/// looked stale and the claim stayed on the new device.
+/// A scan that finds a device at a recorded address (here the PF's rescan, which takes
+/// in its VFs) tells a new one from the recorded one by its directory's inode number:
+/// the VF was removed and made again, so the claim goes lost and the new VF comes free
+/// at once, before the removal and addition are read; those then change nothing more.
+/// (Before the instance was read, such a rescan kept the record, and only the removal's
+/// number, past the scan that made the record, said that the claimed device was gone.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rescan_that_keeps_a_record_does_not_make_its_removal_stale() {
+async fn a_rescan_that_finds_another_instance_replaces_the_record_before_its_events() {
     let _alone = alone().await;
     let t = tree();
     set_seqnum(&t, 10);
@@ -930,25 +930,39 @@ async fn a_rescan_that_keeps_a_record_does_not_make_its_removal_stale() {
     let a = vf(&mut c, 1).await;
     claim(&mut c, &a, 10, false).await.expect("claim");
 
-    // Removed (11) and back (12); a PF event (13) is read first, and its rescan finds a
-    // VF at the address and keeps the claimed record.
+    // Removed (11) and back (12); a PF event (13) is read first, and its rescan finds
+    // another VF at the address.
     t.remove_device(&a);
     t.replug_device(&a);
     set_seqnum(&t, 13);
     t.write_attr(PF, "numa_node", b"1\n");
     send_uevent_numbered("change", PF, 13);
-    until(&mut c, "the PF's event handled", |l| {
-        l.iter().any(|d| d.address == PF && d.numa_node == Some(1))
-    })
-    .await;
-    assert_eq!(
-        device(&mut c, &a).await.expect("kept").owner,
-        Some(owner(10)),
-        "the PF's rescan kept the record"
+    let seen = until_lost_and_replaced(&mut c, &a).await;
+    assert!(
+        seen.iter()
+            .any(|d| d.address == PF && d.numa_node == Some(1)),
+        "the PF's own rescan did it"
     );
+    let here = |l: &[proto::Device]| -> Vec<(bool, u64, Option<proto::Owner>)> {
+        l.iter()
+            .filter(|d| d.address == a)
+            .map(|d| (d.present, d.generation, d.owner.clone()))
+            .collect()
+    };
+    let before = here(&seen);
+    assert_eq!(before.len(), 2, "{seen:?}");
     send_uevent_numbered("remove", &a, 11);
     send_uevent_numbered("add", &a, 12);
-    until_lost_and_replaced(&mut c, &a).await;
+    // A PF event after them: once its change shows, theirs were applied (events are
+    // taken in order, those waiting together in one rescan).
+    set_seqnum(&t, 14);
+    t.write_attr(PF, "numa_node", b"0\n");
+    send_uevent_numbered("change", PF, 14);
+    let after = until(&mut c, "the PF's second event handled", |l| {
+        l.iter().any(|d| d.address == PF && d.numa_node == Some(0))
+    })
+    .await;
+    assert_eq!(here(&after), before, "the late events changed nothing");
     s.stop().await;
 }
 

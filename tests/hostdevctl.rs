@@ -65,7 +65,14 @@ impl Agent {
         let socket = dir.path().join("hostdevd.sock");
         let log = dir.path().join("hostdevd.log");
         let proc = dir.path().join("proc");
-        std::fs::create_dir(&proc).unwrap();
+        // The boot's id, as the kernel shows it: a restart within it compares what it
+        // scans with what the last run recorded.
+        std::fs::create_dir_all(proc.join("sys/kernel/random")).unwrap();
+        std::fs::write(
+            proc.join("sys/kernel/random/boot_id"),
+            "1f0c2b5e-8d1a-4c3e-9f27-6a5b4c3d2e1f\n",
+        )
+        .unwrap();
         let config_path = dir.path().join("config.toml");
         std::fs::write(&config_path, config).unwrap();
         let args: Vec<std::ffi::OsString> = vec![
@@ -106,10 +113,16 @@ impl Agent {
 
     /// Stops the agent (SIGTERM) and starts it again on the same state, tree and socket.
     fn restart(&mut self) {
+        self.restart_after(|_| {});
+    }
+
+    /// [`Agent::restart`], doing `meanwhile` to the tree while the agent is stopped.
+    fn restart_after(&mut self, meanwhile: impl FnOnce(&FakeTree)) {
         let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
         nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
         let status = self.child.wait().unwrap();
         assert!(status.success(), "hostdevd stopped with {status}");
+        meanwhile(&self.tree);
         self.child = spawn_agent(&self.args, &self.log);
         self.wait_ready();
     }
@@ -1153,6 +1166,48 @@ fn a_watch_ended_by_the_agent_stopping_says_so() {
         rest.starts_with("hostdevctl: watch failed: agent stopping: the agent is shutting down"),
         "{rest}"
     );
+}
+
+/// A VF removed and made again with no uevent said (lost, or not sent to this agent),
+/// or while the agent was stopped, is another device: the next scan (a reload, a
+/// restart) reads its directory as another instance, leaves the claim lost and shows the
+/// new VF free (I6). A restart with nothing made again keeps every claim as it was.
+#[test]
+fn a_vf_made_again_unseen_is_another_device() {
+    let mut a = Agent::start();
+    let (first, second, third) = (
+        a.vf(1).to_string(),
+        a.vf(2).to_string(),
+        a.vf(3).to_string(),
+    );
+    for vf in [&first, &second, &third] {
+        a.ok(&["claim", vf, "--owner", INSTANCE]);
+    }
+    let made_again = |a: &Agent, vf: &str| {
+        let j = a.json(&["show", vf]);
+        j["device"]["state"] == "free"
+            && j["lost"].as_array().is_some_and(|l| {
+                l.len() == 1 && l[0]["state"] == "lost" && l[0]["owner"]["consumer_id"] == INSTANCE
+            })
+    };
+    a.tree.remove_device(&first);
+    a.tree.replug_device(&first);
+    a.rescan_until("the claim lost and the VF free", |a| made_again(a, &first));
+
+    let kept = a.json(&["show", &third]);
+    a.restart_after(|tree| {
+        tree.remove_device(&second);
+        tree.replug_device(&second);
+    });
+    assert!(made_again(&a, &second), "{}", a.ok(&["show", &second]));
+    assert!(made_again(&a, &first), "{}", a.ok(&["show", &first]));
+    let now = a.json(&["show", &third]);
+    assert_eq!(
+        (&now["device"], &now["lost"]),
+        (&kept["device"], &kept["lost"]),
+        "the restart kept the third as it was, generation included"
+    );
+    assert_eq!(a.json(&["status"])["lost"], 2);
 }
 
 /// `reload` signals the agent and waits for the reload it asked for: a config the agent

@@ -34,6 +34,7 @@ fn vf(i: u8) -> DeviceFacts {
         is_pf: false,
         physnets: vec![],
         managed: true,
+        instance: None,
     }
 }
 

@@ -76,6 +76,7 @@ fn inventory() -> Vec<DeviceFacts> {
             is_pf: false,
             physnets: Vec::new(),
             managed: true,
+            instance: None,
         })
         .collect()
 }

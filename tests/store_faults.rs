@@ -108,6 +108,7 @@ fn record(id: u64, generation: u64, owner: Option<u64>) -> DeviceRecord {
                 })
                 .collect(),
             managed: true,
+            instance: None,
         },
         generation: Generation(generation),
         present: true,
@@ -332,6 +333,7 @@ fn a_full_disk_rejects_claims_through_the_writer_and_memory_stays_acknowledged()
             is_pf: false,
             physnets: vec![],
             managed: true,
+            instance: None,
         })
         .collect();
     rt.block_on(writer.inventory(facts.clone()))

@@ -979,31 +979,86 @@ impl Ledger {
         for (address, facts) in changes {
             let current = self.present.get(&address).copied();
             match (current, facts) {
+                // Another device at the same address: the kernel removed the one recorded
+                // and made a new one (a hot-unplug and re-add, VFs destroyed and created)
+                // while no uevent said so, or while the agent was not running. The old
+                // instance went as a removal would take it (a claim kept, lost: I6), and
+                // the new one comes free.
+                (Some(id), Some(facts))
+                    if self.records[&id]
+                        .facts
+                        .instance
+                        .zip(facts.instance)
+                        .is_some_and(|(was, is)| was != is) =>
+                {
+                    self.vanish(&mut tx, address);
+                    self.appear(&mut tx, facts);
+                }
                 (Some(id), Some(facts)) => {
-                    if self.records[&id].facts != facts {
+                    let was = &self.records[&id].facts;
+                    if *was == facts {
+                        continue;
+                    }
+                    let instance_only = was.instance != facts.instance
+                        && (DeviceFacts {
+                            instance: facts.instance,
+                            ..was.clone()
+                        }) == facts;
+                    if instance_only {
+                        // Only which instance it is became known (after a start) or
+                        // unknown: the device did not change, and gets no new generation,
+                        // nor a write of its own (a restart on a full disk must not fail
+                        // over it). Kept in memory; written with the record's next change,
+                        // a claim among them.
+                        if let Some(r) = self.records.get_mut(&id) {
+                            r.facts.instance = facts.instance;
+                        }
+                    } else {
                         self.modify(&mut tx, id, |r| r.facts = facts);
                     }
                 }
-                (None, Some(facts)) => {
-                    let generation = self.bump(&mut tx);
-                    let id = RecordId(generation.0);
-                    let mut rec = DeviceRecord {
-                        id,
-                        facts,
-                        generation,
-                        present: true,
-                        claim: None,
-                        attached: None,
-                    };
-                    rec.attached = self.attachment_for(&rec);
-                    self.present.insert(address, id);
-                    self.put(&mut tx, rec);
-                }
+                (None, Some(facts)) => self.appear(&mut tx, facts),
                 (Some(_), None) => self.vanish(&mut tx, address),
                 (None, None) => {}
             }
         }
         tx.cs
+    }
+
+    /// A device now present where none was: a record of its own, free.
+    fn appear(&mut self, tx: &mut Tx, facts: DeviceFacts) {
+        let generation = self.bump(tx);
+        let id = RecordId(generation.0);
+        let address = facts.address;
+        let mut rec = DeviceRecord {
+            id,
+            facts,
+            generation,
+            present: true,
+            claim: None,
+            attached: None,
+        };
+        rec.attached = self.attachment_for(&rec);
+        self.present.insert(address, id);
+        self.put(tx, rec);
+    }
+
+    /// Forgets which instance each recorded device was, in memory (the next inventory
+    /// takes them afresh, without a change): after a reboot, or where the boot cannot be
+    /// told, the numbers the last run saw say nothing about the devices now, and would
+    /// make every claimed device look replaced.
+    pub fn forget_instances(&mut self) {
+        let known: Vec<RecordId> = self
+            .records
+            .values()
+            .filter(|r| r.facts.instance.is_some())
+            .map(|r| r.id)
+            .collect();
+        for id in known {
+            if let Some(r) = self.records.get_mut(&id) {
+                r.facts.instance = None;
+            }
+        }
     }
 
     /// The device present at `address` is gone: a claimed one is kept, marked lost (I6);

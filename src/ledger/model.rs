@@ -91,6 +91,12 @@ pub struct DeviceFacts {
     /// listed but cannot be claimed; a claimed device that leaves the selection keeps its
     /// claim.
     pub managed: bool,
+    /// Which instance of a device at this address the scan found (its sysfs directory's
+    /// inode number, see [`crate::sysfs::PciDevice::instance`]); `None` where unknown (a
+    /// record from before a reboot, or from a build that did not record it). Two known
+    /// and different mean another device at the same address (I6).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<u64>,
 }
 
 /// One device instance in the ledger.

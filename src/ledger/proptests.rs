@@ -52,6 +52,11 @@ enum Op {
     Return {
         dev: u8,
     },
+    /// Device `dev` is removed and made again between two scans, with no removal seen:
+    /// the next scan finds another instance at its address.
+    Remake {
+        dev: u8,
+    },
     /// A rescan finds device `dev` in another IOMMU group (a reboot renumbers groups, or
     /// the IOMMU was turned on or off): `None` for none, else one of a few groups, some
     /// shared with other devices.
@@ -93,6 +98,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0u8..3).prop_map(|actor| Op::RetryBind { actor }),
         1 => (0u8..7).prop_map(|dev| Op::Vanish { dev }),
         1 => (0u8..7).prop_map(|dev| Op::Return { dev }),
+        1 => (0u8..7).prop_map(|dev| Op::Remake { dev }),
         1 => (0u8..7, proptest::option::of(prop_oneof![Just(20u32), Just(21), Just(30), Just(99)]))
             .prop_map(|(dev, group)| Op::Regroup { dev, group }),
         1 => (0u8..3, proptest::collection::vec(0u8..7, 0..3)).prop_map(|(actor, devs)| Op::Domains { actor, devs }),
@@ -146,6 +152,7 @@ impl World {
         let mut inventory = host();
         for (i, f) in inventory.iter_mut().enumerate() {
             f.numa_node = Some((i % 2) as u32);
+            f.instance = Some(1);
         }
         let mut ledger = Ledger::new();
         ledger.apply_inventory(inventory.clone());
@@ -444,6 +451,11 @@ impl World {
             }
             Op::Return { dev } => {
                 self.present[usize::from(*dev)] = true;
+                Ok((None, self.ledger.apply_inventory(self.current_inventory())))
+            }
+            Op::Remake { dev } => {
+                let f = &mut self.inventory[usize::from(*dev)];
+                f.instance = f.instance.map(|n| n + 1);
                 Ok((None, self.ledger.apply_inventory(self.current_inventory())))
             }
             Op::Regroup { dev, group } => {

@@ -19,6 +19,7 @@ pub(crate) fn facts(a: &str, group: Option<u32>, physfn: Option<&str>) -> Device
         is_pf: false,
         physnets: vec![],
         managed: true,
+        instance: None,
     }
 }
 
@@ -383,6 +384,96 @@ fn vanished_claim_is_lost_and_returning_address_is_new_instance() {
             .map(|c| c.owner.clone()),
         Some(owner(2))
     );
+}
+
+/// A host whose every device has an instance (its sysfs directory's number), the VF
+/// 3b:02.3 as `vf_instance`.
+fn host_with_instances(vf_instance: u64) -> Vec<DeviceFacts> {
+    host()
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut f)| {
+            f.instance = Some(if f.address == addr("0000:3b:02.3") {
+                vf_instance
+            } else {
+                1000 + i as u64
+            });
+            f
+        })
+        .collect()
+}
+
+#[test]
+fn another_instance_at_a_claimed_address_leaves_the_claim_lost_and_the_new_device_free() {
+    let mut l = Ledger::new();
+    l.apply_inventory(host_with_instances(7));
+    claim(&mut l, "0000:3b:02.3", 1, "r1").expect("claim");
+    let old = l.record_at(addr("0000:3b:02.3")).expect("present").clone();
+    // The same instance scanned again: nothing changes.
+    assert!(l.apply_inventory(host_with_instances(7)).is_empty());
+    // Removed and made again with no removal seen in between: the scan finds another.
+    let cs = l.apply_inventory(host_with_instances(8));
+    assert_eq!(
+        cs.upserts.len(),
+        2,
+        "the lost claim and the new device: {cs:?}"
+    );
+    let new = l.record_at(addr("0000:3b:02.3")).expect("present");
+    assert_ne!(new.id, old.id);
+    assert!(new.claim.is_none() && new.present);
+    assert_eq!(new.facts.instance, Some(8));
+    let lost: Vec<_> = l.lost().collect();
+    assert_eq!(lost.len(), 1);
+    assert_eq!(lost[0].id, old.id);
+    assert_eq!(
+        lost[0].claim.as_ref().map(|c| c.owner.clone()),
+        Some(owner(1))
+    );
+    assert!(lost[0].generation > old.generation);
+    // Its owner releases it with the lost record's generation; the new one is claimable.
+    let lost_gen = lost[0].generation;
+    release(&mut l, "0000:3b:02.3", 1, "r2", lost_gen).expect("release lost");
+    claim(&mut l, "0000:3b:02.3", 2, "r3").expect("new instance");
+}
+
+#[test]
+fn an_unknown_instance_on_either_side_keeps_the_record() {
+    let mut l = Ledger::new();
+    // Recorded without an instance (a record from a build that did not read it).
+    l.apply_inventory(host());
+    claim(&mut l, "0000:3b:02.3", 1, "r1").expect("claim");
+    let id = l.record_at(addr("0000:3b:02.3")).expect("present").id;
+    let g = gen_of(&l, "0000:3b:02.3");
+    // Learning which instance each is changes no device: no generation, nothing to write.
+    let cs = l.apply_inventory(host_with_instances(7));
+    assert!(cs.is_empty() && l.lost().count() == 0, "{cs:?}");
+    let kept = l.record_at(addr("0000:3b:02.3")).expect("present");
+    assert_eq!((kept.id, kept.facts.instance), (id, Some(7)));
+    assert!(kept.claim.is_some());
+    assert_eq!(kept.generation, g);
+    // A scan that could not tell the instance keeps it too, and forgets the number.
+    assert!(l.apply_inventory(host()).is_empty());
+    let kept = l.record_at(addr("0000:3b:02.3")).expect("present");
+    assert_eq!((kept.id, kept.facts.instance), (id, None));
+}
+
+#[test]
+fn forgotten_instances_are_taken_afresh_without_losing_a_claim() {
+    let mut l = Ledger::new();
+    l.apply_inventory(host_with_instances(7));
+    claim(&mut l, "0000:3b:02.3", 1, "r1").expect("claim");
+    let id = l.record_at(addr("0000:3b:02.3")).expect("present").id;
+    // After a reboot every directory has another number.
+    l.forget_instances();
+    assert!(l.records().all(|r| r.facts.instance.is_none()));
+    let cs = l.apply_inventory(host_with_instances(8));
+    assert!(cs.is_empty() && l.lost().count() == 0, "{cs:?}");
+    let kept = l.record_at(addr("0000:3b:02.3")).expect("present");
+    assert_eq!((kept.id, kept.facts.instance), (id, Some(8)));
+    assert!(kept.claim.is_some());
+    // From then on the new numbers count.
+    l.apply_inventory(host_with_instances(9));
+    assert_eq!(l.lost().count(), 1);
 }
 
 #[test]

@@ -37,6 +37,7 @@ fn facts(function: u8) -> DeviceFacts {
         is_pf: false,
         physnets: vec!["physnet1".parse::<PhysNet>().expect("valid physnet")],
         managed: true,
+        instance: None,
     }
 }
 

@@ -424,6 +424,13 @@ pub struct PciDevice {
     /// it and of its VFs is mid-change, to be read again once the change is done.
     #[serde(skip)]
     pub held: bool,
+    /// Which instance of a device at this address it is: the inode number of its sysfs
+    /// directory. The kernel gives every directory it makes a number of its own (sysfs
+    /// numbers them in sequence and does not reuse one), so a function removed and made
+    /// again (a hot-unplug and re-add, VFs destroyed and created) reads as another
+    /// number, even where no uevent said so. Only comparable within one boot.
+    #[serde(skip)]
+    pub instance: Option<u64>,
 }
 
 impl PciDevice {
@@ -453,6 +460,7 @@ impl PciDevice {
             vfio_group_exists: false,
             vanished: false,
             held: false,
+            instance: None,
         }
     }
 

@@ -192,7 +192,7 @@ fn read_device(ctx: &mut Ctx<'_>, address: PciAddress) -> (PciDevice, Option<VfL
     // A dangling bus link (the device was removed after the directory was listed) or a
     // non-directory: every attribute read would fail the same way, so report it once.
     match fs::metadata(&dir) {
-        Ok(m) if m.is_dir() => {}
+        Ok(m) if m.is_dir() => dev.instance = Some(std::os::unix::fs::MetadataExt::ino(&m)),
         Ok(_) => {
             let err = SysfsError::DeviceGone {
                 address,

@@ -523,6 +523,28 @@ vf = true
         devs = listing()
         check("after a restart the claim is still lost", devs.get("lost:" + vf, {}).get("state") == "lost", json.dumps(devs.get("lost:" + vf)))
         compare_daemon("after a restart")
+
+        # 10. VFs made again while the daemon is stopped: the kernel gives each a new sysfs
+        # directory, so at the next start the claim on one goes lost and the VF made again
+        # comes free (I6), where no uevent reached the daemon.
+        write(f"{PCI}/devices/{pf}/sriov_numvfs", "2")
+        devs = poll("the VFs written behind the daemon's back appear", listing, lambda l: len(vfs_of(pf, l)) == 2)
+        vf = vfs_of(pf, devs)[1]
+        r = ctl("claim", vf, "--owner", owner, "--generation", gen(vf), ok=False)
+        check("claim of a VF before it is made again", r.returncode == 0, r.stderr)
+        ino = os.stat(f"{PCI}/devices/{vf}").st_ino
+        rc = stop_daemon(daemon)
+        check("SIGTERM stops the daemon with status 0", rc == 0, str(rc))
+        write(f"{PCI}/devices/{pf}/sriov_numvfs", "0")
+        write(f"{PCI}/devices/{pf}/sriov_numvfs", "2")
+        again = os.stat(f"{PCI}/devices/{vf}").st_ino
+        check("the kernel gives the VF made again another sysfs directory", again != ino, f"inode {ino}, then {again}")
+        daemon = start_daemon(cfg, log)
+        devs = listing()
+        lost = devs.get("lost:" + vf, {})
+        check("after the start the claim on the VF made again is lost", lost.get("state") == "lost" and lost.get("owner") is not None, json.dumps(lost))
+        check("and the VF made again is free", devs.get(vf, {}).get("state") == "free", json.dumps(devs.get(vf)))
+        compare_daemon("after VFs made again while the daemon was stopped")
     finally:
         rc = stop_daemon(daemon)
         check("the daemon stops cleanly at the end", rc == 0, str(rc))
