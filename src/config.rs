@@ -886,7 +886,8 @@ impl Selection {
             is_pf: dev.sriov.is_some(),
             physnets,
             managed: managed && readable,
-            instance: dev.instance,
+            // Stamped with the boot by the rescanner, which knows it.
+            instance: None,
         }
     }
 }

@@ -138,6 +138,13 @@ fn raise_open_files_limit() {
     }
 }
 
+/// The boot's id folded to 64 bits, which tells the devices' instances of one boot from
+/// another's; `None` where it could not be read (nothing is then compared).
+fn boot_tag(boot: &str) -> Option<u64> {
+    let id = uuid::Uuid::parse_str(boot).ok()?.as_u128();
+    Some((id >> 64) as u64 ^ id as u64)
+}
+
 fn boot_id(proc_root: &Path) -> String {
     std::fs::read_to_string(proc_root.join("sys/kernel/random/boot_id"))
         .map(|s| s.trim().to_string())
@@ -163,9 +170,6 @@ impl Agent {
         let mut store = store;
         // Written only when it changed: a restart on a full disk writes nothing here.
         let prev = store.meta_get("boot_id")?;
-        // The instances recorded (each device's sysfs directory's number) tell a device
-        // made again at the same address apart within one boot only.
-        let same_boot = !boot.is_empty() && prev.as_deref() == Some(boot.as_str());
         if prev.as_deref() != Some(boot.as_str()) {
             if let Some(prev) = &prev {
                 tracing::warn!(previous = %prev, current = %boot, "new boot: claims are kept and checked against the new inventory");
@@ -183,9 +187,6 @@ impl Agent {
         store.set_request_log_limit(cfg.api.request_log_entries);
         let mut ledger = Ledger::from_snapshot(snapshot);
         ledger.set_request_log_limit(in_memory);
-        if !same_boot {
-            ledger.forget_instances();
-        }
         // I5 across restores: a state dir restored from an older copy must not hand out
         // again the generations handed out after that copy was taken.
         let stored = ledger.host_generation();
@@ -253,6 +254,7 @@ impl Agent {
             names,
             selection,
             writer.clone(),
+            boot_tag(&boot),
         ));
         let guard = Arc::new(FreeGuard::from_config(cfg, writer.metrics().clone()));
         let agent = Agent {

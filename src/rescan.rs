@@ -9,7 +9,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::config::Selection;
-use crate::ledger::{DeviceFacts, RecordId};
+use crate::ledger::{DeviceFacts, Instance, RecordId};
 use crate::pci::PciAddress;
 use crate::sysfs::{self, PciDevice, PciNames, Settled, SysfsError};
 use crate::writer::{SysfsDevices, WriteError, Writer};
@@ -117,6 +117,8 @@ pub struct Rescanner {
     /// audit holding it only tries this turn, and otherwise lets it go, waits here, then
     /// takes it again).
     turn: Arc<tokio::sync::Mutex<()>>,
+    /// The boot's tag, for the devices' instances (see [`Instance`]).
+    boot: Option<u64>,
     /// For each present device whose ledger record a scan created, the kernel's uevent
     /// sequence number read just before that scan (none where the kernel shows none, or
     /// where the record was there before the scan): a removal numbered at or below it
@@ -158,12 +160,15 @@ fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
 }
 
 impl Rescanner {
+    /// `boot`: the boot's tag, which each device's instance carries (`None`: instances are
+    /// not recorded).
     pub fn new(
         sysfs_root: PathBuf,
         dev_root: PathBuf,
         names: Arc<PciNames>,
         selection: Selection,
         writer: Writer,
+        boot: Option<u64>,
     ) -> Self {
         Rescanner {
             sysfs_root,
@@ -171,10 +176,19 @@ impl Rescanner {
             names,
             selection: RwLock::new(selection),
             writer,
+            boot,
             turn: Arc::new(tokio::sync::Mutex::new(())),
             seen_at: RwLock::new(BTreeMap::new()),
             held: Mutex::new(HeldRetry::default()),
         }
+    }
+
+    /// The instance of a device whose sysfs directory has inode number `ino`, in this boot.
+    fn instance(&self, ino: Option<u64>) -> Option<Instance> {
+        Some(Instance {
+            boot: self.boot?,
+            ino: ino?,
+        })
     }
 
     /// A full scan, applied to the ledger; with `selection`, that selection is used from
@@ -223,6 +237,13 @@ impl Rescanner {
         }
         let sel = selection.unwrap_or_else(|| read(&self.selection).clone());
         let mut facts = sel.facts(&devices);
+        let instances: BTreeMap<PciAddress, u64> = devices
+            .iter()
+            .filter_map(|d| Some((d.address, d.instance?)))
+            .collect();
+        for f in &mut facts {
+            f.instance = self.instance(instances.get(&f.address).copied());
+        }
         facts.extend(facts_kept);
         // The sysfs details go out with the facts, in the same view; the selection
         // changes only once the ledger took the scan: a scan the ledger refused (a full
@@ -487,7 +508,10 @@ impl Rescanner {
                         })
                         .map(|pf| pf.netdevs.as_slice())
                         .unwrap_or(&[]);
-                    sel.fact(d, pf_netdevs)
+                    DeviceFacts {
+                        instance: self.instance(d.instance),
+                        ..sel.fact(d, pf_netdevs)
+                    }
                 });
                 changes.push((*a, facts));
             }

@@ -66,9 +66,15 @@ async fn start_tuned(
     cfg.libvirt.enabled = false;
     cfg.hardware.step_timeout_ms = step_timeout_ms;
     cfg.hotplug.receive_buffer_bytes = rcvbuf;
-    // A proc tree of the test's own: empty unless a test plants a holder in it.
+    // A proc tree of the test's own: empty unless a test plants a holder in it, but for
+    // the boot's id, which the devices' instances are read in.
     cfg.proc_root = t.sysfs_root().join("fake-proc");
-    std::fs::create_dir_all(&cfg.proc_root).expect("fake proc");
+    std::fs::create_dir_all(cfg.proc_root.join("sys/kernel/random")).expect("fake proc");
+    std::fs::write(
+        cfg.proc_root.join("sys/kernel/random/boot_id"),
+        "3c9d5e2a-6b1f-4e8d-a7c3-2f4b6d8e0a1c\n",
+    )
+    .expect("boot id");
     tune(&mut cfg);
     support::server::TestServer::start(cfg, 0o600, vec![0], None).await
 }

@@ -989,7 +989,7 @@ impl Ledger {
                         .facts
                         .instance
                         .zip(facts.instance)
-                        .is_some_and(|(was, is)| was != is) =>
+                        .is_some_and(|(was, is)| was.replaced_by(&is)) =>
                 {
                     self.vanish(&mut tx, address);
                     self.appear(&mut tx, facts);
@@ -1005,11 +1005,11 @@ impl Ledger {
                             ..was.clone()
                         }) == facts;
                     if instance_only {
-                        // Only which instance it is became known (after a start) or
-                        // unknown: the device did not change, and gets no new generation,
-                        // nor a write of its own (a restart on a full disk must not fail
-                        // over it). Kept in memory; written with the record's next change,
-                        // a claim among them.
+                        // Only which instance it is became known (in a new boot, or
+                        // first read by this build) or unknown: the device did not
+                        // change, and gets no new generation, nor a write of its own (a
+                        // restart on a full disk must not fail over it). Kept in memory;
+                        // written with the record's next change, a claim among them.
                         if let Some(r) = self.records.get_mut(&id) {
                             r.facts.instance = facts.instance;
                         }
@@ -1041,24 +1041,6 @@ impl Ledger {
         rec.attached = self.attachment_for(&rec);
         self.present.insert(address, id);
         self.put(tx, rec);
-    }
-
-    /// Forgets which instance each recorded device was, in memory (the next inventory
-    /// takes them afresh, without a change): after a reboot, or where the boot cannot be
-    /// told, the numbers the last run saw say nothing about the devices now, and would
-    /// make every claimed device look replaced.
-    pub fn forget_instances(&mut self) {
-        let known: Vec<RecordId> = self
-            .records
-            .values()
-            .filter(|r| r.facts.instance.is_some())
-            .map(|r| r.id)
-            .collect();
-        for id in known {
-            if let Some(r) = self.records.get_mut(&id) {
-                r.facts.instance = None;
-            }
-        }
     }
 
     /// The device present at `address` is gone: a claimed one is kept, marked lost (I6);

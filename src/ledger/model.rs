@@ -91,12 +91,29 @@ pub struct DeviceFacts {
     /// listed but cannot be claimed; a claimed device that leaves the selection keeps its
     /// claim.
     pub managed: bool,
-    /// Which instance of a device at this address the scan found (its sysfs directory's
-    /// inode number, see [`crate::sysfs::PciDevice::instance`]); `None` where unknown (a
-    /// record from before a reboot, or from a build that did not record it). Two known
-    /// and different mean another device at the same address (I6).
+    /// Which instance of a device at this address the scan found; `None` where unknown
+    /// (the boot could not be told, or a record from a build that did not record it).
+    /// Two of the same boot that differ mean another device at the same address (I6).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub instance: Option<u64>,
+    pub instance: Option<Instance>,
+}
+
+/// One instance of a device: its sysfs directory's inode number (see
+/// [`crate::sysfs::PciDevice::instance`]) and the boot it was read in, since the numbers
+/// start again at every boot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Instance {
+    /// The boot's id (`/proc/sys/kernel/random/boot_id`), folded to 64 bits.
+    pub boot: u64,
+    pub ino: u64,
+}
+
+impl Instance {
+    /// Whether `other` is known to be another device than this one: read in the same
+    /// boot, with another number. Of two boots nothing can be told.
+    pub fn replaced_by(&self, other: &Instance) -> bool {
+        self.boot == other.boot && self.ino != other.ino
+    }
 }
 
 /// One device instance in the ledger.

@@ -152,7 +152,7 @@ impl World {
         let mut inventory = host();
         for (i, f) in inventory.iter_mut().enumerate() {
             f.numa_node = Some((i % 2) as u32);
-            f.instance = Some(1);
+            f.instance = Some(Instance { boot: 1, ino: 1 });
         }
         let mut ledger = Ledger::new();
         ledger.apply_inventory(inventory.clone());
@@ -455,7 +455,10 @@ impl World {
             }
             Op::Remake { dev } => {
                 let f = &mut self.inventory[usize::from(*dev)];
-                f.instance = f.instance.map(|n| n + 1);
+                f.instance = f.instance.map(|i| Instance {
+                    ino: i.ino + 1,
+                    ..i
+                });
                 Ok((None, self.ledger.apply_inventory(self.current_inventory())))
             }
             Op::Regroup { dev, group } => {

@@ -386,18 +386,24 @@ fn vanished_claim_is_lost_and_returning_address_is_new_instance() {
     );
 }
 
-/// A host whose every device has an instance (its sysfs directory's number), the VF
-/// 3b:02.3 as `vf_instance`.
+/// A host whose every device has an instance (its sysfs directory's number) read in
+/// boot 1, the VF 3b:02.3 as `vf_instance`.
 fn host_with_instances(vf_instance: u64) -> Vec<DeviceFacts> {
+    host_in_boot(1, vf_instance)
+}
+
+/// [`host_with_instances`] read in boot `boot`.
+fn host_in_boot(boot: u64, vf_instance: u64) -> Vec<DeviceFacts> {
     host()
         .into_iter()
         .enumerate()
         .map(|(i, mut f)| {
-            f.instance = Some(if f.address == addr("0000:3b:02.3") {
+            let ino = if f.address == addr("0000:3b:02.3") {
                 vf_instance
             } else {
                 1000 + i as u64
-            });
+            };
+            f.instance = Some(Instance { boot, ino });
             f
         })
         .collect()
@@ -421,7 +427,7 @@ fn another_instance_at_a_claimed_address_leaves_the_claim_lost_and_the_new_devic
     let new = l.record_at(addr("0000:3b:02.3")).expect("present");
     assert_ne!(new.id, old.id);
     assert!(new.claim.is_none() && new.present);
-    assert_eq!(new.facts.instance, Some(8));
+    assert_eq!(new.facts.instance.map(|i| i.ino), Some(8));
     let lost: Vec<_> = l.lost().collect();
     assert_eq!(lost.len(), 1);
     assert_eq!(lost[0].id, old.id);
@@ -448,7 +454,7 @@ fn an_unknown_instance_on_either_side_keeps_the_record() {
     let cs = l.apply_inventory(host_with_instances(7));
     assert!(cs.is_empty() && l.lost().count() == 0, "{cs:?}");
     let kept = l.record_at(addr("0000:3b:02.3")).expect("present");
-    assert_eq!((kept.id, kept.facts.instance), (id, Some(7)));
+    assert_eq!((kept.id, kept.facts.instance.map(|i| i.ino)), (id, Some(7)));
     assert!(kept.claim.is_some());
     assert_eq!(kept.generation, g);
     // A scan that could not tell the instance keeps it too, and forgets the number.
@@ -458,21 +464,22 @@ fn an_unknown_instance_on_either_side_keeps_the_record() {
 }
 
 #[test]
-fn forgotten_instances_are_taken_afresh_without_losing_a_claim() {
+fn instances_of_another_boot_are_taken_afresh_without_losing_a_claim() {
     let mut l = Ledger::new();
-    l.apply_inventory(host_with_instances(7));
+    l.apply_inventory(host_in_boot(1, 7));
     claim(&mut l, "0000:3b:02.3", 1, "r1").expect("claim");
     let id = l.record_at(addr("0000:3b:02.3")).expect("present").id;
-    // After a reboot every directory has another number.
-    l.forget_instances();
-    assert!(l.records().all(|r| r.facts.instance.is_none()));
-    let cs = l.apply_inventory(host_with_instances(8));
+    let g = gen_of(&l, "0000:3b:02.3");
+    // After a reboot every directory has another number, and none is comparable.
+    let cs = l.apply_inventory(host_in_boot(2, 3));
     assert!(cs.is_empty() && l.lost().count() == 0, "{cs:?}");
     let kept = l.record_at(addr("0000:3b:02.3")).expect("present");
-    assert_eq!((kept.id, kept.facts.instance), (id, Some(8)));
+    assert_eq!(kept.id, id);
+    assert_eq!(kept.facts.instance, Some(Instance { boot: 2, ino: 3 }));
+    assert_eq!(kept.generation, g);
     assert!(kept.claim.is_some());
-    // From then on the new numbers count.
-    l.apply_inventory(host_with_instances(9));
+    // From then on the new boot's numbers count.
+    l.apply_inventory(host_in_boot(2, 4));
     assert_eq!(l.lost().count(), 1);
 }
 
