@@ -1086,6 +1086,7 @@ impl Worker {
                     }
                 }
                 self.metrics.stored_requests(self.store.request_log_len());
+                self.store_instances();
             }
             Err(e) => {
                 tracing::error!(error = %e, changes = changes.len(), "store commit failed; the batch is undone");
@@ -1333,16 +1334,40 @@ impl Worker {
                 for cs in changes.iter().rev() {
                     self.ledger.undo(cs);
                 }
-                if e.is_outcome_unknown() {
-                    // Memory is put back as it was, but the disk may hold the commit: no
-                    // decision made from here on could be trusted. The agent stops, and
-                    // its next start reads back what the disk holds.
-                    tracing::error!(error = %e, "the outcome of a commit is unknown; the writer decides nothing more and the agent stops");
-                    self.failed = Some(e.to_string());
-                    self.failed_tx.send_replace(true);
-                }
+                self.stop_if_unknown(&e);
                 Err(e)
             }
+        }
+    }
+
+    /// A commit whose outcome is unknown: memory is put back as it was, but the disk may
+    /// hold the commit, so no decision made from here on could be trusted. The agent
+    /// stops, and its next start reads back what the disk holds.
+    fn stop_if_unknown(&mut self, e: &StoreError) {
+        if e.is_outcome_unknown() {
+            tracing::error!(error = %e, "the outcome of a commit is unknown; the writer decides nothing more and the agent stops");
+            self.failed = Some(e.to_string());
+            self.failed_tx.send_replace(true);
+        }
+    }
+
+    /// Writes the instances learnt for claimed devices since the last commit (after a
+    /// start, in a new boot or on a first run of a build that reads them), in a commit of
+    /// their own that moves no generation and tells no watcher anything: without it a
+    /// claim not written again in this boot could not be told from a device made again
+    /// while the agent was stopped. A failure (a full disk) is logged and the write tried
+    /// after the next commit; it undoes nothing, since nothing was decided.
+    fn store_instances(&mut self) {
+        if self.failed.is_some() {
+            return;
+        }
+        let Some(cs) = self.ledger.take_unwritten_instances() else {
+            return;
+        };
+        if let Err(e) = self.store.commit(&[&cs]) {
+            tracing::warn!(error = %e, devices = cs.upserts.len(), "the claimed devices' instances are not written yet; tried again after the next commit");
+            self.ledger.unwritten_again(&cs);
+            self.stop_if_unknown(&e);
         }
     }
 

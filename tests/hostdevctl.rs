@@ -1210,6 +1210,36 @@ fn a_vf_made_again_unseen_is_another_device() {
     assert_eq!(a.json(&["status"])["lost"], 2);
 }
 
+/// A claim made in an earlier boot is told from a device made again too: at the first
+/// start in a new boot the agent writes the claimed devices' instances it learnt, so a
+/// restart in that boot, after the VF was made again while the agent was stopped, finds
+/// the claim's device gone.
+#[test]
+fn a_claim_from_an_earlier_boot_is_checked_after_the_next_start() {
+    let mut a = Agent::start();
+    let (vf, kept) = (a.vf(1).to_string(), a.vf(2).to_string());
+    for v in [&vf, &kept] {
+        a.ok(&["claim", v, "--owner", INSTANCE]);
+    }
+    let boot_id = a.proc.join("sys/kernel/random/boot_id");
+    a.restart_after(|_| {
+        std::fs::write(&boot_id, "7d3e1a9c-2b4f-4c6d-8e0a-5f1b3c7d9e2a\n").unwrap();
+    });
+    let held = a.json(&["show", &kept]);
+    a.restart_after(|tree| {
+        tree.remove_device(&vf);
+        tree.replug_device(&vf);
+    });
+    let j = a.json(&["show", &vf]);
+    assert_eq!(j["device"]["state"], "free", "{j}");
+    assert_eq!(j["lost"][0]["owner"]["consumer_id"], INSTANCE, "{j}");
+    let now = a.json(&["show", &kept]);
+    assert_eq!(
+        now["device"], held["device"],
+        "the other claim kept as it was"
+    );
+}
+
 /// `reload` signals the agent and waits for the reload it asked for: a config the agent
 /// refuses is exit 1 with the reason (and the status says so), a good one exit 0; a PID
 /// that is not the agent's is refused before anything is signalled.

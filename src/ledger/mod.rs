@@ -159,6 +159,10 @@ pub struct Ledger {
     /// outlive the agent that makes it), and empty but for the seconds or minutes the
     /// kernel takes.
     changing: Arc<BTreeMap<PciAddress, hardware::Changing>>,
+    /// Records whose instance was learnt without a change (see [`Ledger::apply_devices`]),
+    /// and so is not on disk yet: [`Ledger::take_unwritten_instances`] hands the claimed
+    /// ones to the writer, which stores them apart from any decision.
+    unwritten: Arc<BTreeSet<RecordId>>,
 }
 
 /// A key of the `related` index.
@@ -1012,6 +1016,7 @@ impl Ledger {
                         // written with the record's next change, a claim among them.
                         if let Some(r) = self.records.get_mut(&id) {
                             r.facts.instance = facts.instance;
+                            Arc::make_mut(&mut self.unwritten).insert(id);
                         }
                     } else {
                         self.modify(&mut tx, id, |r| r.facts = facts);
@@ -1023,6 +1028,35 @@ impl Ledger {
             }
         }
         tx.cs
+    }
+
+    /// The claimed present records whose instance was learnt but not written, as a change
+    /// set that moves no generation (nothing about the device changed), once: the writer
+    /// stores it apart, so that a restart in this boot can tell the device from one made
+    /// again meanwhile. `None` when there is none. An unclaimed device's number is left to
+    /// its record's next write: nothing is lost if it goes unseen.
+    pub fn take_unwritten_instances(&mut self) -> Option<ChangeSet> {
+        if self.unwritten.is_empty() {
+            return None;
+        }
+        let ids = std::mem::take(Arc::make_mut(&mut self.unwritten));
+        let upserts: Vec<DeviceRecord> = ids
+            .iter()
+            .filter_map(|id| self.records.get(id))
+            .filter(|r| r.present && r.claim.is_some())
+            .cloned()
+            .collect();
+        (!upserts.is_empty()).then(|| ChangeSet {
+            prev_host_generation: self.host_generation,
+            host_generation: self.host_generation,
+            upserts,
+            ..ChangeSet::default()
+        })
+    }
+
+    /// Puts back what [`Ledger::take_unwritten_instances`] took, when its write failed.
+    pub fn unwritten_again(&mut self, cs: &ChangeSet) {
+        Arc::make_mut(&mut self.unwritten).extend(cs.upserts.iter().map(|r| r.id));
     }
 
     /// A device now present where none was: a record of its own, free.

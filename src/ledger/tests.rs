@@ -484,6 +484,28 @@ fn instances_of_another_boot_are_taken_afresh_without_losing_a_claim() {
 }
 
 #[test]
+fn instances_learnt_without_a_change_are_handed_out_once_for_claimed_devices() {
+    let mut l = Ledger::new();
+    l.apply_inventory(host_in_boot(1, 7));
+    claim(&mut l, "0000:3b:02.3", 1, "r1").expect("claim");
+    assert_eq!(l.take_unwritten_instances(), None, "nothing learnt yet");
+    let before = l.record_at(addr("0000:3b:02.3")).expect("present").clone();
+    // A new boot: every number is learnt again, none written.
+    assert!(l.apply_inventory(host_in_boot(2, 3)).is_empty());
+    let cs = l.take_unwritten_instances().expect("the claimed VF's");
+    assert_eq!(cs.upserts.len(), 1, "only the claimed device: {cs:?}");
+    let r = &cs.upserts[0];
+    assert_eq!((r.id, r.generation), (before.id, before.generation));
+    assert_eq!(r.facts.instance, Some(Instance { boot: 2, ino: 3 }));
+    assert_eq!(cs.host_generation, cs.prev_host_generation);
+    assert!(cs.removals.is_empty() && cs.requests.is_empty());
+    assert_eq!(l.take_unwritten_instances(), None, "handed out once");
+    // A failed write puts it back.
+    l.unwritten_again(&cs);
+    assert_eq!(l.take_unwritten_instances(), Some(cs));
+}
+
+#[test]
 fn unclaimed_device_that_vanishes_is_dropped() {
     let mut l = ledger();
     let without: Vec<DeviceFacts> = host().into_iter().skip(1).collect();
