@@ -576,6 +576,98 @@ async fn a_restart_on_a_full_disk_serves_reads() {
     );
 }
 
+/// The real daemon restarted on a full disk after the hardware changed while it was
+/// stopped (a VF now on another NUMA node): its first scan cannot be stored, yet it
+/// starts and serves reads (the ledger as the disk holds it, the store's health saying
+/// why), refuses changes as UNAVAILABLE, and applies the scan once space is back. An
+/// earlier version failed the start, and so would have looped under systemd without
+/// serving even a listing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_scan_refused_by_a_full_disk_does_not_stop_the_start() {
+    require_root("a_first_scan_refused_by_a_full_disk_does_not_stop_the_start");
+    let mut f = hostdevd::simhost::FakeSys::new();
+    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
+        .vf_iommu_groups("0000:3b:00.0", 40);
+    let vf = f.vfs("0000:3b:00.0")[0].to_string();
+    let tree = f.build();
+    let tmp = TempDir::new().expect("tempdir");
+    let mnt = tmp.path().join("full");
+    let _mount = Mount::tmpfs(&mnt, "1m");
+    let socket = tmp.path().join("hostdevd.sock");
+    let cfg_path = tmp.path().join("config.toml");
+    fs::write(
+        &cfg_path,
+        format!(
+            "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n\
+             [api]\nsocket = {:?}\n[libvirt]\nenabled = false\n[hotplug]\nenabled = false\n",
+            tree.sysfs_root(),
+            tree.dev_root(),
+            mnt.join("state"),
+            socket,
+        ),
+    )
+    .expect("config");
+    let numa = |devices: &[proto::Device]| {
+        devices
+            .iter()
+            .find(|d| d.address == vf)
+            .expect("the VF listed")
+            .numa_node
+    };
+    let (daemon, mut c) = start(&cfg_path, &socket).await;
+    let before = numa(&list(&mut c).await);
+    assert_ne!(before, Some(1));
+    daemon.terminate().await;
+
+    fill_up(&mnt.join("filler"));
+    tree.write_attr(&vf, "numa_node", b"1\n");
+    let (daemon, mut c) = start(&cfg_path, &socket).await;
+    let devices = list(&mut c).await;
+    assert_eq!(numa(&devices), before, "the ledger as stored");
+    let store = c
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .expect("status")
+        .into_inner()
+        .store
+        .expect("store health");
+    assert!(!store.ok, "{store:?}");
+    let free = devices
+        .iter()
+        .find(|d| d.address == vf)
+        .expect("the VF")
+        .clone();
+    let refused = c
+        .claim(claim(&free, "while-full"))
+        .await
+        .expect_err("nothing can be written");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+
+    // Space is freed: the scan is tried again and applied.
+    fs::remove_file(mnt.join("filler")).expect("free space");
+    let start = std::time::Instant::now();
+    let devices = loop {
+        let devices = list(&mut c).await;
+        if numa(&devices) == Some(1) {
+            break devices;
+        }
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(30),
+            "the first scan applied once space is back"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    let now = devices
+        .iter()
+        .find(|d| d.address == vf)
+        .expect("the VF")
+        .clone();
+    c.claim(claim(&now, "after"))
+        .await
+        .expect("claim once space is back");
+    daemon.terminate().await;
+}
+
 /// A hotplug removal whose rescan the ledger cannot take (the disk is full) is owed, not
 /// dropped: the agent tries it again until it is applied, and the removed VF leaves the
 /// listing once space is back. An earlier version logged the failure and forgot the
