@@ -479,6 +479,61 @@ fn claim(vf: &proto::Device, id: &str) -> proto::ClaimRequest {
     }
 }
 
+/// A host for the full-disk tests: a PF with 2 VFs, and a config whose state dir is on a
+/// 1 MiB tmpfs (`mnt`, filled up with [`fill_up`]), libvirt off, uevents as `hotplug`,
+/// and `top` (top-level keys) before the tables.
+struct SmallDisk {
+    tree: hostdevd::simhost::FakeTree,
+    // Unmounted before the directory it is in is removed: fields drop in this order.
+    _mount: Mount,
+    mnt: PathBuf,
+    socket: PathBuf,
+    cfg_path: PathBuf,
+    /// The VFs' addresses.
+    vfs: Vec<String>,
+    _tmp: TempDir,
+}
+
+impl SmallDisk {
+    fn new(hotplug: bool, top: &str) -> SmallDisk {
+        let mut f = hostdevd::simhost::FakeSys::new();
+        f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
+            .vf_iommu_groups("0000:3b:00.0", 40);
+        let vfs = f
+            .vfs("0000:3b:00.0")
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+        let tree = f.build();
+        let tmp = TempDir::new().expect("tempdir");
+        let mnt = tmp.path().join("full");
+        let mount = Mount::tmpfs(&mnt, "1m");
+        let socket = tmp.path().join("hostdevd.sock");
+        let cfg_path = tmp.path().join("config.toml");
+        fs::write(
+            &cfg_path,
+            format!(
+                "{top}sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n\
+                 [api]\nsocket = {:?}\n[libvirt]\nenabled = false\n[hotplug]\nenabled = {hotplug}\n",
+                tree.sysfs_root(),
+                tree.dev_root(),
+                mnt.join("state"),
+                socket,
+            ),
+        )
+        .expect("config");
+        SmallDisk {
+            tree,
+            _mount: mount,
+            mnt,
+            socket,
+            cfg_path,
+            vfs,
+            _tmp: tmp,
+        }
+    }
+}
+
 /// The real daemon restarted on a state dir whose disk is 100% full, after a clean stop
 /// (no write-ahead log left), and again after a reboot: it starts and serves reads,
 /// although neither the host generation it raises at start nor a new boot id can be
@@ -486,33 +541,14 @@ fn claim(vf: &proto::Device, id: &str) -> proto::ClaimRequest {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_on_a_full_disk_serves_reads() {
     require_root("a_restart_on_a_full_disk_serves_reads");
-    let mut f = hostdevd::simhost::FakeSys::new();
-    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
-        .vf_iommu_groups("0000:3b:00.0", 40);
-    let tree = f.build();
-    let tmp = TempDir::new().expect("tempdir");
-    let mnt = tmp.path().join("full");
-    let _mount = Mount::tmpfs(&mnt, "1m");
-    let socket = tmp.path().join("hostdevd.sock");
     // A proc tree of the test's own, for the boot id.
-    let proc_root = tmp.path().join("proc");
+    let tmp_proc = TempDir::new().expect("tempdir");
+    let proc_root = tmp_proc.path().join("proc");
     let boot_id = proc_root.join("sys/kernel/random/boot_id");
     fs::create_dir_all(boot_id.parent().expect("dir")).expect("proc");
     fs::write(&boot_id, "first-boot\n").expect("boot id");
-    let cfg_path = tmp.path().join("config.toml");
-    fs::write(
-        &cfg_path,
-        format!(
-            "sysfs_root = {:?}\ndev_root = {:?}\nproc_root = {:?}\nstate_dir = {:?}\n\
-             [api]\nsocket = {:?}\n[libvirt]\nenabled = false\n[hotplug]\nenabled = false\n",
-            tree.sysfs_root(),
-            tree.dev_root(),
-            proc_root,
-            mnt.join("state"),
-            socket,
-        ),
-    )
-    .expect("config");
+    let disk = SmallDisk::new(false, &format!("proc_root = {proc_root:?}\n"));
+    let (mnt, socket, cfg_path) = (disk.mnt.clone(), disk.socket.clone(), disk.cfg_path.clone());
     // A first run claims VF 0 and stops cleanly.
     let (daemon, mut c) = start(&cfg_path, &socket).await;
     let devices = list(&mut c).await;
@@ -585,28 +621,10 @@ async fn a_restart_on_a_full_disk_serves_reads() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_scan_refused_by_a_full_disk_does_not_stop_the_start() {
     require_root("a_first_scan_refused_by_a_full_disk_does_not_stop_the_start");
-    let mut f = hostdevd::simhost::FakeSys::new();
-    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
-        .vf_iommu_groups("0000:3b:00.0", 40);
-    let vf = f.vfs("0000:3b:00.0")[0].to_string();
-    let tree = f.build();
-    let tmp = TempDir::new().expect("tempdir");
-    let mnt = tmp.path().join("full");
-    let _mount = Mount::tmpfs(&mnt, "1m");
-    let socket = tmp.path().join("hostdevd.sock");
-    let cfg_path = tmp.path().join("config.toml");
-    fs::write(
-        &cfg_path,
-        format!(
-            "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n\
-             [api]\nsocket = {:?}\n[libvirt]\nenabled = false\n[hotplug]\nenabled = false\n",
-            tree.sysfs_root(),
-            tree.dev_root(),
-            mnt.join("state"),
-            socket,
-        ),
-    )
-    .expect("config");
+    let disk = SmallDisk::new(false, "");
+    let tree = &disk.tree;
+    let (mnt, socket, cfg_path) = (disk.mnt.clone(), disk.socket.clone(), disk.cfg_path.clone());
+    let vf = disk.vfs[0].clone();
     let numa = |devices: &[proto::Device]| {
         devices
             .iter()
@@ -675,27 +693,9 @@ async fn a_first_scan_refused_by_a_full_disk_does_not_stop_the_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hotplug_rescan_refused_by_a_full_disk_is_retried_until_applied() {
     require_root("a_hotplug_rescan_refused_by_a_full_disk_is_retried_until_applied");
-    let mut f = hostdevd::simhost::FakeSys::new();
-    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
-        .vf_iommu_groups("0000:3b:00.0", 40);
-    let tree = f.build();
-    let tmp = TempDir::new().expect("tempdir");
-    let mnt = tmp.path().join("full");
-    let _mount = Mount::tmpfs(&mnt, "1m");
-    let socket = tmp.path().join("hostdevd.sock");
-    let cfg_path = tmp.path().join("config.toml");
-    fs::write(
-        &cfg_path,
-        format!(
-            "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n\
-             [api]\nsocket = {:?}\n[libvirt]\nenabled = false\n[hotplug]\nenabled = true\n",
-            tree.sysfs_root(),
-            tree.dev_root(),
-            mnt.join("state"),
-            socket,
-        ),
-    )
-    .expect("config");
+    let disk = SmallDisk::new(true, "");
+    let tree = &disk.tree;
+    let (mnt, socket, cfg_path) = (disk.mnt.clone(), disk.socket.clone(), disk.cfg_path.clone());
     // A first run writes the ledger and stops cleanly (no write-ahead log left), so that
     // on the full disk the next commit has nowhere to go.
     let (daemon, _c) = start(&cfg_path, &socket).await;
