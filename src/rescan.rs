@@ -236,13 +236,10 @@ impl Rescanner {
             }
         }
         let sel = selection.unwrap_or_else(|| read(&self.selection).clone());
+        // One fact per device, in order.
         let mut facts = sel.facts(&devices);
-        let instances: BTreeMap<PciAddress, u64> = devices
-            .iter()
-            .filter_map(|d| Some((d.address, d.instance?)))
-            .collect();
-        for f in &mut facts {
-            f.instance = self.instance(instances.get(&f.address).copied());
+        for (f, d) in facts.iter_mut().zip(&devices) {
+            f.instance = self.instance(d.instance);
         }
         facts.extend(facts_kept);
         // The sysfs details go out with the facts, in the same view; the selection
