@@ -1465,20 +1465,9 @@ async fn cmd_reload(ctx: &mut Ctx, a: ReloadArgs) -> Outcome {
             )))
         }
     };
-    let status = |ctx: &mut Ctx| {
-        let mut client = ctx.client.clone();
-        let socket = ctx.socket.clone();
-        async move {
-            client
-                .get_status(proto::GetStatusRequest {})
-                .await
-                .map(tonic::Response::into_inner)
-                .map_err(|s| describe("reload", &socket, &s))
-        }
-    };
     // A reload counted as begun now may have read the config before this call: the one
     // that answers is the next to begin, so the wait is for one more to end than had begun.
-    let begun = status(ctx).await?.reloads_started;
+    let begun = agent_status(ctx, "reload").await?.reloads_started;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGHUP,
@@ -1486,7 +1475,7 @@ async fn cmd_reload(ctx: &mut Ctx, a: ReloadArgs) -> Outcome {
     .map_err(|e| Failure::Refused(format!("cannot signal the agent (PID {pid}): {e}")))?;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.timeout);
     let s = loop {
-        let s = status(ctx).await?;
+        let s = agent_status(ctx, "reload").await?;
         if s.reloads_finished > begun {
             break s;
         }
@@ -1517,13 +1506,18 @@ async fn cmd_reload(ctx: &mut Ctx, a: ReloadArgs) -> Outcome {
     out(format!("{} (agent PID {pid})", last.detail))
 }
 
-async fn cmd_status(ctx: &mut Ctx) -> Outcome {
-    let s = ctx
+/// The agent's status, for the command `op`.
+async fn agent_status(ctx: &mut Ctx, op: &str) -> Result<proto::AgentStatus, Failure> {
+    Ok(ctx
         .client
         .get_status(proto::GetStatusRequest {})
         .await
-        .map_err(|s| describe("status", &ctx.socket, &s))?
-        .into_inner();
+        .map_err(|s| describe(op, &ctx.socket, &s))?
+        .into_inner())
+}
+
+async fn cmd_status(ctx: &mut Ctx) -> Outcome {
+    let s = agent_status(ctx, "status").await?;
     let counts: BTreeMap<&String, &u32> = s.devices_by_state.iter().collect();
     if ctx.json {
         let health = |h: &Option<proto::Health>| match h {
