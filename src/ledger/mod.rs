@@ -1012,8 +1012,9 @@ impl Ledger {
                         // Only which instance it is became known (in a new boot, or
                         // first read by this build) or unknown: the device did not
                         // change, and gets no new generation, nor a write of its own (a
-                        // restart on a full disk must not fail over it). Kept in memory;
-                        // written with the record's next change, a claim among them.
+                        // restart on a full disk must not fail over it). Kept in memory:
+                        // a claimed one's is written apart by the writer (see
+                        // `take_unwritten_instances`), any with the record's next change.
                         if let Some(r) = self.records.get_mut(&id) {
                             r.facts.instance = facts.instance;
                             Arc::make_mut(&mut self.unwritten).insert(id);
