@@ -302,7 +302,9 @@ impl Agent {
             // scan is tried again until it applies.
             Err(RescanError::Write(WriteError::Store(e))) if e.is_disk_full() => {
                 tracing::warn!(error = %e, "the first scan cannot be stored: the disk is full; serving the ledger as stored, and trying the scan again until it applies");
-                agent.retry_first_scan();
+                agent
+                    .rescanner
+                    .owe_full_scan("the first scan could not be stored");
             }
             Err(e) => return Err(e.into()),
         }
@@ -310,28 +312,6 @@ impl Agent {
             agent.start_hotplug(socket, cfg.hotplug.receive_buffer_bytes)?;
         }
         Ok((agent.start_libvirt(cfg).await?, Closing(writer_thread)))
-    }
-
-    /// Tries the first full scan again, after a wait that doubles from one second to half
-    /// a minute, until the ledger takes it (see [`Agent::start`]).
-    fn retry_first_scan(&self) {
-        let rescanner = self.rescanner.clone();
-        tokio::spawn(async move {
-            let mut wait = std::time::Duration::from_secs(1);
-            loop {
-                tokio::time::sleep(wait).await;
-                match rescanner.full(None).await {
-                    Ok(()) => {
-                        tracing::info!("the first scan is applied and stored");
-                        return;
-                    }
-                    Err(e) => {
-                        wait = (wait * 2).min(std::time::Duration::from_secs(30));
-                        tracing::warn!(error = %e, retry_in_s = wait.as_secs(), "the first scan still cannot be applied");
-                    }
-                }
-            }
-        });
     }
 
     /// Starts the uevent listener thread and the task that rescans what events name

@@ -129,6 +129,16 @@ pub struct Rescanner {
     /// Devices kept as they were because the kernel held their PF, to read again every
     /// [`HELD_RETRY`]; one task at a time does, while any are left.
     held: Mutex<HeldRetry>,
+    /// Full scans owed (see [`Rescanner::owe_full_scan`]).
+    owed: Mutex<OwedScan>,
+}
+
+/// See [`Rescanner::owed`]: how many full scans were owed, and whether a task is trying
+/// one.
+#[derive(Debug, Default)]
+struct OwedScan {
+    owed: u64,
+    running: bool,
 }
 
 /// See [`Rescanner::held`].
@@ -180,7 +190,46 @@ impl Rescanner {
             turn: Arc::new(tokio::sync::Mutex::new(())),
             seen_at: RwLock::new(BTreeMap::new()),
             held: Mutex::new(HeldRetry::default()),
+            owed: Mutex::new(OwedScan::default()),
         }
+    }
+
+    /// Owes a full scan that the ledger must take (`why`: what could not be stored, a
+    /// full disk above all): one task tries it after a wait that doubles from one second
+    /// to half a minute, until a scan that began after the last owing applies.
+    pub fn owe_full_scan(self: &Arc<Self>, why: &'static str) {
+        {
+            let mut owed = lock(&self.owed);
+            owed.owed += 1;
+            if owed.running {
+                return;
+            }
+            owed.running = true;
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut wait = Duration::from_secs(1);
+            loop {
+                let target = lock(&me.owed).owed;
+                tokio::time::sleep(wait).await;
+                match me.full(None).await {
+                    Ok(()) => {
+                        let mut owed = lock(&me.owed);
+                        if owed.owed == target {
+                            owed.running = false;
+                            tracing::info!(why, "the full scan owed is applied and stored");
+                            return;
+                        }
+                        // Owed again while it ran: once more.
+                        wait = Duration::from_secs(1);
+                    }
+                    Err(e) => {
+                        wait = (wait * 2).min(Duration::from_secs(30));
+                        tracing::warn!(error = %e, why, retry_in_s = wait.as_secs(), "the full scan owed still cannot be applied");
+                    }
+                }
+            }
+        });
     }
 
     /// The instance of a device whose sysfs directory has inode number `ino`, in this boot.

@@ -807,6 +807,9 @@ struct Worker {
     /// Set once a commit's outcome is unknown: from then on nothing is decided.
     failed: Option<String>,
     failed_tx: Arc<tokio::sync::watch::Sender<bool>>,
+    /// The tokens of VF count changes whose record the store refused (a full disk):
+    /// each holds its PF and VFs back from claims until a full scan commits.
+    unrecorded_vf_changes: Vec<Arc<()>>,
 }
 
 /// Keeps a decided change for the batch's commit (a replay changes nothing) and says
@@ -853,6 +856,7 @@ impl Worker {
             closed: closed::ClosedRequests::default(),
             failed: None,
             failed_tx: Arc::new(tokio::sync::watch::channel(false).0),
+            unrecorded_vf_changes: Vec::new(),
         }
     }
 
@@ -1044,6 +1048,7 @@ impl Worker {
     fn apply_batch(&mut self, batch: Vec<Command>) {
         let now = now_unix();
         let before = self.view_now();
+        let full_scan = batch.iter().any(|c| matches!(c, Command::Inventory(..)));
         let mut changes: Vec<ChangeSet> = Vec::new();
         // Each decision with whether it came after one that a failed commit would undo
         // (a change, or a request id closed): only an answer decided before any such may
@@ -1087,6 +1092,15 @@ impl Worker {
                 }
                 self.metrics.stored_requests(self.store.request_log_len());
                 self.store_instances();
+                if full_scan && !self.unrecorded_vf_changes.is_empty() {
+                    // The scan read the PFs whose VF count changes went unrecorded, and
+                    // their VFs as they are now: their devices are free to claim again.
+                    tracing::info!(
+                        changes = self.unrecorded_vf_changes.len(),
+                        "a full scan applied: the PFs of unrecorded VF count changes are no longer held back"
+                    );
+                    self.unrecorded_vf_changes.clear();
+                }
             }
             Err(e) => {
                 tracing::error!(error = %e, changes = changes.len(), "store commit failed; the batch is undone");

@@ -1137,9 +1137,11 @@ async fn sriov_numvfs_writes_wait_for_the_vf_count_timeout() {
 /// past any bound the tests wait for): the kernel holding a device.
 /// The fake host with the PF's `sriov_numvfs` on the fault filesystem, where a write
 /// hangs (as the kernel's device lock keeps one) until the hold is released, and an
-/// agent whose VF count writes give up after `vf_count_timeout_ms`.
+/// agent whose VF count writes give up after `vf_count_timeout_ms`, managing the PF as
+/// well as its VFs when `manage_pf`.
 async fn hung_vf_count_write(
     vf_count_timeout_ms: u64,
+    manage_pf: bool,
 ) -> (
     FakeTree,
     support::faultfs::FaultFs,
@@ -1152,7 +1154,13 @@ async fn hung_vf_count_write(
     let hang = Hold::on();
     fs.during_write("sriov_numvfs", hang.hook());
     let s = start_tuned(&t, 300, 1 << 20, |cfg| {
-        cfg.hardware.vf_count_timeout_ms = vf_count_timeout_ms
+        cfg.hardware.vf_count_timeout_ms = vf_count_timeout_ms;
+        if manage_pf {
+            cfg.devices = vec![hostdevd::config::DeviceSpec {
+                address: Some("0000:3b:*.*".into()),
+                ..Default::default()
+            }];
+        }
     })
     .await;
     (t, fs, hang, s)
@@ -1193,12 +1201,13 @@ impl Hold {
 /// change gives that read up instead of waiting with the rescanners' turn held, and
 /// keeps the PF and its VFs as the ledger has them rather than read mid-change: the
 /// change is answered while its write still hangs, its VFs (which the kernel may be
-/// destroying) stay out of reach, and once the kernel lets go they are read again, with
-/// no uevent to prompt it, and claimable.
+/// destroying) and the PF itself stay out of reach (claims and another change are
+/// refused while the write is in the kernel, not only until it timed out), and once the
+/// kernel lets go they are read again, with no uevent to prompt it, and claimable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vf_count_change_left_running_does_not_hold_the_rescans() {
     let _alone = alone().await;
-    let (_t, fs, hang, s) = hung_vf_count_write(300).await;
+    let (_t, fs, hang, s) = hung_vf_count_write(300, true).await;
     let mut c = s.client().await;
     let v = vf(&mut c, 0).await;
     let pf = device(&mut c, PF).await.expect("PF");
@@ -1226,11 +1235,39 @@ async fn a_vf_count_change_left_running_does_not_hold_the_rescans() {
         .await
         .map(|_| ())
         .expect_err("a VF of a PF mid-change");
+    // The PF too, at its current generation (the failed change gave it a new one), and
+    // a second change of its count, which would wait on the same lock in the kernel.
+    let held = device(&mut c, PF).await.expect("PF");
+    assert!(held.generation > pf.generation, "{held:?} after {pf:?}");
+    let e = claim_as(&mut c, PF, 1, false, "pf-mid-change", held.generation)
+        .await
+        .map(|_| ())
+        .expect_err("the PF while its write is in the kernel");
+    assert_eq!(reason(&e).0, "VF_COUNT_CHANGING", "{e:?}");
+    assert_eq!(
+        reason(&e).1.get("changing_pf").map(String::as_str),
+        Some(PF)
+    );
+    let e = set_vfs(&mut c, 1, held.generation)
+        .await
+        .map(|_| ())
+        .expect_err("a second change while the first is in the kernel");
+    assert_eq!(reason(&e).0, "VF_COUNT_CHANGING", "{e:?}");
+    let unchanged = device(&mut c, PF).await.expect("PF");
+    assert_eq!(
+        unchanged.generation, held.generation,
+        "refusals change nothing"
+    );
+    assert!(unchanged.owner.is_none(), "{unchanged:?}");
     hang.release();
     until(&mut c, "the VF read again once the PF answers", |l| {
         l.iter().any(|d| d.address == v && d.present)
     })
     .await;
+    claim(&mut c, PF, 2, false)
+        .await
+        .expect("the PF claimable once the kernel answered");
+    release(&mut c, PF, 2).await.expect("the PF released");
     claim(&mut c, &v, 1, false).await.expect("claimable again");
     assert_eq!(fs.attempts("sriov_numvfs"), ["0"]);
     s.stop().await;
@@ -1369,7 +1406,7 @@ async fn other_devices_are_claimed_and_released_while_a_vf_count_is_written() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vf_count_change_dropped_mid_write_is_recorded_as_destroying_the_vfs() {
     let _alone = alone().await;
-    let (_t, _fs, hang, s) = hung_vf_count_write(30_000).await;
+    let (_t, _fs, hang, s) = hung_vf_count_write(30_000, false).await;
     let mut c = s.client().await;
     let v = vf(&mut c, 0).await;
     let old = device(&mut c, &v).await.expect("VF").generation;

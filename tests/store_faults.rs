@@ -755,3 +755,77 @@ async fn a_hotplug_rescan_refused_by_a_full_disk_is_retried_until_applied() {
     assert!(h.ok, "healthy again once applied: {}", h.detail);
     daemon.terminate().await;
 }
+
+/// A VF count change whose record the full disk refuses leaves the ledger listing the
+/// VFs the kernel may have destroyed: the PF and its VFs stay held back (claims refused
+/// `VF_COUNT_CHANGING`, answered without a write, not taken), and once space is back the
+/// full scan the change owes applies with no other event or call, and the PF is
+/// claimable again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vf_count_change_refused_by_a_full_disk_holds_its_pf_until_a_full_scan() {
+    use tonic_types::StatusExt;
+    require_root("a_vf_count_change_refused_by_a_full_disk_holds_its_pf_until_a_full_scan");
+    let disk = SmallDisk::new(false, "");
+    let (mnt, socket, cfg_path) = (disk.mnt.clone(), disk.socket.clone(), disk.cfg_path.clone());
+    const PF: &str = "0000:3b:00.0";
+    // The PF managed as well as its VFs.
+    let mut cfg = fs::read_to_string(&cfg_path).expect("config");
+    cfg.push_str("[[devices]]\naddress = \"0000:3b:*.*\"\n");
+    fs::write(&cfg_path, cfg).expect("config");
+    // A first run writes the ledger and stops cleanly (no write-ahead log left), so that
+    // on the full disk the next commit has nowhere to go.
+    let (daemon, _c) = start(&cfg_path, &socket).await;
+    daemon.terminate().await;
+    fill_up(&mnt.join("filler"));
+    let (daemon, mut c) = start(&cfg_path, &socket).await;
+    let device = |devices: Vec<proto::Device>, a: &str| {
+        devices
+            .into_iter()
+            .find(|d| d.address == a)
+            .unwrap_or_else(|| panic!("{a} listed"))
+    };
+    let pf = device(list(&mut c).await, PF);
+    let e = c
+        .set_vf_count(proto::SetVfCountRequest {
+            address: PF.into(),
+            vf_count: 1,
+            generation: pf.generation,
+            ..Default::default()
+        })
+        .await
+        .expect_err("the change's record refused");
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    let reason = |e: &tonic::Status| e.get_details_error_info().expect("ErrorInfo").reason;
+    let before = list(&mut c).await;
+    for a in [PF, disk.vfs[0].as_str()] {
+        let now = device(before.clone(), a);
+        let e = c
+            .claim(claim(&now, &format!("while-full-{a}")))
+            .await
+            .expect_err("held back");
+        assert_eq!(reason(&e), "VF_COUNT_CHANGING", "{a}: {e:?}");
+    }
+    assert_eq!(list(&mut c).await, before, "refusals change nothing");
+
+    // Space is back: the owed full scan applies, and the PF is claimable.
+    fs::remove_file(mnt.join("filler")).expect("free space");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let now = device(list(&mut c).await, PF);
+        match c
+            .claim(claim(&now, &format!("after-{}", now.generation)))
+            .await
+        {
+            Ok(_) => break,
+            Err(e) => {
+                assert_eq!(reason(&e), "VF_COUNT_CHANGING", "{e:?}");
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the PF still held back a minute after space came back"
+                );
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    daemon.terminate().await;
+}

@@ -1417,6 +1417,12 @@ impl HostDev for HostDevService {
                 },
             )
             .await;
+        if matches!(result, Err(crate::writer::WriteError::Store(_))) {
+            // The change's record was refused (a full disk): its PF and VFs stay held
+            // back until a full scan applies, tried until the disk takes one.
+            self.rescanner
+                .owe_full_scan("a VF count change could not be recorded");
+        }
         let done = result.map_err(ApiError::from)?;
         let device = self.present_device(pf);
         Ok(Response::new(proto::SetVfCountResponse {

@@ -159,7 +159,7 @@ impl Hardware {
         path: &Path,
         value: &str,
     ) -> Result<(), HardwareError> {
-        self.write_within(address, step, path, value, self.step_timeout)
+        self.write_within(address, step, path, value, self.step_timeout, ())
     }
 
     /// Reads an attribute the kernel shows under the device's lock (`sriov_numvfs`),
@@ -196,7 +196,9 @@ impl Hardware {
     }
 
     /// [`Self::write`], waiting at most `timeout` (for `sriov_numvfs`, the VF count
-    /// timeout).
+    /// timeout). `keep` is dropped when the write returns, not when the wait ends: a
+    /// write past its timeout keeps it for as long as the kernel takes (a VF count
+    /// change's token, which holds the PF back from claims until then).
     pub fn write_within(
         &self,
         address: PciAddress,
@@ -204,16 +206,28 @@ impl Hardware {
         path: &Path,
         value: &str,
         timeout: Duration,
+        keep: impl Send + 'static,
     ) -> Result<(), HardwareError> {
         let (p, v) = (path.to_path_buf(), value.to_string());
+        let started = std::time::Instant::now();
         let written = crate::sysfs::attr::on_thread("hostdevd-sysfs-write", timeout, move || {
             // O_TRUNC as a shell's `echo v > attr`: sysfs ignores it; a regular file (a
             // test tree) then holds exactly the value.
-            std::fs::OpenOptions::new()
+            let written = std::fs::OpenOptions::new()
                 .write(true)
                 .truncate(true)
                 .open(&p)
-                .and_then(|mut f| f.write_all(v.as_bytes()))
+                .and_then(|mut f| f.write_all(v.as_bytes()));
+            let took = started.elapsed();
+            if took > timeout {
+                tracing::warn!(
+                    device = %address, step, path = %p.display(), value = %v, ?took,
+                    ok = written.is_ok(),
+                    "the kernel answered a write after its timeout"
+                );
+            }
+            drop(keep);
+            written
         });
         let fail = |source| HardwareError::Write {
             address,

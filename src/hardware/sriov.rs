@@ -3,6 +3,8 @@
 //! Each `sriov_numvfs` write waits at most the VF count timeout: the kernel makes or
 //! removes every VF within that one write (tens of seconds on some NICs).
 
+use std::sync::Arc;
+
 use crate::pci::PciAddress;
 
 use super::{Hardware, HardwareError};
@@ -69,13 +71,15 @@ impl Hardware {
     /// write, so the PF may have changed; the second value says what was written. The
     /// VFs the PF had may be gone ([`Written::Vfs`]) once a `sriov_numvfs` write went
     /// through or timed out (and may still finish), not when the count stays, nor when
-    /// the kernel refused the first one outright.
+    /// the kernel refused the first one outright. Each `sriov_numvfs` write holds a
+    /// clone of `hold` until the kernel answers it, even past its timeout.
     pub fn write_num_vfs(
         &self,
         pf: PciAddress,
         before: u32,
         count: u32,
         autoprobe: Option<bool>,
+        hold: &Arc<()>,
     ) -> (Result<(), HardwareError>, Written) {
         let dir = self.device_dir(pf);
         let mut written = Written::Nothing;
@@ -91,8 +95,10 @@ impl Hardware {
             return (Ok(()), written);
         }
         let numvfs = dir.join("sriov_numvfs");
-        let write_numvfs =
-            |step, value: &str| self.write_within(pf, step, &numvfs, value, self.vf_count_timeout);
+        let write_numvfs = |step, value: &str| {
+            let (timeout, hold) = (self.vf_count_timeout, hold.clone());
+            self.write_within(pf, step, &numvfs, value, timeout, hold)
+        };
         let zero_first = before != 0 && count != 0;
         let first = if zero_first {
             write_numvfs("disable VFs (write 0)", "0")

@@ -105,7 +105,7 @@ pub enum LedgerError {
         generation: Generation,
     },
 
-    #[error("{address} cannot be claimed or bound now: the VF count of {pf} is being written, which destroys its VFs; nothing was changed, try again once that change is answered (a VF comes back as a new device, with a new generation); current generation {generation}")]
+    #[error("{address} cannot be claimed or bound now: the VF count of {pf} is being written, which destroys its VFs; nothing was changed, try again once the kernel has answered that write (a write past its timeout holds them until it does; a VF comes back as a new device, with a new generation); current generation {generation}")]
     VfCountChanging {
         address: PciAddress,
         pf: PciAddress,

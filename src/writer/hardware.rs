@@ -73,7 +73,8 @@ pub struct VfChange {
     vfs: Vec<PciAddress>,
     hw: Hardware,
     /// Holds the devices back while it lives: a change dropped unanswered (its task
-    /// gone) lets them go rather than hold them forever.
+    /// gone) lets them go rather than hold them forever, and a `sriov_numvfs` write
+    /// still in the kernel (past its timeout) holds a clone until it returns.
     token: Arc<()>,
 }
 
@@ -117,7 +118,8 @@ impl VfChange {
         let (before, result, written) = match hw.vf_count_now(req.pf, req.count) {
             Err(e) => (0, Err(e), Written::Nothing),
             Ok(before) => {
-                let (result, written) = hw.write_num_vfs(req.pf, before, req.count, req.autoprobe);
+                let (result, written) =
+                    hw.write_num_vfs(req.pf, before, req.count, req.autoprobe, &token);
                 (before, result, written)
             }
         };
@@ -412,7 +414,9 @@ impl Worker {
         }))
     }
 
-    /// Records what a VF count change wrote, and lets the PF and its VFs go.
+    /// Records what a VF count change wrote, and lets the PF and its VFs go: at once,
+    /// or once the kernel answers a write still in it, or, where the record could not
+    /// be stored, once a full scan applies.
     fn end_vf_count(&mut self, w: VfWritten) -> Result<VfCountSet, WriteError> {
         let VfWritten {
             req,
@@ -422,11 +426,26 @@ impl Worker {
             written,
             token,
         } = w;
-        self.ledger.vf_change_ended(req.pf);
-        drop(token);
+        // A write the kernel has not answered (past its timeout, or its task gone before
+        // it ended) holds a clone of the token until it returns, so the PF and its VFs
+        // stay held back from claims and another change until the kernel lets the PF
+        // go. Any other end lets them go once recorded.
+        let in_kernel = matches!(
+            result,
+            Err(HardwareError::Timeout { .. } | HardwareError::Abandoned { .. })
+        );
+        let recorded = |worker: &mut Worker| {
+            if in_kernel {
+                tracing::warn!(pf = %req.pf, "a VF count write is still in the kernel: the PF and its VFs stay held back until it returns");
+            } else {
+                worker.ledger.vf_change_ended(req.pf);
+            }
+        };
         if written == Written::Nothing {
             // Nothing reached sysfs (refused at the first write, or nothing to write):
             // nothing changed, and the caller's generation stays good.
+            recorded(self);
+            drop(token);
             result?;
             return Ok(VfCountSet {
                 generation: req.generation,
@@ -455,7 +474,17 @@ impl Worker {
             .ledger
             .vf_count_written(req.pf, &vfs, written == Written::Vfs, logged);
         let generation = cs.host_generation;
-        self.commit_one(cs)?;
+        if let Err(e) = self.commit_one(cs) {
+            // The ledger still lists the VFs the kernel may have destroyed (and may have
+            // made again, as other devices, at the same addresses): the PF and its VFs
+            // stay held back until a full scan applies, which reads what is there now
+            // (the caller owes one, tried until the disk takes it).
+            tracing::warn!(pf = %req.pf, error = %e, "a VF count change could not be recorded: the PF and its VFs stay held back until a full scan applies");
+            self.unrecorded_vf_changes.push(token);
+            return Err(e);
+        }
+        recorded(self);
+        drop(token);
         tracing::info!(pf = %req.pf, count = req.count, before, ok = result.is_ok(), "VF count written");
         result?;
         Ok(VfCountSet {

@@ -670,6 +670,104 @@ fn requests_are_decided_while_a_vf_count_is_written() {
     );
 }
 
+/// A VF count change whose record the store refuses (a full disk) leaves the ledger
+/// listing the VFs the kernel destroyed: the PF and those VFs stay held back, after the
+/// disk takes writes again too, until a full scan commits, and refusing them changes
+/// nothing; the host's other devices are claimed meanwhile.
+#[test]
+fn a_vf_count_change_the_store_refused_holds_its_devices_until_a_full_scan() {
+    let pf = "0000:3b:00.0";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut w, _tree, vfs) = pf_worker(dir.path(), pf, Some("0000:5e:00.0"));
+    let generation = |w: &Worker, a: PciAddress| {
+        w.view_now()
+            .device(a)
+            .next()
+            .expect("present")
+            .record
+            .generation
+    };
+    let change = SetVfCount {
+        pf: addr(pf),
+        generation: generation(&w, addr(pf)),
+        count: 2,
+        autoprobe: None,
+        request: None,
+    };
+    w.store.refuse_writes(true);
+    let err = set_vf_count(&mut w, change).expect_err("the record refused");
+    w.store.refuse_writes(false);
+    assert!(matches!(err, WriteError::Store(_)), "{err:?}");
+    let stored = w.store.load().expect("load");
+    let claims = |w: &mut Worker, who: u128| {
+        let (v, vf_rx) = claim(
+            who,
+            &format!("old-vf-{who}"),
+            ClaimTarget::Address {
+                address: vfs[0],
+                expected_generation: generation(w, vfs[0]),
+            },
+        );
+        let (p, pf_rx) = claim(
+            who + 1,
+            &format!("pf-{who}"),
+            ClaimTarget::Address {
+                address: addr(pf),
+                expected_generation: generation(w, addr(pf)),
+            },
+        );
+        w.apply_batch(vec![p, v]);
+        (answer(vf_rx), answer(pf_rx))
+    };
+    let (vf, pf_claim) = claims(&mut w, 1);
+    for refused in [vf.map(|_| ()), pf_claim.map(|_| ())] {
+        assert!(
+            matches!(
+                refused,
+                Err(WriteError::Ledger(LedgerError::VfCountChanging { .. }))
+            ),
+            "{refused:?}"
+        );
+    }
+    assert_eq!(
+        w.store.load().expect("load"),
+        stored,
+        "refusals change nothing"
+    );
+    let (other, other_rx) = claim(
+        5,
+        "other",
+        ClaimTarget::Address {
+            address: addr("0000:5e:00.0"),
+            expected_generation: generation(&w, addr("0000:5e:00.0")),
+        },
+    );
+    w.apply_batch(vec![other]);
+    answer(other_rx).expect("another device is claimed meanwhile");
+    // A scan of the PF's devices alone is no full scan: still held.
+    let (reply, rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Devices(vec![(vfs[3], None)], None, reply)]);
+    answer(rx).expect("a VF's removal applied");
+    let (vf, _) = claims(&mut w, 7);
+    assert!(vf.is_err(), "{vf:?}");
+    // The full scan finds the PF with two VFs, and lets them go.
+    let mut inventory = vec![facts(pf, Some(10), None)];
+    inventory[0].is_pf = true;
+    for (i, a) in vfs.iter().take(2).enumerate() {
+        inventory.push(facts(&a.to_string(), Some(20 + i as u32), Some(pf)));
+    }
+    inventory.push(facts("0000:5e:00.0", Some(30), None));
+    let (reply, rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Inventory(inventory, None, reply)]);
+    answer(rx).expect("the full scan applied");
+    let (vf, pf_claim) = claims(&mut w, 9);
+    pf_claim.expect("the PF is claimable");
+    assert!(
+        matches!(vf, Err(WriteError::Ledger(LedgerError::Blocked { .. }))),
+        "the VF the scan found, no longer held back, but blocked by its PF's claim: {vf:?}"
+    );
+}
+
 /// A VF count written takes the PF's old VFs away in the same commit as the PF's new
 /// generation: a claim that presents an old VF's generation, decided after the write and
 /// before any rescan, finds no device (the kernel destroyed it), and never lands on the
