@@ -7,7 +7,8 @@
 //! two wake-ups more and the agent a second read. [`Direct`] hands the whole request to
 //! one HTTP/2 connection at once, as gRPC's C core does, and tonic's generated clients
 //! run on it unchanged. It serves unary and server-streaming calls, all that the API
-//! has; it does not reconnect (a new [`connect`] does).
+//! has, and makes its connection again once it is gone (the agent restarted): the call
+//! under way fails, and the next one goes out on a new connection.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -92,7 +93,8 @@ async fn connect_within(
         let io = tokio::net::UnixStream::connect(path).await?;
         // The credentials of the process that made the listening socket, read at connect.
         let pid = io.peer_cred().ok().and_then(|c| c.pid()).filter(|p| *p > 0);
-        Ok::<_, std::io::Error>((Direct::handshake(io).await?, pid))
+        let direct = Direct::handshake(io).await?;
+        Ok::<_, std::io::Error>((direct.again_on(path.to_path_buf(), limit), pid))
     };
     match tokio::time::timeout(limit, attempt).await {
         Ok(made) => made.map_err(err),

@@ -1,6 +1,7 @@
 //! The daemon's signals, on the real binary: SIGHUP reloads the managed-device selection
 //! (a broken config is refused and the old selection stays), SIGTERM drains and exits
-//! cleanly, removing the socket; and the modes of the socket and the state files.
+//! cleanly, removing the socket; the modes of the socket and the state files; and a
+//! client that outlives the daemon's restart.
 
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
@@ -273,4 +274,59 @@ fn a_refused_configuration_exits_78_naming_the_key_and_writes_nothing() {
         !dir.path().join("state").exists(),
         "nothing was loaded or written before the group was looked up"
     );
+}
+
+/// A client (and its clone) outlives the agent's restart: with the agent gone, a call
+/// fails as UNAVAILABLE, and so does the next one while none listens; once the agent is
+/// back, the next call of each goes out on a new connection, made once for both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_connects_again_once_the_agent_is_back() {
+    let mut f = FakeSys::new();
+    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2);
+    let tree = f.build();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("hostdevd.sock");
+    let cfg_path = dir.path().join("config.toml");
+    std::fs::write(&cfg_path, config(&tree, dir.path(), &[])).expect("config");
+    let hostdevd = || {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_hostdevd"));
+        cmd.args(["serve", "--config"]);
+        cmd
+    };
+    let status = |c: &mut hostdevd::client::Client| {
+        let mut c = c.clone();
+        async move {
+            c.get_status(proto::GetStatusRequest {})
+                .await
+                .map(|s| s.into_inner().host_generation)
+        }
+    };
+    let daemon = serve(&mut hostdevd(), &cfg_path, &socket).await;
+    let mut c = hostdevd::client::connect(&socket).await.expect("connect");
+    let mut other = c.clone();
+    let first = status(&mut c).await.expect("the first agent answers");
+    daemon.terminate().await;
+    for _ in 0..2 {
+        let e = status(&mut c).await.expect_err("no agent");
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    }
+    let daemon = serve(&mut hostdevd(), &cfg_path, &socket).await;
+    let second = status(&mut c)
+        .await
+        .expect("the second agent answers on a new connection");
+    assert!(
+        second > first,
+        "{second} after {first}: a restart raises it"
+    );
+    assert_eq!(
+        status(&mut other).await.expect("the clone too"),
+        second,
+        "the same agent"
+    );
+    // Every later call goes out on that connection: the agent counts one client.
+    for _ in 0..3 {
+        status(&mut c).await.expect("again");
+        status(&mut other).await.expect("again");
+    }
+    daemon.terminate().await;
 }

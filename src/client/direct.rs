@@ -1,10 +1,14 @@
 //! A gRPC transport straight over one HTTP/2 connection on the Unix socket, for unary and
 //! server-streaming calls: each request goes out whole (its headers and its one message
-//! in one write), with no task between the caller and the connection.
+//! in one write), with no task between the caller and the connection; once that
+//! connection is gone, the next call makes another.
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame};
@@ -23,9 +27,45 @@ const MAX_HEADER_LIST: u32 = 16 << 10;
 pub type DirectError = Box<dyn std::error::Error + Send + Sync>;
 
 /// One HTTP/2 connection, shared by every clone (each call is a stream of its own).
+/// Made on a socket path ([`super::connect`]), it is made again when it is gone (the
+/// agent restarted, or closed it): a call under way then fails as ever, and the next
+/// call, from any clone, goes out on a new connection (one for all of them), or fails
+/// if none can be made, and the one after tries again. A call is never sent twice.
 #[derive(Clone)]
 pub struct Direct {
     send: h2::client::SendRequest<Bytes>,
+    /// Where the connection is made again (`None`: made on a stream of the caller's).
+    again: Option<Arc<Again>>,
+    /// How many connections [`Self::again`] made before the one `send` is on.
+    made: u64,
+    /// `send`'s connection is gone: the next call takes the newest one, made again if
+    /// it is the same.
+    gone: bool,
+}
+
+/// The socket a [`Direct`] connects to again, and its newest connection, shared by its
+/// clones.
+struct Again {
+    path: PathBuf,
+    limit: Duration,
+    /// The newest connection, with how many were made before it.
+    newest: tokio::sync::Mutex<(u64, h2::client::SendRequest<Bytes>)>,
+}
+
+impl Again {
+    /// The newest connection, made again first if it is the one numbered `gone`.
+    async fn connection(&self, gone: u64) -> Result<h2::client::SendRequest<Bytes>, DirectError> {
+        let mut newest = self.newest.lock().await;
+        if newest.0 == gone {
+            // UNAVAILABLE, as gRPC answers a call that found no server: try again.
+            let (made, _) = super::connect_within(&self.path, self.limit)
+                .await
+                .map_err(|e| DirectError::from(tonic::Status::unavailable(e.to_string())))?;
+            *newest = (gone + 1, made.send);
+            tracing::debug!(socket = %self.path.display(), "connected to hostdevd again");
+        }
+        Ok(newest.1.clone())
+    }
 }
 
 impl std::fmt::Debug for Direct {
@@ -61,7 +101,23 @@ impl Direct {
             ping.ping(h2::Ping::opaque()).await.map_err(to_io)?;
         }
         let send = send.ready().await.map_err(to_io)?;
-        Ok(Direct { send })
+        Ok(Direct {
+            send,
+            again: None,
+            made: 0,
+            gone: false,
+        })
+    }
+
+    /// This connection, made again on `path` (waiting at most `limit` for each new one)
+    /// once it is gone.
+    pub(super) fn again_on(mut self, path: PathBuf, limit: Duration) -> Direct {
+        self.again = Some(Arc::new(Again {
+            path,
+            limit,
+            newest: tokio::sync::Mutex::new((0, self.send.clone())),
+        }));
+        self
     }
 }
 
@@ -81,17 +137,43 @@ impl tower::Service<http::Request<tonic::body::Body>> for Direct {
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, DirectError>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), DirectError>> {
-        self.send.poll_ready(cx).map_err(Into::into)
+        if self.gone {
+            // Another clone may have made the connection again already.
+            let newer = self.again.as_ref().and_then(|a| {
+                let newest = a.newest.try_lock().ok()?;
+                (newest.0 > self.made).then(|| (newest.0, newest.1.clone()))
+            });
+            let Some((made, send)) = newer else {
+                // `call` makes it (or waits for the clone that does).
+                return Poll::Ready(Ok(()));
+            };
+            (self.made, self.send, self.gone) = (made, send, false);
+        }
+        match self.send.poll_ready(cx) {
+            Poll::Ready(Err(e)) if self.again.is_some() => {
+                tracing::debug!(error = %e, "the connection to hostdevd is gone");
+                self.gone = true;
+                Poll::Ready(Ok(()))
+            }
+            polled => polled.map_err(Into::into),
+        }
     }
 
     fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        if let (true, Some(again)) = (self.gone, &self.again) {
+            let (again, made) = (again.clone(), self.made);
+            return Box::pin(async move {
+                let send = again.connection(made).await?.ready().await?;
+                send_on(send, req).await
+            });
+        }
         let ready = self.send.clone();
         let ready = std::mem::replace(&mut self.send, ready);
-        Box::pin(send(ready, req))
+        Box::pin(send_on(ready, req))
     }
 }
 
-async fn send(
+async fn send_on(
     mut ready: h2::client::SendRequest<Bytes>,
     req: http::Request<tonic::body::Body>,
 ) -> Result<http::Response<Received>, DirectError> {
