@@ -426,25 +426,10 @@ impl Worker {
             written,
             token,
         } = w;
-        // A write the kernel has not answered (past its timeout, or its task gone before
-        // it ended) holds a clone of the token until it returns, so the PF and its VFs
-        // stay held back from claims and another change until the kernel lets the PF
-        // go. Any other end lets them go once recorded.
-        let in_kernel = matches!(
-            result,
-            Err(HardwareError::Timeout { .. } | HardwareError::Abandoned { .. })
-        );
-        let recorded = |worker: &mut Worker| {
-            if in_kernel {
-                tracing::warn!(pf = %req.pf, "a VF count write is still in the kernel: the PF and its VFs stay held back until it returns");
-            } else {
-                worker.ledger.vf_change_ended(req.pf);
-            }
-        };
         if written == Written::Nothing {
             // Nothing reached sysfs (refused at the first write, or nothing to write):
             // nothing changed, and the caller's generation stays good.
-            recorded(self);
+            self.ledger.vf_change_ended(req.pf);
             drop(token);
             result?;
             return Ok(VfCountSet {
@@ -483,7 +468,20 @@ impl Worker {
             self.unrecorded_vf_changes.push(token);
             return Err(e);
         }
-        recorded(self);
+        // A `sriov_numvfs` write the kernel has not answered (past its timeout, or its
+        // task gone before it ended) holds a clone of the token until it returns, so the
+        // PF and its VFs stay held back from claims and another change until the kernel
+        // lets the PF go. Any other end lets them go now.
+        let in_kernel = written == Written::Vfs
+            && matches!(
+                result,
+                Err(HardwareError::Timeout { .. } | HardwareError::Abandoned { .. })
+            );
+        if in_kernel {
+            tracing::warn!(pf = %req.pf, "a VF count write is still in the kernel: the PF and its VFs stay held back until it returns");
+        } else {
+            self.ledger.vf_change_ended(req.pf);
+        }
         drop(token);
         tracing::info!(pf = %req.pf, count = req.count, before, ok = result.is_ok(), "VF count written");
         result?;
