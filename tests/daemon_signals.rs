@@ -278,7 +278,8 @@ fn a_refused_configuration_exits_78_naming_the_key_and_writes_nothing() {
 
 /// A client (and its clone) outlives the agent's restart: with the agent gone, a call
 /// fails as UNAVAILABLE, and so does the next one while none listens; once the agent is
-/// back, the next call of each goes out on a new connection, made once for both.
+/// back, the next calls of both, made at once, go out on a new connection, and the
+/// agent is left with one connection open for the client and its clone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_connects_again_once_the_agent_is_back() {
     let mut f = FakeSys::new();
@@ -287,20 +288,24 @@ async fn a_client_connects_again_once_the_agent_is_back() {
     let dir = tempfile::tempdir().expect("tempdir");
     let socket = dir.path().join("hostdevd.sock");
     let cfg_path = dir.path().join("config.toml");
-    std::fs::write(&cfg_path, config(&tree, dir.path(), &[])).expect("config");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("probe port")
+        .port();
+    let mut cfg = config(&tree, dir.path(), &[]);
+    cfg.push_str(&format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n"));
+    std::fs::write(&cfg_path, cfg).expect("config");
     let hostdevd = || {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_hostdevd"));
         cmd.args(["serve", "--config"]);
         cmd
     };
-    let status = |c: &mut hostdevd::client::Client| {
-        let mut c = c.clone();
-        async move {
-            c.get_status(proto::GetStatusRequest {})
-                .await
-                .map(|s| s.into_inner().host_generation)
-        }
-    };
+    // On the client itself, not a clone per call: each keeps the connection it used.
+    async fn status(c: &mut hostdevd::client::Client) -> Result<u64, tonic::Status> {
+        c.get_status(proto::GetStatusRequest {})
+            .await
+            .map(|s| s.into_inner().host_generation)
+    }
     let daemon = serve(&mut hostdevd(), &cfg_path, &socket).await;
     let mut c = hostdevd::client::connect(&socket).await.expect("connect");
     let mut other = c.clone();
@@ -311,22 +316,33 @@ async fn a_client_connects_again_once_the_agent_is_back() {
         assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
     }
     let daemon = serve(&mut hostdevd(), &cfg_path, &socket).await;
-    let second = status(&mut c)
-        .await
-        .expect("the second agent answers on a new connection");
+    let (second, again) = tokio::join!(status(&mut c), status(&mut other));
+    let second = second.expect("the second agent answers on a new connection");
     assert!(
         second > first,
         "{second} after {first}: a restart raises it"
     );
-    assert_eq!(
-        status(&mut other).await.expect("the clone too"),
-        second,
-        "the same agent"
-    );
-    // Every later call goes out on that connection: the agent counts one client.
+    assert_eq!(again.expect("the clone too"), second, "the same agent");
     for _ in 0..3 {
         status(&mut c).await.expect("again");
         status(&mut other).await.expect("again");
     }
+    // The connection the readiness probe made closes on its own; the client's stays,
+    // one for the client and its clone.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let open = support::scrape(port)
+            .ok()
+            .and_then(|t| support::value(&t, "hostdevd_connections"));
+        if open == Some(1.0) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "connections open: {open:?}, not the client's one"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    status(&mut c).await.expect("still answered");
     daemon.terminate().await;
 }

@@ -6,6 +6,7 @@
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -50,6 +51,9 @@ struct Again {
     limit: Duration,
     /// The newest connection, with how many were made before it.
     newest: tokio::sync::Mutex<(u64, h2::client::SendRequest<Bytes>)>,
+    /// That number, read without the lock: a clone on an older connection takes the
+    /// newest before it tries its own.
+    made: AtomicU64,
 }
 
 impl Again {
@@ -62,6 +66,7 @@ impl Again {
                 .await
                 .map_err(|e| DirectError::from(tonic::Status::unavailable(e.to_string())))?;
             *newest = (gone + 1, made.send);
+            self.made.store(gone + 1, Ordering::Release);
             tracing::debug!(socket = %self.path.display(), "connected to hostdevd again");
         }
         Ok(newest.1.clone())
@@ -116,6 +121,7 @@ impl Direct {
             path,
             limit,
             newest: tokio::sync::Mutex::new((0, self.send.clone())),
+            made: AtomicU64::new(0),
         }));
         self
     }
@@ -137,17 +143,18 @@ impl tower::Service<http::Request<tonic::body::Body>> for Direct {
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, DirectError>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), DirectError>> {
-        if self.gone {
-            // Another clone may have made the connection again already.
-            let newer = self.again.as_ref().and_then(|a| {
-                let newest = a.newest.try_lock().ok()?;
-                (newest.0 > self.made).then(|| (newest.0, newest.1.clone()))
-            });
-            let Some((made, send)) = newer else {
-                // `call` makes it (or waits for the clone that does).
+        if let Some(a) = &self.again {
+            // Another clone made the connection again: take it (a clone of a client
+            // made before the agent restarted goes straight to the new connection).
+            if a.made.load(Ordering::Acquire) > self.made {
+                if let Ok(newest) = a.newest.try_lock() {
+                    (self.made, self.send, self.gone) = (newest.0, newest.1.clone(), false);
+                }
+            }
+            if self.gone {
+                // `call` makes it again (or waits for the clone that does).
                 return Poll::Ready(Ok(()));
-            };
-            (self.made, self.send, self.gone) = (made, send, false);
+            }
         }
         match self.send.poll_ready(cx) {
             Poll::Ready(Err(e)) if self.again.is_some() => {
