@@ -1038,14 +1038,13 @@ impl Worker {
         self.trimmer.worked();
         // A full inventory (start-up, a reload, a resync) frees a whole scan's worth of
         // memory once applied: give it back right after.
-        let full_scan = batch.iter().any(|c| matches!(c, Command::Inventory(..)));
-        self.apply_batch(batch);
-        if full_scan {
+        if self.apply_batch(batch) {
             self.trimmer.trim_now();
         }
     }
 
-    fn apply_batch(&mut self, batch: Vec<Command>) {
+    /// Decides and commits `batch`; says whether it held a full scan.
+    fn apply_batch(&mut self, batch: Vec<Command>) -> bool {
         let now = now_unix();
         let before = self.view_now();
         let full_scan = batch.iter().any(|c| matches!(c, Command::Inventory(..)));
@@ -1152,6 +1151,7 @@ impl Worker {
                 }
             }
         }
+        full_scan
     }
 
     /// The request log's prune, when due, in a transaction of its own (a failed one is
