@@ -456,6 +456,24 @@ async fn list(c: &mut Client) -> Vec<proto::Device> {
         .devices
 }
 
+/// The device at `a` in a listing, which must hold it.
+fn listed(devices: &[proto::Device], a: &str) -> proto::Device {
+    devices
+        .iter()
+        .find(|d| d.address == a)
+        .unwrap_or_else(|| panic!("{a} listed"))
+        .clone()
+}
+
+/// A claim of `d` while the disk is full: refused as UNAVAILABLE, nothing written.
+async fn refused_while_full(c: &mut Client, d: &proto::Device) {
+    let refused = c
+        .claim(claim(d, "while-full"))
+        .await
+        .expect_err("nothing can be written");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+}
+
 async fn host_generation(c: &mut Client) -> u64 {
     c.get_status(proto::GetStatusRequest {})
         .await
@@ -577,22 +595,11 @@ async fn a_restart_on_a_full_disk_serves_reads() {
     let devices = list(&mut c).await;
     let raised = host_generation(&mut c).await;
     assert!(raised > first, "{raised} > {first}");
-    let vf0 = devices
-        .iter()
-        .find(|d| d.address == vfs[0].address)
-        .expect("VF 0 listed");
+    let vf0 = listed(&devices, &vfs[0].address);
     assert_eq!(vf0.generation, first, "the claim as stored");
     assert!(vf0.owner.is_some(), "still claimed");
-    let vf1 = devices
-        .iter()
-        .find(|d| d.address == vfs[1].address)
-        .expect("VF 1 listed")
-        .clone();
-    let refused = c
-        .claim(claim(&vf1, "while-full"))
-        .await
-        .expect_err("nothing can be written");
-    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    let vf1 = listed(&devices, &vfs[1].address);
+    refused_while_full(&mut c, &vf1).await;
 
     // Space is freed: the next change goes through, past the generation raised in memory,
     // and is stored with it.
@@ -625,13 +632,7 @@ async fn a_first_scan_refused_by_a_full_disk_does_not_stop_the_start() {
     let tree = &disk.tree;
     let (mnt, socket, cfg_path) = (disk.mnt.clone(), disk.socket.clone(), disk.cfg_path.clone());
     let vf = disk.vfs[0].clone();
-    let numa = |devices: &[proto::Device]| {
-        devices
-            .iter()
-            .find(|d| d.address == vf)
-            .expect("the VF listed")
-            .numa_node
-    };
+    let numa = |devices: &[proto::Device]| listed(devices, &vf).numa_node;
     let (daemon, mut c) = start(&cfg_path, &socket).await;
     let before = numa(&list(&mut c).await);
     assert_ne!(before, Some(1));
@@ -650,16 +651,8 @@ async fn a_first_scan_refused_by_a_full_disk_does_not_stop_the_start() {
         .store
         .expect("store health");
     assert!(!store.ok, "{store:?}");
-    let free = devices
-        .iter()
-        .find(|d| d.address == vf)
-        .expect("the VF")
-        .clone();
-    let refused = c
-        .claim(claim(&free, "while-full"))
-        .await
-        .expect_err("nothing can be written");
-    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    let free = listed(&devices, &vf);
+    refused_while_full(&mut c, &free).await;
 
     // Space is freed: the scan is tried again and applied.
     fs::remove_file(mnt.join("filler")).expect("free space");
@@ -675,11 +668,7 @@ async fn a_first_scan_refused_by_a_full_disk_does_not_stop_the_start() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     };
-    let now = devices
-        .iter()
-        .find(|d| d.address == vf)
-        .expect("the VF")
-        .clone();
+    let now = listed(&devices, &vf);
     c.claim(claim(&now, "after"))
         .await
         .expect("claim once space is back");
@@ -778,13 +767,7 @@ async fn a_vf_count_change_refused_by_a_full_disk_holds_its_pf_until_a_full_scan
     daemon.terminate().await;
     fill_up(&mnt.join("filler"));
     let (daemon, mut c) = start(&cfg_path, &socket).await;
-    let device = |devices: Vec<proto::Device>, a: &str| {
-        devices
-            .into_iter()
-            .find(|d| d.address == a)
-            .unwrap_or_else(|| panic!("{a} listed"))
-    };
-    let pf = device(list(&mut c).await, PF);
+    let pf = listed(&list(&mut c).await, PF);
     let e = c
         .set_vf_count(proto::SetVfCountRequest {
             address: PF.into(),
@@ -798,7 +781,7 @@ async fn a_vf_count_change_refused_by_a_full_disk_holds_its_pf_until_a_full_scan
     let reason = |e: &tonic::Status| e.get_details_error_info().expect("ErrorInfo").reason;
     let before = list(&mut c).await;
     for a in [PF, disk.vfs[0].as_str()] {
-        let now = device(before.clone(), a);
+        let now = listed(&before, a);
         let e = c
             .claim(claim(&now, &format!("while-full-{a}")))
             .await
@@ -811,7 +794,7 @@ async fn a_vf_count_change_refused_by_a_full_disk_holds_its_pf_until_a_full_scan
     fs::remove_file(mnt.join("filler")).expect("free space");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
-        let now = device(list(&mut c).await, PF);
+        let now = listed(&list(&mut c).await, PF);
         match c
             .claim(claim(&now, &format!("after-{}", now.generation)))
             .await
