@@ -83,6 +83,14 @@ pub enum WriteError {
         consumer: ConsumerId,
         request_id: RequestId,
     },
+    /// The request id names a VF count change still under way: neither applied nor
+    /// refused yet.
+    #[error("request {request_id} of consumer {consumer} is still being applied: the VF count of {pf} is being written (or its record waits for the disk); nothing was changed by this call; ask again once the kernel has answered that write")]
+    RequestInProgress {
+        consumer: ConsumerId,
+        request_id: RequestId,
+        pf: PciAddress,
+    },
 }
 
 type Reply<T> = oneshot::Sender<Result<T, WriteError>>;
@@ -1004,9 +1012,18 @@ impl Worker {
                 close,
                 reply,
             } => {
-                let entry = self
-                    .recall(consumer, &request_id, changes)
-                    .map(|()| self.ledger.request(consumer, &request_id));
+                // A VF count change asked with this id and still under way is not to be
+                // told "never applied": it may yet be.
+                let entry = match self.ledger.vf_change_in_flight(consumer, &request_id) {
+                    Some(pf) => Err(WriteError::RequestInProgress {
+                        consumer,
+                        request_id: request_id.clone(),
+                        pf,
+                    }),
+                    None => self
+                        .recall(consumer, &request_id, changes)
+                        .map(|()| self.ledger.request(consumer, &request_id)),
+                };
                 // Only a close made here is taken back if the batch fails: one made by an
                 // earlier answer stands.
                 let closed = (close
@@ -1173,6 +1190,7 @@ impl Worker {
     fn count_refused(&self, e: &WriteError) {
         match e {
             WriteError::RequestClosed { .. } => self.metrics.rejected("REQUEST_CLOSED"),
+            WriteError::RequestInProgress { .. } => self.metrics.rejected("REQUEST_IN_PROGRESS"),
             WriteError::ChangedWhileChecked { .. } => {
                 self.metrics.rejected("CHANGED_WHILE_CHECKED")
             }

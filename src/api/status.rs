@@ -347,6 +347,19 @@ pub fn to_status(e: &ApiError) -> Status {
             let d = ErrorDetails::with_error_info("REQUEST_CLOSED", ERROR_DOMAIN, meta);
             Status::with_error_details(Code::Aborted, msg, d)
         }
+        ApiError::Write(WriteError::RequestInProgress {
+            consumer,
+            request_id,
+            pf,
+        }) => {
+            let meta = HashMap::from([
+                ("consumer_id".to_string(), consumer.to_string()),
+                ("request_id".to_string(), request_id.to_string()),
+                ("changing_pf".to_string(), pf.to_string()),
+            ]);
+            let d = ErrorDetails::with_error_info("REQUEST_IN_PROGRESS", ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::Unavailable, msg, d)
+        }
         ApiError::Write(WriteError::ChangedWhileChecked {
             address,
             generation,

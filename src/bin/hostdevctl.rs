@@ -325,6 +325,8 @@ fn code_label(code: Code, reason: Option<&str>) -> Option<&'static str> {
         Code::Unavailable if reason == Some("SHUTTING_DOWN") => Some("agent stopping"),
         // The device's PF is having its VF count written: the agent is fine.
         Code::Unavailable if reason == Some("VF_COUNT_CHANGING") => Some("device busy"),
+        // A SetVfCount with that request id is still being written.
+        Code::Unavailable if reason == Some("REQUEST_IN_PROGRESS") => Some("request in progress"),
         Code::Unavailable => Some("agent unavailable"),
         Code::DeadlineExceeded => Some("timed out"),
         Code::Unimplemented => Some("not supported by this agent"),

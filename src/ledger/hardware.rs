@@ -39,6 +39,9 @@ pub enum BindRetry {
 #[derive(Debug, Clone)]
 pub(crate) struct Changing {
     alive: Weak<()>,
+    /// The request id the change was asked with: until it is recorded, that request is
+    /// in flight, neither applied nor refused.
+    request: Option<(ConsumerId, RequestId)>,
 }
 
 impl Changing {
@@ -320,10 +323,29 @@ impl Ledger {
     /// a VF of it, no binding covers one, and no other change of the PF's count begins.
     /// Changes no record: the writer decides other requests meanwhile, on the host's other
     /// devices.
-    pub fn vf_change_began(&mut self, pf: PciAddress, alive: Weak<()>) {
+    pub fn vf_change_began(
+        &mut self,
+        pf: PciAddress,
+        alive: Weak<()>,
+        request: Option<(ConsumerId, RequestId)>,
+    ) {
         let changing = Arc::make_mut(&mut self.changing);
         changing.retain(|_, c| c.holds());
-        changing.insert(pf, Changing { alive });
+        changing.insert(pf, Changing { alive, request });
+    }
+
+    /// The PF whose VF count change, asked with this request id, is still held (its
+    /// writes under way, or not yet recorded): the request is neither applied nor
+    /// refused yet, so nobody may be told it never will be.
+    pub fn vf_change_in_flight(
+        &self,
+        consumer: ConsumerId,
+        request_id: &RequestId,
+    ) -> Option<PciAddress> {
+        self.changing.iter().find_map(|(pf, c)| {
+            let (c_consumer, c_id) = c.request.as_ref()?;
+            (c.holds() && *c_consumer == consumer && c_id == request_id).then_some(*pf)
+        })
     }
 
     /// The change of `pf`'s VF count is over (written, failed or given up): its devices
@@ -641,7 +663,7 @@ mod tests {
         let g = l.record_at(pf).expect("pf").generation;
         let vfs = l.check_vf_change(pf, g).expect("free");
         let token = std::sync::Arc::new(());
-        l.vf_change_began(pf, std::sync::Arc::downgrade(&token));
+        l.vf_change_began(pf, std::sync::Arc::downgrade(&token), None);
         let before = l.clone();
         let vg = l.record_at(vfs[1]).expect("vf").generation;
         let err = l
@@ -743,7 +765,7 @@ mod tests {
         l.check_vf_change(pf, l.record_at(pf).expect("pf").generation)
             .expect("no VF claimed");
         let token = std::sync::Arc::new(());
-        l.vf_change_began(pf, std::sync::Arc::downgrade(&token));
+        l.vf_change_began(pf, std::sync::Arc::downgrade(&token), None);
         let err = l
             .bind_plan(addr("0000:5e:00.0"), owner(1).consumer, g)
             .expect_err("a member is held back");

@@ -236,7 +236,7 @@ impl World {
                     Some(Ok(vfs)) => {
                         let token = std::sync::Arc::new(());
                         self.ledger
-                            .vf_change_began(pf, std::sync::Arc::downgrade(&token));
+                            .vf_change_began(pf, std::sync::Arc::downgrade(&token), None);
                         let held: Vec<PciAddress> = std::iter::once(pf).chain(vfs).collect();
                         prop_assert!(self.claims_at(&held).is_empty(), "begun with a claim");
                         self.changing = Some((token, held));

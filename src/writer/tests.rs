@@ -670,6 +670,67 @@ fn requests_are_decided_while_a_vf_count_is_written() {
     );
 }
 
+/// GetRequestOutcome (a Settle that closes) for the request id of a VF count change still
+/// being written: it must not answer "never applied", and must close nothing, since the
+/// change is then recorded under that id.
+#[test]
+fn a_request_outcome_asked_while_its_vf_count_is_written_closes_nothing() {
+    let pf = "0000:3b:00.0";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut w, _tree, _vfs) = pf_worker(dir.path(), pf, None);
+    let settle = |w: &mut Worker, close: bool| {
+        let (reply, rx) = oneshot::channel();
+        w.apply_batch(vec![Command::Settle {
+            consumer: consumer(1),
+            request_id: rid("vfs"),
+            close,
+            reply,
+        }]);
+        answer(rx)
+    };
+    let begin = |w: &mut Worker, pf: &str| {
+        let generation = w.view_now().device(addr(pf)).next().expect("present").record.generation;
+        let (reply, rx) = oneshot::channel();
+        w.run_alone(Command::BeginVfCount(
+            SetVfCount {
+                pf: addr(pf),
+                generation,
+                count: 2,
+                autoprobe: None,
+                request: Some((consumer(1), rid("vfs"))),
+            },
+            reply,
+        ));
+        answer(rx)
+    };
+    let Ok(VfBegun::Change(change)) = begin(&mut w, pf) else {
+        panic!("a new request: a change begins");
+    };
+    for close in [true, false] {
+        let err = settle(&mut w, close).expect_err("still being written");
+        assert!(
+            matches!(&err, WriteError::RequestInProgress { pf: p, .. } if *p == addr(pf)),
+            "{err:?}"
+        );
+    }
+    let written = change.write();
+    let (reply, rx) = oneshot::channel();
+    w.run_alone(Command::EndVfCount(Box::new(written), reply));
+    let set = answer(rx).expect("recorded");
+    let entry = settle(&mut w, true)
+        .expect("answered")
+        .expect("the change is logged under its id, which was never closed");
+    assert!(
+        matches!(entry.outcome, Outcome::VfCountSet { generation, .. } if generation == set.generation),
+        "{entry:?}"
+    );
+    // Over: the id answers as logged, and a retry replays it.
+    let Ok(VfBegun::Replayed(again)) = begin(&mut w, pf) else {
+        panic!("a retry of a recorded change is replayed");
+    };
+    assert_eq!(again.generation, set.generation);
+}
+
 /// A VF count change whose record the store refuses (a full disk) leaves the ledger
 /// listing the VFs the kernel destroyed: the PF and those VFs stay held back, after the
 /// disk takes writes again too, until a full scan commits, and refusing them changes
