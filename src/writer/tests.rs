@@ -689,7 +689,13 @@ fn a_request_outcome_asked_while_its_vf_count_is_written_closes_nothing() {
         answer(rx)
     };
     let begin = |w: &mut Worker, pf: &str| {
-        let generation = w.view_now().device(addr(pf)).next().expect("present").record.generation;
+        let generation = w
+            .view_now()
+            .device(addr(pf))
+            .next()
+            .expect("present")
+            .record
+            .generation;
         let (reply, rx) = oneshot::channel();
         w.run_alone(Command::BeginVfCount(
             SetVfCount {
