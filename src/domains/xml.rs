@@ -6,7 +6,9 @@
 //! interface; also as an `<actual type='direct'>`), the mediated devices of `<hostdev
 //! type='mdev'>` sources (a vGPU or another slice of a PCI function, by UUID), and the
 //! vhost-vdpa character devices of `<interface type='vdpa'>` and `<disk
-//! type='vhostvdpa'>` sources (a vDPA device, usually on a VF).
+//! type='vhostvdpa'>` sources (a vDPA device, usually on a VF). An NVMe disk (`<disk
+//! type='nvme'>`, whose `<source type='pci'>` names the controller) is a PCI address
+//! too: libvirt binds that controller to vfio-pci for the guest.
 //!
 //! Pure: text in, addresses out. The guest-side `<address type='pci'>` that is a direct
 //! child of `<hostdev>` or `<interface>` is where the device appears *inside* the VM and
@@ -113,6 +115,12 @@ pub fn references(xml: &str) -> Result<References, XmlError> {
                     }
                     s
                 }
+                // An NVMe disk that libvirt detaches from the host and hands to the guest
+                // through vfio-pci itself (`<source type='pci'>`, the controller's address).
+                "disk" if kind == Some("nvme") => children(&dev, "source")
+                    .into_iter()
+                    .filter(|s| attr(s, "type").is_none_or(|t| t == "pci"))
+                    .collect(),
                 _ => Vec::new(),
             };
             for source in sources {
@@ -313,6 +321,32 @@ mod tests {
         );
         assert_eq!(r.vdpa, vec!["/dev/vhost-vdpa-0", "/dev/vhost-vdpa-1"]);
         assert!(r.addresses.is_empty() && r.netdevs.is_empty(), "{r:?}");
+    }
+
+    /// An NVMe disk names its controller by host PCI address (libvirt binds it to
+    /// vfio-pci for the guest); the disk's guest-side address and other disks do not.
+    #[test]
+    fn nvme_disks_name_their_controller() {
+        let xml = r#"<domain type='kvm'><devices>
+    <disk type='nvme' device='disk'>
+      <driver name='qemu' type='raw'/>
+      <source type='pci' managed='yes' namespace='1'>
+        <address domain='0x0000' bus='0x01' slot='0x00' function='0x0'/>
+      </source>
+      <target dev='vde' bus='virtio'/>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x09' function='0x0'/>
+    </disk>
+    <disk type='nvme' device='disk'>
+      <source type='pci' managed='no' namespace='2'>
+        <address domain='0x0001' bus='0x5e' slot='0x00' function='0x0'/>
+      </source>
+    </disk>
+    <disk type='file'><source file='/x'/><address type='pci' bus='0x3b' slot='0x02' function='0x7'/></disk>
+  </devices></domain>"#;
+        assert_eq!(
+            pci_addresses(xml).expect("parse"),
+            vec![a("0000:01:00.0"), a("0001:5e:00.0")]
+        );
     }
 
     #[test]
