@@ -1,7 +1,7 @@
 //! The daemon's signals, on the real binary: SIGHUP reloads the managed-device selection
 //! (a broken config is refused and the old selection stays), SIGTERM drains and exits
-//! cleanly, removing the socket; the modes of the socket and the state files; and a
-//! client that outlives the daemon's restart.
+//! cleanly, removing the socket; the modes of the socket and the state files; a client
+//! that outlives the daemon's restart; and a failed start that ends the process.
 
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
@@ -345,4 +345,66 @@ async fn a_client_connects_again_once_the_agent_is_back() {
     }
     status(&mut c).await.expect("still answered");
     daemon.terminate().await;
+}
+
+/// A start that fails after a blocking task got stuck (here a libvirt that accepts the
+/// connection and never answers, then a metrics port already taken) still ends the
+/// process, so that systemd can start it again: the runtime is shut down with a limit
+/// on the error path as on a clean stop. Before, the process stayed up without a socket,
+/// waiting for that task without end.
+#[test]
+fn a_failed_start_ends_the_process_while_libvirt_never_answers() {
+    let mut f = FakeSys::new();
+    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2);
+    let tree = f.build();
+    let dir = tempfile::tempdir().expect("tmp");
+    let silent = dir.path().join("libvirt-sock");
+    let listener = std::os::unix::net::UnixListener::bind(&silent).expect("bind");
+    // Accepts every connection and keeps it open, reading nothing and answering nothing.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in listener.incoming().flatten() {
+            held.push(s);
+        }
+    });
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let port = taken.local_addr().expect("addr").port();
+    let text = format!(
+        "{}[libvirt]\nuri = \"qemu+unix:///system?socket={}\"\ntimeout_ms = 300\nevents = false\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n",
+        config(&tree, dir.path(), &[]),
+        silent.display(),
+    );
+    let path = dir.path().join("stuck.toml");
+    std::fs::write(&path, text).expect("config");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if started.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the daemon did not exit within 60 s of a failed start");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut stderr)
+        .expect("stderr");
+    assert!(!status.success(), "{status:?}: {stderr}");
+    assert!(
+        stderr.contains("libvirt did not answer at start"),
+        "the listing was stuck, not refused: {stderr}"
+    );
+    assert!(
+        stderr.contains(&port.to_string()),
+        "the metrics port named: {stderr}"
+    );
+    drop(taken);
 }

@@ -179,13 +179,14 @@ fn run_serve(args: &ServeArgs) -> anyhow::Result<()> {
     let (cfg, path) = load_config(args)?;
     init_logging(&cfg.log.filter);
     let rt = hostdevd::daemon::runtime().context("starting the async runtime")?;
-    let closing = rt.block_on(hostdevd::daemon::run(cfg, path))?;
+    let result = rt.block_on(hostdevd::daemon::run(cfg, path));
     // Dropping the runtime drops every task's handle to the writer; its thread then
-    // closes the store. Not a plain drop: that waits without end for every blocking
-    // task, and one may be stuck in the kernel or in libvirt (a sysfs read the kernel
-    // holds, a libvirtd that stopped answering).
+    // closes the store. Not a plain drop, on a failure too (a failed commit or start
+    // must end the process, for systemd to start it again): that waits without end for
+    // every blocking task, and one may be stuck in the kernel or in libvirt (a sysfs
+    // read the kernel holds, a libvirtd that stopped answering).
     rt.shutdown_timeout(CLOSE_LIMIT);
-    closing.wait(CLOSE_LIMIT);
+    result?.wait(CLOSE_LIMIT);
     Ok(())
 }
 
