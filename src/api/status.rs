@@ -180,6 +180,8 @@ fn ledger_code(e: &LedgerError) -> Code {
         | VfClaimed { .. }
         | VfCountInUse { .. }
         | VfInUseByDomain { .. }
+        | GroupMemberInUse { .. }
+        | VfGroupClaimed { .. }
         | NoIommuGroup { .. } => Code::FailedPrecondition,
         NoMatch { .. } => Code::ResourceExhausted,
         RequestIdReused { .. } => Code::InvalidArgument,
@@ -215,6 +217,20 @@ fn ledger_metadata(e: &LedgerError) -> HashMap<String, String> {
         } => {
             m.insert("device_in_use".into(), device.to_string());
             domain_meta(&mut m, domain);
+        }
+        LedgerError::GroupMemberInUse {
+            member,
+            used,
+            domain,
+            ..
+        } => {
+            m.insert("group_member".into(), member.to_string());
+            m.insert("device_in_use".into(), used.to_string());
+            domain_meta(&mut m, domain);
+        }
+        LedgerError::VfGroupClaimed { vf, claimed, .. } => {
+            m.insert("group_vf".into(), vf.to_string());
+            m.insert("blocked_by".into(), claimed.to_string());
         }
         LedgerError::Blocked { by, relation, .. } => {
             m.insert("blocked_by".into(), by.to_string());

@@ -105,6 +105,30 @@ pub enum LedgerError {
         generation: Generation,
     },
 
+    #[error(
+        "{address} cannot be bound to vfio-pci: the binding takes {member}, in its IOMMU group, along, and {used} is used by domain {} (uuid {}); nothing was changed; current generation {generation}",
+        .domain.name, .domain.uuid
+    )]
+    GroupMemberInUse {
+        address: PciAddress,
+        /// The member of the device's IOMMU group the binding would move.
+        member: PciAddress,
+        /// What the domain references: the member, or a VF of it (moving a PF from its
+        /// driver destroys its VFs).
+        used: PciAddress,
+        domain: DomainRef,
+        generation: Generation,
+    },
+
+    #[error("{pf}'s VF count cannot change: its VF {vf} shares an IOMMU group with {claimed}, claimed by {owner}, whose VFIO binding takes the whole group; current generation {generation}")]
+    VfGroupClaimed {
+        pf: PciAddress,
+        vf: PciAddress,
+        claimed: PciAddress,
+        owner: Owner,
+        generation: Generation,
+    },
+
     #[error("{address} cannot be claimed or bound now: the VF count of {pf} is being written, which destroys its VFs; nothing was changed, try again once the kernel has answered that write (a write past its timeout holds them until it does; a VF comes back as a new device, with a new generation); current generation {generation}")]
     VfCountChanging {
         address: PciAddress,
@@ -178,10 +202,12 @@ impl LedgerError {
             | Lost { address, .. }
             | NotPhysicalFunction { address, .. }
             | VfCountChanging { address, .. }
+            | GroupMemberInUse { address, .. }
             | NoIommuGroup { address, .. } => Some(*address),
-            VfClaimed { pf, .. } | VfCountInUse { pf, .. } | VfInUseByDomain { pf, .. } => {
-                Some(*pf)
-            }
+            VfClaimed { pf, .. }
+            | VfGroupClaimed { pf, .. }
+            | VfCountInUse { pf, .. }
+            | VfInUseByDomain { pf, .. } => Some(*pf),
             NoMatch { .. } => None,
             RequestIdReused { previous, .. } => Some(previous.address()),
         }
@@ -203,6 +229,8 @@ impl LedgerError {
             | NotPhysicalFunction { generation, .. }
             | VfClaimed { generation, .. }
             | VfCountChanging { generation, .. }
+            | GroupMemberInUse { generation, .. }
+            | VfGroupClaimed { generation, .. }
             | VfCountInUse { generation, .. }
             | VfInUseByDomain { generation, .. }
             | NoIommuGroup { generation, .. } => Some(*generation),
@@ -218,7 +246,8 @@ impl LedgerError {
             AlreadyClaimed { owner, .. }
             | WrongOwner { owner, .. }
             | Lost { owner, .. }
-            | VfClaimed { owner, .. } => Some(owner),
+            | VfClaimed { owner, .. }
+            | VfGroupClaimed { owner, .. } => Some(owner),
             _ => None,
         }
     }
@@ -242,6 +271,8 @@ impl LedgerError {
             NotPhysicalFunction { .. } => "NOT_A_PHYSICAL_FUNCTION",
             VfClaimed { .. } => "VF_CLAIMED",
             VfCountChanging { .. } => "VF_COUNT_CHANGING",
+            GroupMemberInUse { .. } => "GROUP_MEMBER_IN_USE_BY_DOMAIN",
+            VfGroupClaimed { .. } => "VF_GROUP_CLAIMED",
             // Both: a VF of this PF is used by a domain without a claim.
             VfCountInUse { .. } | VfInUseByDomain { .. } => "VF_IN_USE_BY_DOMAIN",
             NoIommuGroup { .. } => "NO_IOMMU_GROUP",

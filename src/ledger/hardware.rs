@@ -110,6 +110,25 @@ impl Ledger {
             // A member whose PF's VF count is being written may be destroyed under the
             // binding.
             self.check_not_changing(r)?;
+            // Another member that a domain uses (or, for a PF, one of whose VFs a domain
+            // uses): moving it to vfio-pci takes it from under that domain.
+            if r.address() != address {
+                let used = self
+                    .refs
+                    .get(&r.address())
+                    .and_then(|d| d.first())
+                    .map(|d| (r.address(), d.clone()))
+                    .or_else(|| self.vf_in_use(r.address()));
+                if let Some((used, domain)) = used {
+                    return Err(LedgerError::GroupMemberInUse {
+                        address,
+                        member: r.address(),
+                        used,
+                        domain,
+                        generation: rec.generation,
+                    });
+                }
+            }
             members.push(r.address());
         }
         members.sort();
@@ -283,6 +302,28 @@ impl Ledger {
             }
         }
         vfs.sort();
+        // A claim of another device in a VF's IOMMU group (none of the PF's own VFs, which
+        // were refused above): its VFIO binding covers the VF, or will, and the change
+        // would destroy the VF under it.
+        for vf in vfs.iter().filter_map(|a| self.record_at(*a)) {
+            let Some(group) = vf.facts.iommu_group else {
+                continue;
+            };
+            let claimed = self
+                .linked(Link::Group(group))
+                .filter_map(|id| self.records.get(&id))
+                .filter(|o| o.present)
+                .find_map(|o| Some((o.address(), o.claim.as_ref()?)));
+            if let Some((claimed, c)) = claimed {
+                return Err(LedgerError::VfGroupClaimed {
+                    pf,
+                    vf: vf.address(),
+                    claimed,
+                    owner: c.owner.clone(),
+                    generation,
+                });
+            }
+        }
         for device in std::iter::once(pf).chain(vfs.iter().copied()) {
             if let Some(domain) = self.refs.get(&device).and_then(|d| d.first()) {
                 return Err(LedgerError::VfCountInUse {
@@ -760,12 +801,13 @@ mod tests {
         }
         let mut l = Ledger::new();
         l.apply_inventory(inventory);
-        let g = claim(&mut l, "0000:5e:00.0", 1);
         let pf = addr("0000:3b:00.0");
         l.check_vf_change(pf, l.record_at(pf).expect("pf").generation)
-            .expect("no VF claimed");
+            .expect("nothing claimed");
         let token = std::sync::Arc::new(());
         l.vf_change_began(pf, std::sync::Arc::downgrade(&token), None);
+        // The device itself is claimed meanwhile (it is no VF of the PF).
+        let g = claim(&mut l, "0000:5e:00.0", 1);
         let err = l
             .bind_plan(addr("0000:5e:00.0"), owner(1).consumer, g)
             .expect_err("a member is held back");
@@ -778,6 +820,78 @@ mod tests {
             .bind_plan(addr("0000:5e:00.0"), owner(1).consumer, g)
             .expect("once the change ended");
         assert!(plan.members.contains(&vf));
+    }
+
+    /// The reverse: a claim of a device that shares its IOMMU group with a VF (its
+    /// binding takes that VF along) refuses the PF's VF count change, which would
+    /// destroy the VF under it; once released, the change may go on.
+    #[test]
+    fn a_vf_count_change_is_refused_while_a_claim_in_a_vfs_group_stands() {
+        let mut inventory = super::super::tests::host();
+        for f in &mut inventory {
+            if f.address == addr("0000:5e:00.0") {
+                f.iommu_group = Some(20);
+            }
+        }
+        let mut l = Ledger::new();
+        l.apply_inventory(inventory);
+        let g = claim(&mut l, "0000:5e:00.0", 1);
+        let pf = addr("0000:3b:00.0");
+        let pf_g = l.record_at(pf).expect("pf").generation;
+        let err = l
+            .check_vf_change(pf, pf_g)
+            .expect_err("a VF's group is claimed");
+        assert!(
+            matches!(&err, LedgerError::VfGroupClaimed { vf, claimed, owner: o, .. }
+                if *vf == addr("0000:3b:02.0") && *claimed == addr("0000:5e:00.0") && *o == owner(1)),
+            "{err:?}"
+        );
+        l.release(
+            &ReleaseRequest {
+                address: addr("0000:5e:00.0"),
+                consumer: owner(1).consumer,
+                request_id: rid("r"),
+                generation: g,
+            },
+            2,
+        )
+        .expect("release");
+        l.check_vf_change(pf, pf_g).expect("nothing claimed now");
+    }
+
+    /// A binding moves every member of the device's IOMMU group to vfio-pci: a member that
+    /// a domain uses without a claim would be taken from under it, so the binding is
+    /// refused, naming the member and the domain; once the domain no longer uses it,
+    /// the binding covers both.
+    #[test]
+    fn a_binding_that_takes_a_group_member_a_domain_uses_is_refused() {
+        let mut l = ledger();
+        l.apply_domains(vec![super::super::tests::domain(
+            9,
+            "vm9",
+            &["0000:5e:00.1"],
+        )]);
+        let g = claim(&mut l, "0000:5e:00.0", 1);
+        let err = l
+            .bind_plan(addr("0000:5e:00.0"), owner(1).consumer, g)
+            .expect_err("the neighbour is in use");
+        assert!(
+            matches!(&err, LedgerError::GroupMemberInUse { member, used, domain, .. }
+                if *member == addr("0000:5e:00.1") && *used == *member && domain.name == "vm9"),
+            "{err:?}"
+        );
+        l.apply_domains(Vec::new());
+        let g = l
+            .record_at(addr("0000:5e:00.0"))
+            .expect("present")
+            .generation;
+        let plan = l
+            .bind_plan(addr("0000:5e:00.0"), owner(1).consumer, g)
+            .expect("nobody uses the neighbour now");
+        assert_eq!(
+            plan.members,
+            vec![addr("0000:5e:00.0"), addr("0000:5e:00.1")]
+        );
     }
 
     #[test]
