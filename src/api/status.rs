@@ -537,8 +537,10 @@ pub fn to_status(e: &ApiError) -> Status {
             generation,
             source,
         } => {
-            // The binding's own reason and facts, and that the claim stands. ABORTED
-            // promises that nothing changed, which is not so here.
+            // The binding's own reason and facts, and that the claim stands. ABORTED and
+            // UNAVAILABLE promise that nothing changed, which is not so here (a client
+            // told UNAVAILABLE may try another host and leave the claim behind); a
+            // commit of unknown outcome says so itself.
             let inner = to_status(source);
             let details = inner.get_error_details();
             let (reason, mut meta) = details
@@ -550,6 +552,7 @@ pub fn to_status(e: &ApiError) -> Status {
             meta.insert("claim_generation".into(), generation.to_string());
             let code = match inner.code() {
                 Code::Aborted => Code::FailedPrecondition,
+                Code::Unavailable if reason != "STORE_OUTCOME_UNKNOWN" => Code::FailedPrecondition,
                 c => c,
             };
             let mut d = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, meta);
@@ -563,6 +566,50 @@ pub fn to_status(e: &ApiError) -> Status {
                 }
             }
             Status::with_error_details(code, msg, d)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::writer::WriteError;
+
+    /// A Claim with vfio whose claim was made and whose binding then failed: whatever
+    /// the binding's refusal, the code never promises that nothing changed (ABORTED,
+    /// UNAVAILABLE), and the claim's facts are in the details.
+    #[test]
+    fn a_claim_made_but_not_bound_never_says_nothing_changed() {
+        let address: PciAddress = "0000:3b:02.1".parse().expect("address");
+        let not_bound = |source: ApiError| ApiError::ClaimedNotBound {
+            address,
+            generation: 7,
+            source: Box::new(source),
+        };
+        for (source, reason) in [
+            (ApiError::Write(WriteError::ShuttingDown), "SHUTTING_DOWN"),
+            (
+                ApiError::Write(WriteError::Ledger(LedgerError::StaleGeneration {
+                    address,
+                    presented: crate::pci::Generation(6),
+                    current: crate::pci::Generation(7),
+                    owner: None,
+                })),
+                "STALE_GENERATION",
+            ),
+        ] {
+            let inner = to_status(&source).code();
+            assert!(
+                matches!(inner, Code::Unavailable | Code::Aborted),
+                "{inner:?}"
+            );
+            let status = to_status(&not_bound(source));
+            assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+            let info = status.get_error_details();
+            let info = info.error_info().expect("error info");
+            assert_eq!(info.reason, reason);
+            assert_eq!(info.metadata["claim_stands"], "true");
+            assert_eq!(info.metadata["claim_generation"], "7");
         }
     }
 }
