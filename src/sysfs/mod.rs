@@ -42,20 +42,39 @@ pub fn uevent_seqnum(sysfs_root: &Path) -> Option<u64> {
 
 /// The PCI function behind network interface `name` (`<sysfs_root>/class/net/<name>/device`,
 /// the link the kernel makes for an interface of a device): how a domain's `<interface
-/// type='direct'>` (macvtap on a VF's interface) names the VF it uses. `None` for a name
-/// no interface has, or one that could not be a name (a path), for an interface without
-/// a device (a bridge, a bond) or whose device is gone, and for one on another bus (USB).
+/// type='direct'>` (macvtap on a VF's interface) names the VF it uses. The device may
+/// be an auxiliary device of the function (an mlx5 sub-function's interface): the
+/// function above it, through auxiliary devices only. `None` for a name no interface
+/// has, or one that could not be a name (a path), for an interface without a device (a
+/// bridge, a bond) or whose device is gone, and for one on another bus (USB: the
+/// controller above it is not what the interface uses).
 pub fn netdev_device(sysfs_root: &Path, name: &str) -> Result<Option<PciAddress>, SysfsError> {
     // IFNAMSIZ is 16 with its NUL; a slash or a dot name would leave class/net.
     if name.is_empty() || name.len() > 15 || name.contains('/') || name == "." || name == ".." {
         return Ok(None);
     }
     let link = sysfs_root.join("class/net").join(name).join("device");
-    match attr::read_link_name(&link) {
-        Ok(target) => Ok(target.and_then(|t| t.parse().ok())),
-        Err(SysfsError::DanglingLink { .. }) => Ok(None),
-        Err(e) => Err(e),
+    let Some(target) = resolved(&link)? else {
+        return Ok(None);
+    };
+    let root = std::fs::canonicalize(sysfs_root).unwrap_or_else(|_| sysfs_root.to_path_buf());
+    for dir in target
+        .ancestors()
+        .take_while(|dir| *dir != root && dir.starts_with(&root))
+    {
+        if let Some(a) = dir.file_name().and_then(|n| n.to_str()?.parse().ok()) {
+            return Ok(Some(a));
+        }
+        if attr::read_link_name(&dir.join("subsystem"))
+            .ok()
+            .flatten()
+            .as_deref()
+            != Some("auxiliary")
+        {
+            return Ok(None);
+        }
     }
+    Ok(None)
 }
 
 /// The PCI function a mediated device (`<hostdev type='mdev'>`, a vGPU or another slice
@@ -555,6 +574,32 @@ mod tests {
         .expect("link");
         for name in ["br0", "usb0", "gone0"] {
             assert_eq!(netdev_device(root, name).expect(name), None, "{name}");
+        }
+        // An mlx5 sub-function's interface: its device is an auxiliary device of the PF
+        // (and the interface's own auxiliary device under it), so the PF is what it uses.
+        let sf = root.join("devices/pci0000:3b/0000:3b:00.0/mlx5_core.sf.2");
+        std::fs::create_dir_all(sf.join("mlx5_core.eth.2")).expect("sf");
+        std::fs::create_dir_all(root.join("bus/auxiliary")).expect("bus");
+        for dir in [sf.clone(), sf.join("mlx5_core.eth.2")] {
+            let up = "../".repeat(dir.strip_prefix(root).expect("under").components().count());
+            std::os::unix::fs::symlink(format!("{up}bus/auxiliary"), dir.join("subsystem"))
+                .expect("subsystem");
+        }
+        for (name, device) in [
+            ("enp59s0f0s2", "mlx5_core.sf.2"),
+            ("sf2eth", "mlx5_core.sf.2/mlx5_core.eth.2"),
+        ] {
+            std::fs::create_dir_all(net.join(name)).expect("interface");
+            std::os::unix::fs::symlink(
+                format!("../../../devices/pci0000:3b/0000:3b:00.0/{device}"),
+                net.join(name).join("device"),
+            )
+            .expect("link");
+            assert_eq!(
+                netdev_device(root, name).expect(name),
+                Some(addr("0000:3b:00.0")),
+                "{name}"
+            );
         }
     }
 
