@@ -301,10 +301,10 @@ impl Agent {
             // store's health says why, every change is refused as UNAVAILABLE, and the
             // scan is tried again until it applies.
             Err(RescanError::Write(WriteError::Store(e))) if e.is_disk_full() => {
-                tracing::warn!(error = %e, "the first scan cannot be stored: the disk is full; serving the ledger as stored, and trying the scan again until it applies");
-                agent
-                    .rescanner
-                    .owe_full_scan("the first scan could not be stored");
+                tracing::warn!(error = %e, "the first scan cannot be stored: the disk is full; serving the ledger as stored, refusing changes, and trying the scan again until it applies");
+                let why = "the first scan could not be stored";
+                agent.writer.changes_wait_for_scan(why);
+                agent.rescanner.owe_full_scan(why);
             }
             Err(e) => return Err(e.into()),
         }

@@ -217,6 +217,8 @@ impl Rescanner {
                         let mut owed = lock(&me.owed);
                         if owed.owed == target {
                             owed.running = false;
+                            drop(owed);
+                            me.writer.scan_stored();
                             tracing::info!(why, "the full scan owed is applied and stored");
                             return;
                         }

@@ -83,6 +83,9 @@ pub enum WriteError {
         consumer: ConsumerId,
         request_id: RequestId,
     },
+    /// The scan made at start is not stored yet (see [`Writer::changes_wait_for_scan`]).
+    #[error("{0}, so the ledger may not match the devices present: nothing is changed until that scan, tried again, is stored; nothing was changed; try again shortly")]
+    ScanNotStored(&'static str),
     /// The request id names a VF count change still under way: neither applied nor
     /// refused yet.
     #[error("request {request_id} of consumer {consumer} is still being applied: the VF count of {pf} is being written (or its record waits for the disk); nothing was changed by this call; ask again once the kernel has answered that write")]
@@ -271,6 +274,18 @@ pub struct Writer {
     failed: tokio::sync::watch::Receiver<bool>,
     /// Whether a listing of libvirt's domains was applied since this agent started.
     domains_listed: Arc<std::sync::atomic::AtomicBool>,
+    /// Why no change may be made yet: the start's scan could not be stored (a full
+    /// disk), so the ledger may not match the devices present until it is.
+    scan_owed: Arc<Mutex<Option<&'static str>>>,
+}
+
+fn lock_scan<'a>(
+    m: &'a Mutex<Option<&'static str>>,
+) -> std::sync::MutexGuard<'a, Option<&'static str>> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
 }
 
 fn now_unix() -> u64 {
@@ -333,6 +348,7 @@ impl Writer {
                 metrics,
                 failed,
                 domains_listed: Arc::default(),
+                scan_owed: Arc::default(),
             },
             handle,
         ))
@@ -372,11 +388,42 @@ impl Writer {
         &self.metrics
     }
 
-    /// `None` when the last commit succeeded, else its error.
+    /// `None` when the last commit succeeded and no scan is owed, else why not.
     pub fn store_health(&self) -> Option<String> {
-        match self.store_error.lock() {
+        let error = match self.store_error.lock() {
             Ok(g) => g.clone(),
             Err(p) => p.into_inner().clone(),
+        };
+        error.or_else(|| {
+            self.scan_owed().map(|why| {
+                format!("{why}: changes are refused until the scan, tried again, is stored")
+            })
+        })
+    }
+
+    /// Refuses every change from now until [`Self::scan_stored`]: the scan made at start
+    /// (`why`: it could not be stored) has to reach the ledger first, or a change could
+    /// be decided on devices that are gone or made again while the agent was stopped.
+    pub fn changes_wait_for_scan(&self, why: &'static str) {
+        *lock_scan(&self.scan_owed) = Some(why);
+    }
+
+    /// A full scan was stored: changes are decided again.
+    pub fn scan_stored(&self) {
+        *lock_scan(&self.scan_owed) = None;
+    }
+
+    fn scan_owed(&self) -> Option<&'static str> {
+        *lock_scan(&self.scan_owed)
+    }
+
+    /// Refused while a scan is owed (see [`Self::changes_wait_for_scan`]). Checked
+    /// before the change is sent: once cleared the flag is never set again, so a change
+    /// let through is decided on a ledger that took the scan.
+    fn check_scan(&self) -> Result<(), WriteError> {
+        match self.scan_owed() {
+            Some(why) => Err(WriteError::ScanNotStored(why)),
+            None => Ok(()),
         }
     }
 
@@ -418,11 +465,13 @@ impl Writer {
     }
 
     pub async fn claim(&self, req: ClaimRequest) -> Result<Applied, WriteError> {
+        self.check_scan()?;
         self.call(|r| Command::Claim(req, r)).await
     }
     /// A release whose caller checked, for the presented generation, what a free needs
     /// beyond the ledger (the service: libvirt listed afresh, no VFIO holder).
     pub async fn release(&self, req: ReleaseRequest) -> Result<Applied, WriteError> {
+        self.check_scan()?;
         self.call(|r| Command::Release(req, true, r)).await
     }
 
@@ -432,9 +481,11 @@ impl Writer {
     /// decides, it is refused all the same ([`WriteError::ChangedWhileChecked`]): a
     /// release frees a present device only after the checks for its generation.
     pub async fn release_unchecked(&self, req: ReleaseRequest) -> Result<Applied, WriteError> {
+        self.check_scan()?;
         self.call(|r| Command::Release(req, false, r)).await
     }
     pub async fn transfer(&self, req: TransferRequest) -> Result<Applied, WriteError> {
+        self.check_scan()?;
         self.call(|r| Command::Transfer(req, r)).await
     }
     pub async fn inventory(&self, facts: Vec<DeviceFacts>) -> Result<(), WriteError> {
@@ -518,9 +569,11 @@ impl Writer {
         audit: RequestId,
         orphans: Vec<OrphanFree>,
     ) -> Result<OrphansFreed, WriteError> {
+        self.check_scan()?;
         self.call(|r| Command::FreeOrphans(audit, orphans, r)).await
     }
     pub async fn bind_vfio(&self, req: BindVfio) -> Result<Bound, WriteError> {
+        self.check_scan()?;
         self.call(|r| Command::BindVfio(req, r)).await
     }
     /// Changes a PF's VF count: checked and recorded by the writer, written off its
@@ -533,6 +586,7 @@ impl Writer {
     /// recorded, as a write that may have destroyed the VFs (the side that hands no
     /// destroyed VF out), with the PF's devices held back until then.
     pub async fn set_vf_count(&self, req: SetVfCount) -> Result<VfCountSet, WriteError> {
+        self.check_scan()?;
         let change = match self.call(|r| Command::BeginVfCount(req, r)).await? {
             VfBegun::Change(change) => change,
             VfBegun::Replayed(first) => return Ok(first),

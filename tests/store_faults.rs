@@ -474,6 +474,35 @@ async fn refused_while_full(c: &mut Client, d: &proto::Device) {
     assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
 }
 
+/// Why a call was refused: its ErrorInfo reason.
+fn reason(s: &tonic::Status) -> String {
+    use tonic_types::StatusExt;
+    s.get_details_error_info()
+        .map(|i| i.reason)
+        .unwrap_or_default()
+}
+
+/// Claims the device at `address` as listed now, once the scan owed since the start is
+/// stored: until then every change is refused as UNAVAILABLE, SCAN_NOT_STORED (the
+/// ledger may not match the devices). Its generation.
+async fn claim_once_scanned(c: &mut Client, address: &str, id: &str) -> u64 {
+    let start = std::time::Instant::now();
+    loop {
+        let d = listed(&list(c).await, address);
+        match c.claim(claim(&d, id)).await {
+            Ok(r) => return r.into_inner().generation,
+            Err(e) if e.code() == Code::Unavailable && reason(&e) == "SCAN_NOT_STORED" => {
+                assert!(
+                    start.elapsed() < std::time::Duration::from_secs(40),
+                    "the owed scan was stored once space was back: {e:?}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("claim of {address}: {e:?}"),
+        }
+    }
+}
+
 async fn host_generation(c: &mut Client) -> u64 {
     c.get_status(proto::GetStatusRequest {})
         .await
@@ -601,15 +630,10 @@ async fn a_restart_on_a_full_disk_serves_reads() {
     let vf1 = listed(&devices, &vfs[1].address);
     refused_while_full(&mut c, &vf1).await;
 
-    // Space is freed: the next change goes through, past the generation raised in memory,
-    // and is stored with it.
+    // Space is freed: once the new boot's scan is stored, the next change goes through,
+    // past the generation raised in memory, and is stored with it.
     fs::remove_file(mnt.join("filler")).expect("free space");
-    let after = c
-        .claim(claim(&vf1, "after"))
-        .await
-        .expect("claim once space is back")
-        .into_inner()
-        .generation;
+    let after = claim_once_scanned(&mut c, &vf1.address, "after").await;
     assert!(after > raised, "{after} > {raised}");
     daemon.terminate().await;
     let store = Store::open(&state).expect("open");
@@ -654,8 +678,21 @@ async fn a_first_scan_refused_by_a_full_disk_does_not_stop_the_start() {
     let free = listed(&devices, &vf);
     refused_while_full(&mut c, &free).await;
 
-    // Space is freed: the scan is tried again and applied.
+    // Space is freed between two tries of the scan (one second after the start, then
+    // three): a change at once is still refused, since the ledger does not yet know the
+    // VF moved, and so is any until that scan is stored. Before, the claim went through
+    // on the old record, to be marked lost by the scan a moment later.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     fs::remove_file(mnt.join("filler")).expect("free space");
+    let early = c
+        .claim(claim(&free, "before-the-scan"))
+        .await
+        .expect_err("the scan is not stored yet");
+    assert_eq!(
+        (early.code(), reason(&early).as_str()),
+        (Code::Unavailable, "SCAN_NOT_STORED"),
+        "{early:?}"
+    );
     let start = std::time::Instant::now();
     let devices = loop {
         let devices = list(&mut c).await;

@@ -403,6 +403,10 @@ pub fn to_status(e: &ApiError) -> Status {
             let d = ErrorDetails::with_error_info("SHUTTING_DOWN", ERROR_DOMAIN, HashMap::new());
             Status::with_error_details(Code::Unavailable, msg, d)
         }
+        ApiError::Write(WriteError::ScanNotStored(_)) => {
+            let d = ErrorDetails::with_error_info("SCAN_NOT_STORED", ERROR_DOMAIN, HashMap::new());
+            Status::with_error_details(Code::Unavailable, msg, d)
+        }
         ApiError::Malformed(_) => {
             let d =
                 ErrorDetails::with_error_info("MALFORMED_MESSAGE", ERROR_DOMAIN, HashMap::new());
