@@ -45,12 +45,19 @@ impl Pending {
 pub type Convert = Box<dyn Fn(&Event) -> WatchEvent + Send + Sync>;
 
 /// How much one watcher may have waiting before it is cut off.
+///
+/// A change is refused only for the changes ahead of it: the snapshot a client asked for
+/// may still fill the queue's bytes when the live changes start, and counting them
+/// against it would cut off a client that reads its snapshot at its own pace after a
+/// handful of changes (before, a snapshot queued to its end left room for four to eight).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QueueLimits {
-    /// Events waiting for the client.
+    /// Events waiting for the client: built ones and changes alike, for a built event;
+    /// changes alone, for a change.
     pub events: usize,
     /// Bytes waiting for the client (built events by their encoded size, shared changes
-    /// by their slot). One event larger than this is still sent when nothing else waits.
+    /// by their slot), for a built event. One event larger than this is still sent when
+    /// nothing else waits.
     pub bytes: usize,
 }
 
@@ -61,6 +68,8 @@ struct Inner {
     /// Each item with its encoded size.
     items: VecDeque<(Item, usize)>,
     bytes: usize,
+    /// How many of `items` are shared changes.
+    changes: usize,
     /// No item will follow the ones queued (the feed ended or cut the watcher off).
     ended: bool,
     /// The client's stream was dropped: nothing more is wanted.
@@ -163,12 +172,18 @@ impl WatchSender {
             Err(s) => s.message().len(),
         };
         let limits = self.0.limits;
-        if !g.items.is_empty()
-            && (g.items.len() >= limits.events || g.bytes.saturating_add(size) > limits.bytes)
-        {
+        let change = matches!(item, Ok(Pending::Shared(_)));
+        let full = if change {
+            g.changes >= limits.events
+        } else {
+            !g.items.is_empty()
+                && (g.items.len() >= limits.events || g.bytes.saturating_add(size) > limits.bytes)
+        };
+        if full {
             return Err((Refused::Full, item));
         }
         g.bytes += size;
+        g.changes += usize::from(change);
         g.items.push_back((item, size));
         drop(g);
         self.0.readable.notify_one();
@@ -229,6 +244,7 @@ impl WatchSender {
         let status = status(g.snapshot_unfinished);
         g.items.clear();
         g.items.shrink_to_fit();
+        g.changes = 0;
         let size = status.message().len();
         g.bytes = size;
         g.items.push_back((Err(status), size));
@@ -271,6 +287,7 @@ impl WatchReceiver {
                 match g.items.pop_front() {
                     Some((item, size)) => {
                         g.bytes -= size;
+                        g.changes -= usize::from(matches!(item, Ok(Pending::Shared(_))));
                         if matches!(&item, Ok(Pending::Ready(e))
                             if e.kind == super::proto::WatchEventKind::SnapshotEnd as i32)
                         {
@@ -310,6 +327,7 @@ impl Drop for WatchReceiver {
         g.reader_gone = true;
         g.items.clear();
         g.bytes = 0;
+        g.changes = 0;
         drop(g);
         // Wake a waiting send and a waiting `closed` alike, and leave a permit for a
         // feed that is about to wait.
@@ -407,6 +425,41 @@ mod tests {
         assert!(tx.queued().1 <= 4 * std::mem::size_of::<Pending>());
         let e = rx.recv().await.expect("item").expect("event");
         assert_eq!((e.generation, e.address.as_str()), (1, "converted"));
+    }
+
+    /// A snapshot queued to its end, filling the queue's bytes, leaves the changes
+    /// after it their whole event limit: a client reading its snapshot at its own pace
+    /// is cut off only once more changes than that wait. Before, the snapshot's bytes
+    /// counted against the changes too, and the second change here was refused.
+    #[tokio::test]
+    async fn changes_after_a_snapshot_that_fills_the_bytes_have_their_own_limit() {
+        let (tx, rx) = queue(LIMITS, convert(), None);
+        tx.try_send(ev(1, 500)).expect("room");
+        tx.try_send(ev(2, 450)).expect("room");
+        assert_eq!(tx.try_send(ev(3, 100)), Err(Refused::Full), "the bytes");
+        for g in 3..=6 {
+            tx.try_send(removed(g)).expect("a change has room");
+        }
+        assert_eq!(
+            tx.try_send(removed(7)),
+            Err(Refused::Full),
+            "the event limit"
+        );
+        assert_eq!(tx.queued().0, 6);
+        // A change taken makes room for one more; the snapshot's taken, none.
+        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 1);
+        assert_eq!(tx.try_send(removed(7)), Err(Refused::Full));
+        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 2);
+        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 3);
+        tx.try_send(removed(7)).expect("room again");
+        let got: Vec<u64> = {
+            drop(tx);
+            rx.into_stream()
+                .map(|i| i.expect("event").generation)
+                .collect()
+                .await
+        };
+        assert_eq!(got, vec![4, 5, 6, 7]);
     }
 
     /// A snapshot is unfinished until the client takes its end: queued is not enough,
