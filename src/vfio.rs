@@ -255,45 +255,36 @@ fn scan_fds(
             continue;
         };
         let dir = entry.path();
-        // A process may exit at any moment, and a file descriptor be closed: what is gone
-        // holds nothing. Anything else unreadable may hide a holder.
-        let unreadable =
-            |path: PathBuf, source: std::io::Error| VfioError::Process { pid, path, source };
-        let fd_dir = dir.join("fd");
-        let fds = match std::fs::read_dir(&fd_dir) {
-            Ok(fds) => fds,
-            Err(e) if gone(&e) => continue,
-            Err(e) => return Err(unreadable(fd_dir, e)),
-        };
-        // Each descriptor's link is read relative to the directory held open: one lookup
-        // of its name, not a walk through the proc root and the process's directory.
-        let at = match std::fs::File::open(&fd_dir) {
-            Ok(at) => at,
-            Err(e) if gone(&e) => continue,
-            Err(e) => return Err(unreadable(fd_dir, e)),
-        };
         let mut held: Vec<PathBuf> = Vec::new();
-        let mut found = Vec::new();
-        for fd in fds {
-            let fd = match fd {
-                Ok(fd) => fd,
-                Err(e) if gone(&e) => break,
-                Err(e) => return Err(unreadable(fd_dir, e)),
+        let listed = match fds_held(pid, &dir.join("fd"), &mut keys, &mut held)? {
+            Some(listed) => listed,
+            None => continue,
+        };
+        // A process whose first thread exited (pthread_exit) while others go on lists no
+        // descriptor of its own: the table the others share is under each of theirs.
+        // (A kernel thread lists none either, and has no other thread.)
+        if listed == 0 {
+            let unreadable =
+                |path: PathBuf, source: std::io::Error| VfioError::Process { pid, path, source };
+            let task_dir = dir.join("task");
+            let tasks = match std::fs::read_dir(&task_dir) {
+                Ok(tasks) => Some(tasks),
+                Err(e) if gone(&e) => None,
+                Err(e) => return Err(unreadable(task_dir, e)),
             };
-            let target = match nix::fcntl::readlinkat(&at, fd.file_name().as_os_str()) {
-                Ok(t) => PathBuf::from(t),
-                Err(e) => {
-                    let e = std::io::Error::from(e);
-                    if gone(&e) {
-                        continue;
-                    }
-                    return Err(unreadable(fd.path(), e));
+            let own = pid.to_string();
+            for task in tasks.into_iter().flatten() {
+                let task = match task {
+                    Ok(task) => task,
+                    Err(e) if gone(&e) => break,
+                    Err(e) => return Err(unreadable(task_dir, e)),
+                };
+                if task.file_name().to_str() == Some(own.as_str()) {
+                    continue;
                 }
-            };
-            keys(&target, &mut found);
-            for key in found.drain(..) {
-                if !held.contains(&key) {
-                    held.push(key);
+                let fd_dir = task.path().join("fd");
+                if fds_held(pid, &fd_dir, &mut keys, &mut held)?.is_some_and(|n| n > 0) {
+                    break;
                 }
             }
         }
@@ -309,6 +300,60 @@ fn scan_fds(
         list.sort_by_key(|h| h.pid);
     }
     Ok(out)
+}
+
+/// Adds to `held` the keys of every descriptor in `fd_dir` (a process's or a thread's
+/// `fd`) that `keys` counts: how many descriptors it listed, or `None` when the process
+/// or thread is gone.
+fn fds_held(
+    pid: u32,
+    fd_dir: &Path,
+    keys: &mut impl FnMut(&Path, &mut Vec<PathBuf>),
+    held: &mut Vec<PathBuf>,
+) -> Result<Option<usize>, VfioError> {
+    // A process may exit at any moment, and a file descriptor be closed: what is gone
+    // holds nothing. Anything else unreadable may hide a holder.
+    let unreadable =
+        |path: PathBuf, source: std::io::Error| VfioError::Process { pid, path, source };
+    let fds = match std::fs::read_dir(fd_dir) {
+        Ok(fds) => fds,
+        Err(e) if gone(&e) => return Ok(None),
+        Err(e) => return Err(unreadable(fd_dir.to_path_buf(), e)),
+    };
+    // Each descriptor's link is read relative to the directory held open: one lookup
+    // of its name, not a walk through the proc root and the process's directory.
+    let at = match std::fs::File::open(fd_dir) {
+        Ok(at) => at,
+        Err(e) if gone(&e) => return Ok(None),
+        Err(e) => return Err(unreadable(fd_dir.to_path_buf(), e)),
+    };
+    let mut found = Vec::new();
+    let mut listed = 0;
+    for fd in fds {
+        let fd = match fd {
+            Ok(fd) => fd,
+            Err(e) if gone(&e) => break,
+            Err(e) => return Err(unreadable(fd_dir.to_path_buf(), e)),
+        };
+        listed += 1;
+        let target = match nix::fcntl::readlinkat(&at, fd.file_name().as_os_str()) {
+            Ok(t) => PathBuf::from(t),
+            Err(e) => {
+                let e = std::io::Error::from(e);
+                if gone(&e) {
+                    continue;
+                }
+                return Err(unreadable(fd.path(), e));
+            }
+        };
+        keys(&target, &mut found);
+        for key in found.drain(..) {
+            if !held.contains(&key) {
+                held.push(key);
+            }
+        }
+    }
+    Ok(Some(listed))
 }
 
 /// Whether a proc read failed because what it read is gone (the process exited, the
@@ -495,6 +540,39 @@ mod tests {
         assert!(all.of(Path::new("/elsewhere/vfio/7")).is_empty());
         let err = holders_under(&t.path().join("no-proc"), &dev).expect_err("missing root");
         assert!(err.to_string().contains("no-proc"), "{err}");
+    }
+
+    /// A process whose first thread exited while another holds the node: its own `fd`
+    /// lists nothing, the other thread's lists the node, and the process is its holder.
+    /// A kernel thread (no descriptors, no other thread) holds nothing. Before, only
+    /// `<pid>/fd` was read, and such a holder was missed.
+    #[test]
+    fn a_holder_whose_first_thread_exited_is_found_through_its_threads() {
+        let t = tempfile::tempdir().expect("tmp");
+        let proc_root = t.path().join("proc");
+        let dev = t.path().join("dev");
+        let node = dev.join("vfio/7");
+        std::fs::create_dir_all(node.parent().expect("parent")).expect("mkdir");
+        std::fs::write(&node, "").expect("node");
+        for dir in [
+            "500/fd",
+            "500/task/500/fd",
+            "500/task/501/fd",
+            "600/fd",
+            "600/task/600/fd",
+        ] {
+            std::fs::create_dir_all(proc_root.join(dir)).expect("mkdir");
+        }
+        std::fs::write(proc_root.join("500/comm"), "dpdk-app\n").expect("comm");
+        symlink(&node, proc_root.join("500/task/501/fd/9")).expect("link");
+        let all = holders_under(&proc_root, &dev).expect("scan");
+        let h = all.of(&node);
+        assert_eq!(
+            h.iter()
+                .map(|h| (h.pid, h.command.as_str()))
+                .collect::<Vec<_>>(),
+            [(500, "dpdk-app")]
+        );
     }
 
     /// A holder's description reads the start of a huge command line, not all of it.
