@@ -119,6 +119,7 @@ fn record(id: u64, generation: u64, owner: Option<u64>) -> DeviceRecord {
             },
             request_id: format!("r-{generation}").parse().expect("request id"),
             claimed_at: generation,
+            since: None,
             vfio: None,
         }),
         attached: None,

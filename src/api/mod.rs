@@ -1180,11 +1180,7 @@ impl HostDev for HostDevService {
             Outcome::Claimed { address, .. } => {
                 Self::claim_record(&view, *address, consumer, &request_id)
             }
-            Outcome::Bound { record, .. } => view.ledger.record(*record).filter(|r| {
-                r.claim
-                    .as_ref()
-                    .is_some_and(|c| c.owner.consumer == consumer)
-            }),
+            Outcome::Bound { .. } => view.ledger.binding_standing(&entry.outcome, consumer),
             Outcome::Released { .. } | Outcome::Transferred { .. } | Outcome::VfCountSet { .. } => {
                 None
             }

@@ -179,6 +179,27 @@ impl Ledger {
         Ok((g, tx.cs))
     }
 
+    /// The record whose claim a logged binding bound, while that claim stands: the same
+    /// owner's, and the same claim (made before the binding; a claim released and made
+    /// again by the owner is another). `None` for another outcome.
+    pub fn binding_standing(
+        &self,
+        outcome: &Outcome,
+        consumer: ConsumerId,
+    ) -> Option<&DeviceRecord> {
+        let Outcome::Bound {
+            record, generation, ..
+        } = outcome
+        else {
+            return None;
+        };
+        self.records.get(record).filter(|r| {
+            r.claim.as_ref().is_some_and(|c| {
+                c.owner.consumer == consumer && c.since.is_none_or(|since| since < *generation)
+            })
+        })
+    }
+
     /// What a binding request with a request id the log holds is answered (`None`: the
     /// log does not hold it, and it is a new request). A request id logged for another
     /// operation, or for a binding at another address, is refused. Changes nothing.
@@ -191,28 +212,26 @@ impl Ledger {
         let Some(entry) = self.request(consumer, request_id) else {
             return Ok(None);
         };
-        let (record, generation) = match entry.outcome {
+        let generation = match &entry.outcome {
             Outcome::Bound {
                 address: bound_at,
-                record,
                 generation,
-            } if bound_at == address => (record, generation),
+                ..
+            } if *bound_at == address => *generation,
             previous => {
                 return Err(LedgerError::RequestIdReused {
                     consumer,
                     request_id: request_id.clone(),
-                    previous,
+                    previous: previous.clone(),
                 })
             }
         };
         let standing = self
-            .records
-            .get(&record)
+            .binding_standing(&entry.outcome, consumer)
             .filter(|r| r.present)
             .and_then(|r| {
-                let claim = r.claim.as_ref()?;
-                let binding = claim.vfio.clone()?;
-                (claim.owner.consumer == consumer).then_some((r.generation, binding))
+                let binding = r.claim.as_ref()?.vfio.clone()?;
+                Some((r.generation, binding))
             });
         Ok(Some(match standing {
             Some((generation, binding)) => BindRetry::Standing {
@@ -643,6 +662,40 @@ mod tests {
             l.bind_retry(a, who, &rid("bind")),
             Ok(Some(BindRetry::Ended { generation: g2 }))
         );
+        // The same owner claims the device again (the same record) and binds it under
+        // another id: the first binding's claim is still over, and its retry says so,
+        // neither answering with the new claim nor binding anything for it. Before, it was
+        // answered as standing, and could record the binding again.
+        let (claimed, _) = l
+            .claim(
+                &ClaimRequest {
+                    target: ClaimTarget::Address {
+                        address: a,
+                        expected_generation: freed.generation(),
+                    },
+                    owner: owner(1),
+                    request_id: rid("again"),
+                },
+                10,
+            )
+            .expect("claim again");
+        let (g5, _) = l
+            .record_binding(
+                a,
+                who,
+                claimed.generation(),
+                members.clone(),
+                Some((&rid("bind-2"), 11)),
+            )
+            .expect("bound again");
+        assert_eq!(
+            l.bind_retry(a, who, &rid("bind")),
+            Ok(Some(BindRetry::Ended { generation: g2 }))
+        );
+        assert!(matches!(
+            l.bind_retry(a, who, &rid("bind-2")),
+            Ok(Some(BindRetry::Standing { generation, .. })) if generation == g5
+        ));
         // Undo of the binding's change set takes its log entry back too.
         let mut undone = after;
         undone.undo(&cs);

@@ -672,11 +672,12 @@ impl Ledger {
             }
         };
         let mut tx = Tx::new(self.host_generation);
-        let generation = self.modify(&mut tx, id, |r| {
+        let generation = self.modify_at(&mut tx, id, |r, generation| {
             r.claim = Some(Claim {
                 owner: req.owner.clone(),
                 request_id: req.request_id.clone(),
                 claimed_at: now,
+                since: Some(generation),
                 vfio: None,
             });
         });
@@ -889,11 +890,13 @@ impl Ledger {
         let mut tx = Tx::new(self.host_generation);
         // The VFIO binding moves with the claim: the new owner's release restores it.
         let vfio = rec.claim.as_ref().and_then(|c| c.vfio.clone());
+        let since = rec.claim.as_ref().and_then(|c| c.since);
         let generation = self.modify(&mut tx, id, |r| {
             r.claim = Some(Claim {
                 owner: req.to.clone(),
                 request_id: req.request_id.clone(),
                 claimed_at: now,
+                since,
                 vfio,
             });
         });
@@ -1211,6 +1214,16 @@ impl Ledger {
         id: RecordId,
         f: impl FnOnce(&mut DeviceRecord),
     ) -> Generation {
+        self.modify_at(tx, id, |r, _| f(r))
+    }
+
+    /// [`Self::modify`], telling `f` the generation the record gets.
+    fn modify_at(
+        &mut self,
+        tx: &mut Tx,
+        id: RecordId,
+        f: impl FnOnce(&mut DeviceRecord, Generation),
+    ) -> Generation {
         self.remember(tx, id);
         let generation = self.bump(tx);
         // Changed on a copy: `store_record` compares the record's links (IOMMU group,
@@ -1219,7 +1232,7 @@ impl Ledger {
         let Some(mut updated) = self.records.get(&id).cloned() else {
             return generation;
         };
-        f(&mut updated);
+        f(&mut updated, generation);
         updated.generation = generation;
         updated.attached = self.attachment_for(&updated);
         self.store_record(updated.clone());

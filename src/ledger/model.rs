@@ -31,6 +31,11 @@ pub struct Claim {
     pub request_id: RequestId,
     /// Seconds since the Unix epoch when the claim was made.
     pub claimed_at: u64,
+    /// The generation the claim was made at, kept when it is transferred: a binding
+    /// logged before it belonged to an earlier claim of the record, released since.
+    /// Absent in records stored before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<Generation>,
     /// Set once the claim's IOMMU group was bound to vfio-pci by the agent: what to give
     /// back on release. Recorded before the first sysfs write, so a crash mid-bind still
     /// knows each member's original driver.

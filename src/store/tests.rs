@@ -54,6 +54,7 @@ fn record(id: u64, function: u8, generation: u64, owner: Option<u8>) -> DeviceRe
             },
             request_id: request_id(&format!("claim-{n}-{generation}")),
             claimed_at: 1_700_000_000 + generation,
+            since: None,
             vfio: None,
         }),
         attached: None,
