@@ -35,7 +35,8 @@ struct Ctx<'a> {
 /// Scans every PCI device under `sysfs_root`, sorted by address.
 ///
 /// Fails only when `<sysfs_root>/bus/pci/devices` itself cannot be listed (a wrong root,
-/// or no PCI bus). Problems with single devices never fail the scan; they are reported in
+/// or no PCI bus), or its listing breaks off part way: a shorter list would read as
+/// devices gone. Problems with single devices never fail the scan; they are reported in
 /// each device's `errors`.
 pub fn scan(sysfs_root: &Path, dev_root: &Path, names: &PciNames) -> Result<Inventory, SysfsError> {
     let bus = sysfs_root.join(BUS_DEVICES);
@@ -46,17 +47,10 @@ pub fn scan(sysfs_root: &Path, dev_root: &Path, names: &PciNames) -> Result<Inve
     let mut inventory = Inventory::default();
     let mut addresses = Vec::new();
     for entry in entries {
-        let entry = match entry {
-            Ok(e) => e,
-            Err(source) => {
-                let err = SysfsError::ListDir {
-                    path: bus.clone(),
-                    source,
-                };
-                inventory.errors.push(err.full_message());
-                continue;
-            }
-        };
+        let entry = entry.map_err(|source| SysfsError::ListDir {
+            path: bus.clone(),
+            source,
+        })?;
         let name = entry.file_name();
         match name.to_str().map(str::parse::<PciAddress>) {
             Some(Ok(a)) => addresses.push(a),
