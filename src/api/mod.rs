@@ -1156,7 +1156,7 @@ impl HostDev for HostDevService {
                 .map_err(ApiError::from)?
                 .ok_or_else(|| {
                     ApiError::NotFound(format!(
-                        "no request {request_id} of consumer {consumer} is recorded: it was not applied (or was pruned), and now it never will be: this agent refuses that request id from now on (ABORTED, REQUEST_CLOSED); send the request again with a new request id"
+                        "no request {request_id} of consumer {consumer} is recorded: it was not applied (or was pruned), and now it never will be: this agent refuses that request id from now on, for as long as it runs (ABORTED, REQUEST_CLOSED; a copy of the call still in transit ends with the process); send the request again with a new request id, never this one"
                     ))
                 })?
         } else {
