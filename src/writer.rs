@@ -417,14 +417,25 @@ impl Writer {
         *lock_scan(&self.scan_owed)
     }
 
-    /// Refused while a scan is owed (see [`Self::changes_wait_for_scan`]). Checked
-    /// before the change is sent: once cleared the flag is never set again, so a change
-    /// let through is decided on a ledger that took the scan.
-    fn check_scan(&self) -> Result<(), WriteError> {
-        match self.scan_owed() {
-            Some(why) => Err(WriteError::ScanNotStored(why)),
-            None => Ok(()),
+    /// Refused while a scan is owed (see [`Self::changes_wait_for_scan`]), unless the
+    /// request id (`request`) is logged: a retry of a request applied before is
+    /// answered from the log as ever, changing nothing (told "unavailable", its client
+    /// could give up on a claim that stands). Checked before the change is sent: once
+    /// cleared the flag is never set again, so a change let through is decided on a
+    /// ledger that took the scan.
+    async fn check_scan(
+        &self,
+        request: Option<(ConsumerId, &RequestId)>,
+    ) -> Result<(), WriteError> {
+        let Some(why) = self.scan_owed() else {
+            return Ok(());
+        };
+        if let Some((consumer, request_id)) = request {
+            if self.lookup(consumer, request_id.clone()).await?.is_some() {
+                return Ok(());
+            }
         }
+        Err(WriteError::ScanNotStored(why))
     }
 
     async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, WriteError> {
@@ -465,13 +476,15 @@ impl Writer {
     }
 
     pub async fn claim(&self, req: ClaimRequest) -> Result<Applied, WriteError> {
-        self.check_scan()?;
+        self.check_scan(Some((req.owner.consumer, &req.request_id)))
+            .await?;
         self.call(|r| Command::Claim(req, r)).await
     }
     /// A release whose caller checked, for the presented generation, what a free needs
     /// beyond the ledger (the service: libvirt listed afresh, no VFIO holder).
     pub async fn release(&self, req: ReleaseRequest) -> Result<Applied, WriteError> {
-        self.check_scan()?;
+        self.check_scan(Some((req.consumer, &req.request_id)))
+            .await?;
         self.call(|r| Command::Release(req, true, r)).await
     }
 
@@ -481,11 +494,12 @@ impl Writer {
     /// decides, it is refused all the same ([`WriteError::ChangedWhileChecked`]): a
     /// release frees a present device only after the checks for its generation.
     pub async fn release_unchecked(&self, req: ReleaseRequest) -> Result<Applied, WriteError> {
-        self.check_scan()?;
+        self.check_scan(Some((req.consumer, &req.request_id)))
+            .await?;
         self.call(|r| Command::Release(req, false, r)).await
     }
     pub async fn transfer(&self, req: TransferRequest) -> Result<Applied, WriteError> {
-        self.check_scan()?;
+        self.check_scan(Some((req.from, &req.request_id))).await?;
         self.call(|r| Command::Transfer(req, r)).await
     }
     pub async fn inventory(&self, facts: Vec<DeviceFacts>) -> Result<(), WriteError> {
@@ -569,11 +583,12 @@ impl Writer {
         audit: RequestId,
         orphans: Vec<OrphanFree>,
     ) -> Result<OrphansFreed, WriteError> {
-        self.check_scan()?;
+        self.check_scan(None).await?;
         self.call(|r| Command::FreeOrphans(audit, orphans, r)).await
     }
     pub async fn bind_vfio(&self, req: BindVfio) -> Result<Bound, WriteError> {
-        self.check_scan()?;
+        let logged = req.request_id.as_ref().map(|id| (req.consumer, id));
+        self.check_scan(logged).await?;
         self.call(|r| Command::BindVfio(req, r)).await
     }
     /// Changes a PF's VF count: checked and recorded by the writer, written off its
@@ -586,7 +601,8 @@ impl Writer {
     /// recorded, as a write that may have destroyed the VFs (the side that hands no
     /// destroyed VF out), with the PF's devices held back until then.
     pub async fn set_vf_count(&self, req: SetVfCount) -> Result<VfCountSet, WriteError> {
-        self.check_scan()?;
+        let logged = req.request.as_ref().map(|(c, id)| (*c, id));
+        self.check_scan(logged).await?;
         let change = match self.call(|r| Command::BeginVfCount(req, r)).await? {
             VfBegun::Change(change) => change,
             VfBegun::Replayed(first) => return Ok(first),

@@ -659,8 +659,17 @@ async fn a_first_scan_refused_by_a_full_disk_does_not_stop_the_start() {
     let vf = disk.vfs[0].clone();
     let numa = |devices: &[proto::Device]| listed(devices, &vf).numa_node;
     let (daemon, mut c) = start(&cfg_path, &socket).await;
-    let before = numa(&list(&mut c).await);
+    let devices = list(&mut c).await;
+    let before = numa(&devices);
     assert_ne!(before, Some(1));
+    // The other VF, claimed before the stop.
+    let other = listed(&devices, &disk.vfs[1]);
+    let first = c
+        .claim(claim(&other, "before-the-stop"))
+        .await
+        .expect("claim")
+        .into_inner()
+        .generation;
     daemon.terminate().await;
 
     fill_up(&mnt.join("filler"));
@@ -694,6 +703,15 @@ async fn a_first_scan_refused_by_a_full_disk_does_not_stop_the_start() {
         (Code::Unavailable, "SCAN_NOT_STORED"),
         "{early:?}"
     );
+    // A retry of the claim applied before the stop is answered from the log meanwhile,
+    // as the first answer: told "unavailable", its client could give up on it.
+    let replay = c
+        .claim(claim(&other, "before-the-stop"))
+        .await
+        .expect("a retry of an applied claim")
+        .into_inner();
+    assert!(replay.replayed, "{replay:?}");
+    assert_eq!(replay.generation, first);
     let start = std::time::Instant::now();
     let devices = loop {
         let devices = list(&mut c).await;
