@@ -16,6 +16,7 @@
 //! instead of waking the writer thread and then being woken by it. On a quiet host those
 //! two wake-ups were a tenth of a request's round trip (see `Core::try_inline`).
 
+use std::collections::VecDeque;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -82,6 +83,13 @@ pub enum WriteError {
     RequestClosed {
         consumer: ConsumerId,
         request_id: RequestId,
+    },
+    /// The request id names a VF count change that wrote to sysfs and was not logged.
+    #[error("request {request_id} of consumer {consumer} changed the VF count of {pf} and was not recorded (its write failed part way or ended past its timeout, or the disk refused its record): it is neither applied as asked nor undone; the PF as listed now says what it has; nothing is closed")]
+    VfCountNotRecorded {
+        consumer: ConsumerId,
+        request_id: RequestId,
+        pf: PciAddress,
     },
     /// The scan made at start is not stored yet (see [`Writer::changes_wait_for_scan`]).
     #[error("{0}, so the ledger may not match the devices present: nothing is changed until that scan, tried again, is stored; nothing was changed; try again shortly")]
@@ -278,6 +286,9 @@ pub struct Writer {
     /// disk), so the ledger may not match the devices present until it is.
     scan_owed: Arc<Mutex<Option<&'static str>>>,
 }
+
+/// How many unrecorded VF count changes' request ids are remembered.
+const UNRECORDED_VF_REQUESTS: usize = 1024;
 
 fn lock_scan<'a>(
     m: &'a Mutex<Option<&'static str>>,
@@ -888,6 +899,10 @@ struct Worker {
     /// The tokens of VF count changes whose record the store refused (a full disk):
     /// each holds its PF and VFs back from claims until a full scan commits.
     unrecorded_vf_changes: Vec<Arc<()>>,
+    /// The request ids of VF count changes that wrote to sysfs and were not logged (their
+    /// write failed or ended late, or their record was refused), newest last, at most
+    /// [`UNRECORDED_VF_REQUESTS`]: GetRequestOutcome must not answer them "never applied".
+    unrecorded_vf_requests: VecDeque<(ConsumerId, RequestId, PciAddress)>,
 }
 
 /// Keeps a decided change for the batch's commit (a replay changes nothing) and says
@@ -935,6 +950,7 @@ impl Worker {
             failed: None,
             failed_tx: Arc::new(tokio::sync::watch::channel(false).0),
             unrecorded_vf_changes: Vec::new(),
+            unrecorded_vf_requests: VecDeque::new(),
         }
     }
 
@@ -1084,13 +1100,27 @@ impl Worker {
             } => {
                 // A VF count change asked with this id and still under way is not to be
                 // told "never applied": it may yet be.
-                let entry = match self.ledger.vf_change_in_flight(consumer, &request_id) {
-                    Some(pf) => Err(WriteError::RequestInProgress {
+                let unrecorded = || {
+                    self.unrecorded_vf_requests
+                        .iter()
+                        .find(|(c, id, _)| *c == consumer && *id == request_id)
+                        .map(|(_, _, pf)| *pf)
+                };
+                let entry = match (
+                    self.ledger.vf_change_in_flight(consumer, &request_id),
+                    unrecorded(),
+                ) {
+                    (Some(pf), _) => Err(WriteError::RequestInProgress {
                         consumer,
                         request_id: request_id.clone(),
                         pf,
                     }),
-                    None => self
+                    (None, Some(pf)) => Err(WriteError::VfCountNotRecorded {
+                        consumer,
+                        request_id: request_id.clone(),
+                        pf,
+                    }),
+                    (None, None) => self
                         .recall(consumer, &request_id, changes)
                         .map(|()| self.ledger.request(consumer, &request_id)),
                 };
@@ -1261,6 +1291,7 @@ impl Worker {
         match e {
             WriteError::RequestClosed { .. } => self.metrics.rejected("REQUEST_CLOSED"),
             WriteError::RequestInProgress { .. } => self.metrics.rejected("REQUEST_IN_PROGRESS"),
+            WriteError::VfCountNotRecorded { .. } => self.metrics.rejected("VF_COUNT_NOT_RECORDED"),
             WriteError::ChangedWhileChecked { .. } => {
                 self.metrics.rejected("CHANGED_WHILE_CHECKED")
             }

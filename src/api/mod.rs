@@ -1092,8 +1092,8 @@ impl HostDev for HostDevService {
                             Err(watch_queue::Refused::Gone) => return,
                             Err(watch_queue::Refused::Full) => {
                                 tx.cut_off(behind(format!(
-                                    "more than {} events or {} bytes",
-                                    limits.events, limits.bytes
+                                    "more than {} changes waiting",
+                                    limits.events
                                 )));
                                 return;
                             }

@@ -51,7 +51,7 @@ pub enum ApiError {
     /// stream was ended.
     #[error("watcher fell behind by {behind} and was cut off{}", if *in_snapshot { " before its snapshot's end; start again with a snapshot" } else { "; resume with Watch from the last generation received" })]
     WatchCutOff {
-        /// How far: "12 events", "more than 1024 events or 262144 bytes".
+        /// How far: "12 events", "more than 1024 changes waiting".
         behind: String,
         /// Cut off before its snapshot's end: it holds part of a snapshot only, and must
         /// start again with one rather than resume.
@@ -375,6 +375,19 @@ pub fn to_status(e: &ApiError) -> Status {
             ]);
             let d = ErrorDetails::with_error_info("REQUEST_IN_PROGRESS", ERROR_DOMAIN, meta);
             Status::with_error_details(Code::Unavailable, msg, d)
+        }
+        ApiError::Write(WriteError::VfCountNotRecorded {
+            consumer,
+            request_id,
+            pf,
+        }) => {
+            let meta = HashMap::from([
+                ("consumer_id".to_string(), consumer.to_string()),
+                ("request_id".to_string(), request_id.to_string()),
+                ("address".to_string(), pf.to_string()),
+            ]);
+            let d = ErrorDetails::with_error_info("VF_COUNT_NOT_RECORDED", ERROR_DOMAIN, meta);
+            Status::with_error_details(Code::FailedPrecondition, msg, d)
         }
         ApiError::Write(WriteError::ChangedWhileChecked {
             address,

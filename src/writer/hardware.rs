@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use super::{now_unix, Applied, Command, Worker, WriteError};
+use super::{now_unix, Applied, Command, Worker, WriteError, UNRECORDED_VF_REQUESTS};
 use crate::hardware::sriov::Written;
 use crate::hardware::{Hardware, HardwareError};
 use crate::ledger::{BindRetry, BoundMember, ChangeSet, ReleaseRequest, VfCountLog};
@@ -467,11 +467,23 @@ impl Worker {
                     before,
                     at: now_unix(),
                 });
+        let was_logged = logged.is_some();
         let cs = self
             .ledger
             .vf_count_written(req.pf, &vfs, written == Written::Vfs, logged);
         let generation = cs.host_generation;
-        if let Err(e) = self.commit_one(cs) {
+        let committed = self.commit_one(cs);
+        // Written but not logged: told so, not "never applied", by GetRequestOutcome.
+        if let Some((consumer, request_id)) = &req.request {
+            if !was_logged || committed.is_err() {
+                self.unrecorded_vf_requests
+                    .push_back((*consumer, request_id.clone(), req.pf));
+                if self.unrecorded_vf_requests.len() > UNRECORDED_VF_REQUESTS {
+                    self.unrecorded_vf_requests.pop_front();
+                }
+            }
+        }
+        if let Err(e) = committed {
             // The ledger still lists the VFs the kernel may have destroyed (and may have
             // made again, as other devices, at the same addresses): the PF and its VFs
             // stay held back until a full scan applies, which reads what is there now

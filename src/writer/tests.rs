@@ -759,12 +759,29 @@ fn a_vf_count_change_the_store_refused_holds_its_devices_until_a_full_scan() {
         generation: generation(&w, addr(pf)),
         count: 2,
         autoprobe: None,
-        request: None,
+        request: Some((consumer(3), rid("vfs"))),
+    };
+    // GetRequestOutcome for the change's request id (closing it if not found).
+    let outcome = |w: &mut Worker| {
+        let (reply, rx) = oneshot::channel();
+        w.apply_batch(vec![Command::Settle {
+            consumer: consumer(3),
+            request_id: rid("vfs"),
+            close: true,
+            reply,
+        }]);
+        answer(rx)
     };
     w.store.refuse_writes(true);
     let err = set_vf_count(&mut w, change).expect_err("the record refused");
     w.store.refuse_writes(false);
     assert!(matches!(err, WriteError::Store(_)), "{err:?}");
+    // Written, not recorded, its devices held: under way as far as its id goes.
+    let asked = outcome(&mut w);
+    assert!(
+        matches!(asked, Err(WriteError::RequestInProgress { .. })),
+        "{asked:?}"
+    );
     let stored = w.store.load().expect("load");
     let claims = |w: &mut Worker, who: u128| {
         let (v, vf_rx) = claim(
@@ -827,6 +844,14 @@ fn a_vf_count_change_the_store_refused_holds_its_devices_until_a_full_scan() {
     let (reply, rx) = oneshot::channel();
     w.apply_batch(vec![Command::Inventory(inventory, None, reply)]);
     answer(rx).expect("the full scan applied");
+    // Held no more, and still not "never applied": the PF shows what it has.
+    for _ in 0..2 {
+        let asked = outcome(&mut w);
+        assert!(
+            matches!(asked, Err(WriteError::VfCountNotRecorded { pf: p, .. }) if p == addr(pf)),
+            "{asked:?}"
+        );
+    }
     let (vf, pf_claim) = claims(&mut w, 9);
     pf_claim.expect("the PF is claimable");
     assert!(
