@@ -350,13 +350,30 @@ impl Rescanner {
     /// kernel sends the removals of the VFs a count change destroys while the change's
     /// own rescan finds the new ones), and applying it would take that new device, and
     /// any claim made on it since, for a removed one.
-    fn own_removals(&self, removed: &Removals) -> Vec<PciAddress> {
+    ///
+    /// `read_now` gives the inode number of the device directory at an address as read
+    /// after the removals were received. Where it is the present record's instance, the
+    /// removal is stale too, whatever its number: the kernel removes a device's directory
+    /// before it sends the removal, so that device was not removed. (A scan that read
+    /// the sequence number, then the device made again after a removal numbered above
+    /// it, took that removal for its new device's before this.)
+    fn own_removals(
+        &self,
+        removed: &Removals,
+        read_now: impl Fn(PciAddress) -> Option<u64>,
+    ) -> Vec<PciAddress> {
+        let view = self.writer.view();
         let seen_at = read(&self.seen_at);
         removed
             .iter()
             .filter(|(a, seq)| match (seq, seen_at.get(a)) {
                 (Some(seq), Some(seen)) => seen < seq,
                 _ => true,
+            })
+            .filter(|(a, _)| {
+                let present = view.ledger.record_at(**a).and_then(|r| r.facts.instance);
+                let now = self.instance(read_now(**a));
+                !(present.is_some() && present == now)
             })
             .map(|(a, _)| *a)
             .collect()
@@ -367,7 +384,21 @@ impl Rescanner {
     pub async fn full_after(self: &Arc<Self>, removed: &Removals) -> Result<(), RescanError> {
         if !removed.is_empty() {
             let _turn = self.turn.lock().await;
-            let gone = self.own_removals(removed);
+            let root = self.sysfs_root.clone();
+            let addresses: Vec<PciAddress> = removed.keys().copied().collect();
+            let inodes: BTreeMap<PciAddress, u64> = tokio::task::spawn_blocking(move || {
+                addresses
+                    .into_iter()
+                    .filter_map(|a| {
+                        let m = std::fs::metadata(sysfs::device_dir(&root, a)).ok()?;
+                        m.is_dir()
+                            .then(|| (a, std::os::unix::fs::MetadataExt::ino(&m)))
+                    })
+                    .collect()
+            })
+            .await
+            .map_err(|e| RescanError::Thread(e.to_string()))?;
+            let gone = self.own_removals(removed, |a| inodes.get(&a).copied());
             if !gone.is_empty() {
                 let mut details = self.writer.view().sysfs.clone();
                 for a in &gone {
@@ -537,7 +568,12 @@ impl Rescanner {
         })
         .await
         .map_err(|e| RescanError::Thread(e.to_string()))??;
-        let gone = self.own_removals(removed);
+        let gone = self.own_removals(removed, |a| {
+            scanned
+                .get(&a)
+                .and_then(|d| d.as_ref())
+                .and_then(|d| d.instance)
+        });
         let mut changes: Vec<(PciAddress, Option<DeviceFacts>)> =
             gone.iter().map(|a| (*a, None)).collect();
         {

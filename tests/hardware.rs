@@ -972,6 +972,65 @@ async fn a_rescan_that_finds_another_instance_replaces_the_record_before_its_eve
     s.stop().await;
 }
 
+/// The same, with the removal numbered after the number the rescan read: the PF's rescan
+/// reads the sequence number (10), then the VF made again after a removal (11) and an
+/// addition (12) the kernel sends while it reads. The new VF is claimed at once; when the
+/// two events arrive, the removal is of the old VF, whose directory was gone before it
+/// was sent, not of the new one, which is still there: the new claim stands. Before,
+/// the removal was taken for the new VF's (numbered past its scan), its claim was marked
+/// lost and a free record made for the same VF, claimable by anyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_sent_while_a_rescan_read_the_device_again_leaves_the_new_claim() {
+    let _alone = alone().await;
+    let t = tree();
+    set_seqnum(&t, 10);
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 1).await;
+    claim(&mut c, &a, 10, false).await.expect("claim");
+
+    // Removed and back while a PF rescan reads at number 10.
+    t.remove_device(&a);
+    t.replug_device(&a);
+    t.write_attr(PF, "numa_node", b"1\n");
+    send_uevent_numbered("change", PF, 10);
+    until_lost_and_replaced(&mut c, &a).await;
+    let new = claim(&mut c, &a, 11, false)
+        .await
+        .expect("the new VF claimed");
+    let mine = |l: &[proto::Device]| -> Vec<(bool, u64, Option<String>)> {
+        let mut v: Vec<_> = l
+            .iter()
+            .filter(|d| d.address == a)
+            .map(|d| {
+                let who = d.owner.as_ref().map(|o| o.consumer_id.clone());
+                (d.present, d.generation, who)
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let before = mine(&until(&mut c, "the claim listed", |_| true).await);
+    assert!(
+        before
+            .iter()
+            .any(|(present, g, _)| *present && *g == new.generation),
+        "{before:?}"
+    );
+    set_seqnum(&t, 12);
+    send_uevent_numbered("remove", &a, 11);
+    send_uevent_numbered("add", &a, 12);
+    set_seqnum(&t, 13);
+    t.write_attr(PF, "numa_node", b"0\n");
+    send_uevent_numbered("change", PF, 13);
+    let after = until(&mut c, "the PF's second event handled", |l| {
+        l.iter().any(|d| d.address == PF && d.numa_node == Some(0))
+    })
+    .await;
+    assert_eq!(mine(&after), before, "the late events changed nothing");
+    s.stop().await;
+}
+
 /// An acting audit frees a dead instance's VF that was bound to vfio-pci: its driver is
 /// given back, and the answer comes once the agent has rescanned it, so the listing
 /// right after shows the VF on its own driver again.
