@@ -207,16 +207,51 @@ async fn send_on(
         .authority("localhost")
         .path_and_query(path)
         .build()?;
+    // The caller's deadline (`tonic::Request::set_timeout`, sent as `grpc-timeout`), kept
+    // here as tonic's own transport keeps it: an agent that takes the call and never
+    // answers (stopped, wedged) must not hold the caller for ever.
+    let deadline = parts
+        .headers
+        .get("grpc-timeout")
+        .and_then(|v| grpc_timeout(v.to_str().ok()?));
     let head = http::Request::from_parts(parts, ());
     let (answer, mut stream) = ready.send_request(head, message.is_empty())?;
     if !message.is_empty() {
         stream.send_data(message, true)?;
     }
-    let answer = answer.await?;
+    let answer = match deadline {
+        // Dropping the stream's two halves on expiry resets it.
+        Some(limit) => tokio::time::timeout(limit, answer).await.map_err(|_| {
+            DirectError::from(tonic::Status::deadline_exceeded(format!(
+                "hostdevd did not answer within the call's deadline ({} ms)",
+                limit.as_millis()
+            )))
+        })??,
+        None => answer.await?,
+    };
     Ok(answer.map(|recv| Received {
         recv,
         data_done: false,
     }))
+}
+
+/// A `grpc-timeout` header's value: at most eight digits and a unit (hours, minutes,
+/// seconds, milli-, micro- or nanoseconds).
+fn grpc_timeout(v: &str) -> Option<Duration> {
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 /// An answer's body: its messages, then its trailers (gRPC's status).
@@ -253,5 +288,53 @@ impl Body for Received {
 
     fn is_end_stream(&self) -> bool {
         self.recv.is_end_stream()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_read_as_the_spec_writes_them() {
+        assert_eq!(grpc_timeout("200m"), Some(Duration::from_millis(200)));
+        assert_eq!(grpc_timeout("3S"), Some(Duration::from_secs(3)));
+        assert_eq!(grpc_timeout("2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(
+            grpc_timeout("99999999n"),
+            Some(Duration::from_nanos(99_999_999))
+        );
+        for bad in ["", "m", "123456789m", "12x", "-1S", "1.5S"] {
+            assert_eq!(grpc_timeout(bad), None, "{bad}");
+        }
+    }
+
+    /// An agent that takes the connection and the call and never answers: a call with a
+    /// deadline ends with DEADLINE_EXCEEDED at that deadline. Before, it waited for ever.
+    #[tokio::test]
+    async fn a_call_past_its_deadline_ends_deadline_exceeded() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("silent.sock");
+        let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+        let server = tokio::spawn(async move {
+            let (io, _) = listener.accept().await.expect("accept");
+            let mut conn = h2::server::handshake(io).await.expect("handshake");
+            let mut held = Vec::new();
+            // Takes every call and answers none.
+            while let Some(Ok(call)) = conn.accept().await {
+                held.push(call);
+            }
+        });
+        let mut c = crate::client::connect(&path).await.expect("connect");
+        let mut req = tonic::Request::new(crate::api::proto::GetStatusRequest {});
+        req.set_timeout(Duration::from_millis(200));
+        let started = std::time::Instant::now();
+        let err = tokio::time::timeout(Duration::from_secs(10), c.get_status(req))
+            .await
+            .expect("the call ends by its deadline")
+            .expect_err("no answer");
+        assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        server.abort();
     }
 }
