@@ -794,6 +794,27 @@ fn watch_replays_and_reconcile_reports() {
         acted["orphans"][0]["freed_generation"].as_u64().unwrap() > g3,
         "{acted}"
     );
+    // The audit's made-up request id is shown: the same again lists what it freed, as
+    // freed by an earlier attempt, and frees nothing more.
+    let id = acted["request_id"]
+        .as_str()
+        .expect("the request id shown")
+        .to_string();
+    let again = a.json(&[
+        "reconcile",
+        "--expected",
+        INSTANCE,
+        "--snapshot-generation",
+        &snap,
+        "--act",
+        "--request-id",
+        &id,
+    ]);
+    assert_eq!(again["orphans"][0]["earlier_attempt"], true, "{again}");
+    assert_eq!(
+        again["orphans"][0]["freed_generation"], acted["orphans"][0]["freed_generation"],
+        "{again}"
+    );
     assert_eq!(a.json(&["show", &v3])["device"]["state"], "free");
     assert_eq!(a.json(&["show", &v0])["device"]["state"], "claimed");
 

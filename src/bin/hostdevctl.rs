@@ -411,6 +411,19 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
 /// A failed claim, release, transfer or binding whose outcome the answer leaves open (the
 /// connection broke, the agent could not commit or answer, or a claim stands though its
 /// binding failed), with the request id to ask about, or to send again with.
+/// Whether a failed call may have applied: its answer was lost on the way (the agent
+/// stopped or the connection broke mid-call), or it failed in an unknown way.
+fn answer_lost(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::Unavailable
+            | Code::Unknown
+            | Code::Internal
+            | Code::DeadlineExceeded
+            | Code::Cancelled
+    )
+}
+
 fn open_outcome(
     op: &str,
     socket: &std::path::Path,
@@ -421,15 +434,7 @@ fn open_outcome(
     let stands = status
         .get_details_error_info()
         .is_some_and(|i| i.metadata.get("claim_stands").is_some_and(|v| v == "true"));
-    let open = stands
-        || matches!(
-            status.code(),
-            Code::Unavailable
-                | Code::Unknown
-                | Code::Internal
-                | Code::DeadlineExceeded
-                | Code::Cancelled
-        );
+    let open = stands || answer_lost(status);
     // Two ways on, not two steps: asking the outcome of a request that did not apply
     // closes its id, and a resend with it is then refused.
     let hint = format!(
@@ -1350,10 +1355,27 @@ async fn cmd_reconcile(ctx: &mut Ctx, a: ReconcileArgs) -> Outcome {
             request_id: request_id.to_string(),
         })
         .await
-        .map_err(|s| describe(op, &ctx.socket, &s))?
+        .map_err(|s| match describe(op, &ctx.socket, &s) {
+            // An acting audit whose answer was lost may have freed some orphans: the same
+            // request id again lists them (earlier_attempt) and frees nothing twice.
+            f if !a.act || !answer_lost(&s) => f,
+            f => {
+                let hint = format!(
+                    " (request id {id}: send the same reconcile --act again with --request-id {id} to learn what it freed)",
+                    id = request_id.as_str()
+                );
+                match f {
+                    Failure::Refused(m) => Failure::Refused(m + &hint),
+                    Failure::Unavailable(m) => Failure::Unavailable(m + &hint),
+                    Failure::Connect(m) => Failure::Connect(m + &hint),
+                    f => f,
+                }
+            }
+        })?
         .into_inner();
     if ctx.json {
         return out_json(&json!({
+            "request_id": request_id.as_str(),
             "host_generation": r.host_generation,
             "acted": r.acted,
             "orphans": r.orphans.iter().map(|o| json!({
@@ -1376,10 +1398,11 @@ async fn cmd_reconcile(ctx: &mut Ctx, a: ReconcileArgs) -> Outcome {
         }));
     }
     out(format!(
-        "reconcile {} against snapshot generation {}; host generation now {}",
+        "reconcile {} against snapshot generation {}; host generation now {}; request id {}",
         if r.acted { "(acted)" } else { "(dry run)" },
         a.snapshot_generation,
-        r.host_generation
+        r.host_generation,
+        request_id.as_str()
     ))?;
     let dev = |d: &Option<proto::Device>| -> String {
         match d {
