@@ -1553,6 +1553,47 @@ async fn releases_are_answered_while_an_acting_audit_waits_for_the_rescans_turn(
     s.stop().await;
 }
 
+/// A release that gives drivers back waits for the rescans' turn (held here, as a VF count
+/// change would hold it) before its checks, not between them and the action: a process
+/// that opens the device's VFIO group while the release waits is found, and the release
+/// refused, the device left on vfio-pci. Before, the checks ran first and went stale
+/// while the release waited, and the driver was given back under the holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_opened_while_a_release_waits_for_the_rescans_turn_blocks_it() {
+    let _alone = alone().await;
+    let t = tree();
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 0).await;
+    claim(&mut c, &a, 7, true).await.expect("claim --vfio");
+    let group = device(&mut c, &a).await.expect("device").vfio_group;
+    assert!(!group.is_empty(), "the group node is known");
+    let rescan = s.rescanner.hold().await;
+    let mut releaser = s.client().await;
+    let target = a.clone();
+    let pending = tokio::spawn(async move { release(&mut releaser, &target, 7).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!pending.is_finished(), "the release waits for the turn");
+    let _holder = plant_holder(&t, 4243, "vm-7", std::path::Path::new(&group));
+    drop(rescan);
+    let e = tokio::time::timeout(Duration::from_secs(10), pending)
+        .await
+        .expect("answered once the turn is free")
+        .expect("release task")
+        .expect_err("the group is held open");
+    let (why, meta) = reason(&e);
+    assert_eq!(
+        (e.code(), why.as_str()),
+        (Code::FailedPrecondition, "VFIO_GROUP_IN_USE")
+    );
+    assert_eq!(meta.get("holder_pid").map(String::as_str), Some("4243"));
+    let d = device(&mut c, &a).await.expect("device");
+    assert_eq!(d.driver, "vfio-pci");
+    assert!(d.owner.is_some(), "still claimed");
+    s.stop().await;
+}
+
 /// How many of this process's threads are the agent's sysfs reads and writes (their
 /// names cut to the kernel's 15 bytes).
 fn sysfs_threads() -> usize {

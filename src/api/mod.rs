@@ -680,6 +680,23 @@ impl HostDev for HostDevService {
                     .as_ref()
                     .is_some_and(|c| c.owner.consumer == rel.consumer)
         });
+        let bound_now = || -> BTreeSet<PciAddress> {
+            self.writer
+                .view()
+                .ledger
+                .records_at(rel.address)
+                .flat_map(DeviceRecord::bound_members)
+                .collect()
+        };
+        // Giving drivers back is a hardware action, in the rescans' turn, which a VF
+        // count change may hold for minutes: taken before the checks, so that nothing
+        // (a process opening the group) comes between them and the action. Turn, then
+        // the checks' order lock, as everywhere.
+        let turn = if checked && !bound_now().is_empty() {
+            Some(self.rescanner.hold().await)
+        } else {
+            None
+        };
         // Where the checks fail and the ledger, as it is now, refuses the release anyway (a
         // domain uses the device, or the fresh listing moved its generation on), that
         // refusal is the answer: it names what to do (detach from the domain, read the
@@ -690,18 +707,12 @@ impl HostDev for HostDevService {
                 return Err(self.refusal_first(refused, e).into());
             }
         }
-        let bound: BTreeSet<PciAddress> = self
-            .writer
-            .view()
-            .ledger
-            .records_at(rel.address)
-            .flat_map(DeviceRecord::bound_members)
-            .collect();
+        let bound = bound_now();
         // Unchecked, it must not free: the writer refuses it should the device reach the
         // presented generation meanwhile (a detach applied, a rescan), since nothing
         // checked the device at that generation.
         let applied = self
-            .giving_back(bound, None, move |w| async move {
+            .giving_back(bound, turn, move |w| async move {
                 if checked {
                     w.release(rel).await
                 } else {
@@ -1380,6 +1391,9 @@ impl HostDev for HostDevService {
         // Where the checks fail and the ledger refuses the change anyway (a stale
         // generation, a claimed VF), that refusal is the answer.
         let devices: Vec<PciAddress> = std::iter::once(pf).chain(old_vfs.iter().copied()).collect();
+        // The write needs the rescans' turn, which another change may hold for minutes:
+        // taken before the checks, so that nothing comes between them and the write.
+        let turn = self.rescanner.hold().await;
         if let Err(e) = self.unused(&devices, &format!("{pf} and its VFs")).await {
             let refused = self
                 .writer
@@ -1398,7 +1412,8 @@ impl HostDev for HostDevService {
             request,
         };
         let result = self
-            .after_hardware(
+            .after_hardware_in(
+                Some(turn),
                 move |w| async move { w.set_vf_count(change).await },
                 // Written or not, show what the kernel has now: the PF and its VFs, before
                 // and after (the rescan finds the new ones through the PF).
