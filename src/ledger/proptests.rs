@@ -262,9 +262,12 @@ impl World {
         }
         let before = self.ledger.clone();
         let prev_gen = before.host_generation();
+        // The generation the op presented, for the I2 check below.
+        let mut presented: Option<Generation> = None;
         let result: Result<(Option<Outcome>, ChangeSet), LedgerError> = match op {
             Op::Claim { actor, dev, stale } => {
                 let g = self.presented(*actor, *dev, *stale);
+                presented = Some(g);
                 let req = ClaimRequest {
                     target: ClaimTarget::Address {
                         address: self.address(*dev),
@@ -310,6 +313,7 @@ impl World {
             }
             Op::Release { actor, dev, stale } => {
                 let g = self.presented(*actor, *dev, *stale);
+                presented = Some(g);
                 let req = ReleaseRequest {
                     address: self.address(*dev),
                     consumer: consumer(*actor),
@@ -398,6 +402,7 @@ impl World {
                     n => own[usize::from(*dev) % n],
                 };
                 let g = self.presented(*actor, dev, *stale);
+                presented = Some(g);
                 let address = self.address(dev);
                 let request_id = self.next_rid();
                 let members = vec![BoundMember {
@@ -434,6 +439,7 @@ impl World {
             }
             Op::Transfer { actor, to, dev } => {
                 let g = self.presented(*actor, *dev, false);
+                presented = Some(g);
                 let req = TransferRequest {
                     address: self.address(*dev),
                     from: consumer(*actor),
@@ -534,6 +540,59 @@ impl World {
             }
             Op::EndVfChange { .. } => Ok((None, self.ledger.empty_change())),
         };
+
+        // Oracles of their own, from the state before the op (each op sends a new request
+        // id, so none of these is a replay):
+        // - I2: a change made by a request names the generation its record had before.
+        // - I3: nothing attached is released or bound.
+        // - I6: a device made again at a claimed address is a new record, free, and the
+        //   claim stays with the old one, lost.
+        if let (Some(g), Ok((_, cs))) = (presented, &result) {
+            let acted_on = match (op, cs.requests.as_slice()) {
+                (
+                    Op::Claim { .. } | Op::Release { .. } | Op::Transfer { .. } | Op::Bind { .. },
+                    [entry],
+                ) => Some(match &entry.outcome {
+                    Outcome::Claimed { record, .. }
+                    | Outcome::Released { record, .. }
+                    | Outcome::Transferred { record, .. }
+                    | Outcome::Bound { record, .. } => *record,
+                    Outcome::VfCountSet { .. } => {
+                        return Err(TestCaseError::fail("a VF count logged by a request"))
+                    }
+                }),
+                _ => None,
+            };
+            if let Some(id) = acted_on {
+                let was = before
+                    .record(id)
+                    .ok_or_else(|| TestCaseError::fail("acted on a record not there before"))?;
+                prop_assert_eq!(was.generation, g, "I2: a change at another generation");
+                if matches!(op, Op::Release { .. } | Op::Bind { .. }) {
+                    prop_assert!(
+                        was.attached.is_none(),
+                        "I3: an attached device released or bound"
+                    );
+                }
+            }
+        }
+        if let Op::Remake { dev } = op {
+            let address = self.address(*dev);
+            let old = before.record_at(address).filter(|r| r.claim.is_some());
+            if let (Some(old), true) = (old, self.present[usize::from(*dev)]) {
+                let new = self
+                    .ledger
+                    .record_at(address)
+                    .ok_or_else(|| TestCaseError::fail("a device made again is present"))?;
+                prop_assert!(new.id != old.id, "I6: the old record kept for a new device");
+                prop_assert!(new.claim.is_none(), "I6: a new device came with a claim");
+                let kept = self.ledger.record(old.id);
+                prop_assert!(
+                    kept.is_some_and(|r| !r.present && r.claim == old.claim),
+                    "I6: the old claim kept, lost"
+                );
+            }
+        }
 
         match result {
             // I2: a rejected request changes nothing.
