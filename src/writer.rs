@@ -1100,29 +1100,33 @@ impl Worker {
             } => {
                 // A VF count change asked with this id and still under way is not to be
                 // told "never applied": it may yet be.
-                let unrecorded = || {
-                    self.unrecorded_vf_requests
-                        .iter()
-                        .find(|(c, id, _)| *c == consumer && *id == request_id)
-                        .map(|(_, _, pf)| *pf)
-                };
-                let entry = match (
-                    self.ledger.vf_change_in_flight(consumer, &request_id),
-                    unrecorded(),
-                ) {
-                    (Some(pf), _) => Err(WriteError::RequestInProgress {
+                // One that wrote and was not logged is not either, unless the id was
+                // logged since (a retry that went through).
+                let entry = match self.ledger.vf_change_in_flight(consumer, &request_id) {
+                    Some(pf) => Err(WriteError::RequestInProgress {
                         consumer,
                         request_id: request_id.clone(),
                         pf,
                     }),
-                    (None, Some(pf)) => Err(WriteError::VfCountNotRecorded {
-                        consumer,
-                        request_id: request_id.clone(),
-                        pf,
-                    }),
-                    (None, None) => self
+                    None => match self
                         .recall(consumer, &request_id, changes)
-                        .map(|()| self.ledger.request(consumer, &request_id)),
+                        .map(|()| self.ledger.request(consumer, &request_id))
+                    {
+                        Ok(None) => match self
+                            .unrecorded_vf_requests
+                            .iter()
+                            .find(|(c, id, _)| *c == consumer && *id == request_id)
+                            .map(|(_, _, pf)| *pf)
+                        {
+                            Some(pf) => Err(WriteError::VfCountNotRecorded {
+                                consumer,
+                                request_id: request_id.clone(),
+                                pf,
+                            }),
+                            None => Ok(None),
+                        },
+                        found => found,
+                    },
                 };
                 // Only a close made here is taken back if the batch fails: one made by an
                 // earlier answer stands.

@@ -842,7 +842,7 @@ fn a_vf_count_change_the_store_refused_holds_its_devices_until_a_full_scan() {
     }
     inventory.push(facts("0000:5e:00.0", Some(30), None));
     let (reply, rx) = oneshot::channel();
-    w.apply_batch(vec![Command::Inventory(inventory, None, reply)]);
+    w.apply_batch(vec![Command::Inventory(inventory.clone(), None, reply)]);
     answer(rx).expect("the full scan applied");
     // Held no more, and still not "never applied": the PF shows what it has.
     for _ in 0..2 {
@@ -852,6 +852,27 @@ fn a_vf_count_change_the_store_refused_holds_its_devices_until_a_full_scan() {
             "{asked:?}"
         );
     }
+    // The same id sent again with the PF's generation now (another count: the same one
+    // would write nothing) goes through and is logged: its outcome is then the logged one.
+    let again = SetVfCount {
+        pf: addr(pf),
+        generation: generation(&w, addr(pf)),
+        count: 3,
+        autoprobe: None,
+        request: Some((consumer(3), rid("vfs"))),
+    };
+    let set = set_vf_count(&mut w, again).expect("written and recorded");
+    let logged = outcome(&mut w)
+        .expect("answered")
+        .expect("logged under its id");
+    assert!(
+        matches!(logged.outcome, Outcome::VfCountSet { generation, .. } if generation == set.generation),
+        "{logged:?}"
+    );
+    // The PF's two VFs as the scan found them, for what follows.
+    let (reply, rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Inventory(inventory, None, reply)]);
+    answer(rx).expect("the full scan applied again");
     let (vf, pf_claim) = claims(&mut w, 9);
     pf_claim.expect("the PF is claimable");
     assert!(
