@@ -250,6 +250,27 @@ fn ledger_metadata(e: &LedgerError) -> HashMap<String, String> {
     m
 }
 
+/// A status about one request id (`reason`, with the consumer and the request id in its
+/// ErrorInfo, and the PF it names where there is one).
+fn about_a_request(
+    code: Code,
+    reason: &str,
+    msg: String,
+    consumer: &crate::pci::ConsumerId,
+    request_id: &crate::pci::RequestId,
+    pf: Option<(&str, &PciAddress)>,
+) -> Status {
+    let mut meta = HashMap::from([
+        ("consumer_id".to_string(), consumer.to_string()),
+        ("request_id".to_string(), request_id.to_string()),
+    ]);
+    if let Some((key, pf)) = pf {
+        meta.insert(key.to_string(), pf.to_string());
+    }
+    let d = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, meta);
+    Status::with_error_details(code, msg, d)
+}
+
 /// The HTTP/2 answer that carries `status` alone (gRPC's "trailers-only" form), for a call
 /// refused before any service runs. A status whose headers cannot be written (never, for
 /// this API's) goes as its bare code.
@@ -355,40 +376,38 @@ pub fn to_status(e: &ApiError) -> Status {
         ApiError::Write(WriteError::RequestClosed {
             consumer,
             request_id,
-        }) => {
-            let meta = HashMap::from([
-                ("consumer_id".to_string(), consumer.to_string()),
-                ("request_id".to_string(), request_id.to_string()),
-            ]);
-            let d = ErrorDetails::with_error_info("REQUEST_CLOSED", ERROR_DOMAIN, meta);
-            Status::with_error_details(Code::Aborted, msg, d)
-        }
+        }) => about_a_request(
+            Code::Aborted,
+            "REQUEST_CLOSED",
+            msg,
+            consumer,
+            request_id,
+            None,
+        ),
         ApiError::Write(WriteError::RequestInProgress {
             consumer,
             request_id,
             pf,
-        }) => {
-            let meta = HashMap::from([
-                ("consumer_id".to_string(), consumer.to_string()),
-                ("request_id".to_string(), request_id.to_string()),
-                ("changing_pf".to_string(), pf.to_string()),
-            ]);
-            let d = ErrorDetails::with_error_info("REQUEST_IN_PROGRESS", ERROR_DOMAIN, meta);
-            Status::with_error_details(Code::Unavailable, msg, d)
-        }
+        }) => about_a_request(
+            Code::Unavailable,
+            "REQUEST_IN_PROGRESS",
+            msg,
+            consumer,
+            request_id,
+            Some(("changing_pf", pf)),
+        ),
         ApiError::Write(WriteError::VfCountNotRecorded {
             consumer,
             request_id,
             pf,
-        }) => {
-            let meta = HashMap::from([
-                ("consumer_id".to_string(), consumer.to_string()),
-                ("request_id".to_string(), request_id.to_string()),
-                ("address".to_string(), pf.to_string()),
-            ]);
-            let d = ErrorDetails::with_error_info("VF_COUNT_NOT_RECORDED", ERROR_DOMAIN, meta);
-            Status::with_error_details(Code::FailedPrecondition, msg, d)
-        }
+        }) => about_a_request(
+            Code::FailedPrecondition,
+            "VF_COUNT_NOT_RECORDED",
+            msg,
+            consumer,
+            request_id,
+            Some(("address", pf)),
+        ),
         ApiError::Write(WriteError::ChangedWhileChecked {
             address,
             generation,
@@ -591,6 +610,57 @@ pub fn to_status(e: &ApiError) -> Status {
 mod tests {
     use super::*;
     use crate::writer::WriteError;
+
+    /// The answers about one request id: each its code, its reason, the consumer and the
+    /// request id, and the PF where the answer names one.
+    #[test]
+    fn answers_about_a_request_id_name_it() {
+        let consumer = crate::pci::ConsumerId(uuid::Uuid::from_u128(3));
+        let request_id: crate::pci::RequestId = "vfs".parse().expect("id");
+        let pf: PciAddress = "0000:3b:00.0".parse().expect("address");
+        for (e, code, reason, pf_key) in [
+            (
+                WriteError::RequestClosed {
+                    consumer,
+                    request_id: request_id.clone(),
+                },
+                Code::Aborted,
+                "REQUEST_CLOSED",
+                None,
+            ),
+            (
+                WriteError::RequestInProgress {
+                    consumer,
+                    request_id: request_id.clone(),
+                    pf,
+                },
+                Code::Unavailable,
+                "REQUEST_IN_PROGRESS",
+                Some("changing_pf"),
+            ),
+            (
+                WriteError::VfCountNotRecorded {
+                    consumer,
+                    request_id: request_id.clone(),
+                    pf,
+                },
+                Code::FailedPrecondition,
+                "VF_COUNT_NOT_RECORDED",
+                Some("address"),
+            ),
+        ] {
+            let status = to_status(&ApiError::Write(e));
+            assert_eq!(status.code(), code, "{status:?}");
+            let details = status.get_error_details();
+            let info = details.error_info().expect("error info");
+            assert_eq!(info.reason, reason);
+            assert_eq!(info.metadata["consumer_id"], consumer.to_string());
+            assert_eq!(info.metadata["request_id"], "vfs");
+            if let Some(key) = pf_key {
+                assert_eq!(info.metadata[key], "0000:3b:00.0");
+            }
+        }
+    }
 
     /// A Claim with vfio whose claim was made and whose binding then failed: whatever
     /// the binding's refusal, the code never promises that nothing changed (ABORTED,
