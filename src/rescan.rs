@@ -389,11 +389,7 @@ impl Rescanner {
             let inodes: BTreeMap<PciAddress, u64> = tokio::task::spawn_blocking(move || {
                 addresses
                     .into_iter()
-                    .filter_map(|a| {
-                        let m = std::fs::metadata(sysfs::device_dir(&root, a)).ok()?;
-                        m.is_dir()
-                            .then(|| (a, std::os::unix::fs::MetadataExt::ino(&m)))
-                    })
+                    .filter_map(|a| Some((a, sysfs::device_instance(&root, a)?)))
                     .collect()
             })
             .await

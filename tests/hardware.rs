@@ -872,6 +872,41 @@ async fn until_lost_and_replaced(c: &mut Client, a: &str) -> Vec<proto::Device> 
     .await
 }
 
+/// The agent on `t` at uevent number 10, with VF 1 claimed by owner 10 and then removed
+/// and made again in the tree (no event sent yet): the agent, a client and the VF.
+async fn a_claimed_vf_removed_and_back(
+    t: &FakeTree,
+) -> (support::server::TestServer, Client, String) {
+    set_seqnum(t, 10);
+    let s = start(t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 1).await;
+    claim(&mut c, &a, 10, false).await.expect("claim");
+    t.remove_device(&a);
+    t.replug_device(&a);
+    (s, c, a)
+}
+
+/// Sends the removal (11) and the addition (12) of `a` late, then a PF event numbered
+/// `barrier`: once its change shows, theirs were applied (events are taken in order,
+/// those waiting together in one rescan). The listing then.
+async fn late_removal_and_addition(
+    t: &FakeTree,
+    c: &mut Client,
+    a: &str,
+    barrier: u64,
+) -> Vec<proto::Device> {
+    send_uevent_numbered("remove", a, 11);
+    send_uevent_numbered("add", a, 12);
+    set_seqnum(t, barrier);
+    t.write_attr(PF, "numa_node", b"0\n");
+    send_uevent_numbered("change", PF, barrier);
+    until(c, "the PF's second event handled", |l| {
+        l.iter().any(|d| d.address == PF && d.numa_node == Some(0))
+    })
+    .await
+}
+
 /// The kernel numbers its uevents (`/sys/kernel/uevent_seqnum` is the last number sent),
 /// and the agent reads that number before each scan. A removal numbered past the scan
 /// that found the device at its address is that device's: the claim goes lost. One
@@ -882,15 +917,8 @@ async fn until_lost_and_replaced(c: &mut Client, a: &str) -> Vec<proto::Device> 
 async fn a_removal_older_than_the_scan_that_found_the_device_is_not_its_own() {
     let _alone = alone().await;
     let t = tree();
-    set_seqnum(&t, 10);
-    let s = start(&t, 3000, 1 << 20).await;
-    let mut c = s.client().await;
-    let a = vf(&mut c, 1).await;
-    claim(&mut c, &a, 10, false).await.expect("claim");
-
     // Removed (11) and back (12), after the scan at 10: the claim goes lost.
-    t.remove_device(&a);
-    t.replug_device(&a);
+    let (s, mut c, a) = a_claimed_vf_removed_and_back(&t).await;
     set_seqnum(&t, 12);
     send_uevent_numbered("remove", &a, 11);
     send_uevent_numbered("add", &a, 12);
@@ -930,16 +958,9 @@ async fn a_removal_older_than_the_scan_that_found_the_device_is_not_its_own() {
 async fn a_rescan_that_finds_another_instance_replaces_the_record_before_its_events() {
     let _alone = alone().await;
     let t = tree();
-    set_seqnum(&t, 10);
-    let s = start(&t, 3000, 1 << 20).await;
-    let mut c = s.client().await;
-    let a = vf(&mut c, 1).await;
-    claim(&mut c, &a, 10, false).await.expect("claim");
-
     // Removed (11) and back (12); a PF event (13) is read first, and its rescan finds
     // another VF at the address.
-    t.remove_device(&a);
-    t.replug_device(&a);
+    let (s, mut c, a) = a_claimed_vf_removed_and_back(&t).await;
     set_seqnum(&t, 13);
     t.write_attr(PF, "numa_node", b"1\n");
     send_uevent_numbered("change", PF, 13);
@@ -957,17 +978,7 @@ async fn a_rescan_that_finds_another_instance_replaces_the_record_before_its_eve
     };
     let before = here(&seen);
     assert_eq!(before.len(), 2, "{seen:?}");
-    send_uevent_numbered("remove", &a, 11);
-    send_uevent_numbered("add", &a, 12);
-    // A PF event after them: once its change shows, theirs were applied (events are
-    // taken in order, those waiting together in one rescan).
-    set_seqnum(&t, 14);
-    t.write_attr(PF, "numa_node", b"0\n");
-    send_uevent_numbered("change", PF, 14);
-    let after = until(&mut c, "the PF's second event handled", |l| {
-        l.iter().any(|d| d.address == PF && d.numa_node == Some(0))
-    })
-    .await;
+    let after = late_removal_and_addition(&t, &mut c, &a, 14).await;
     assert_eq!(here(&after), before, "the late events changed nothing");
     s.stop().await;
 }
@@ -983,15 +994,8 @@ async fn a_rescan_that_finds_another_instance_replaces_the_record_before_its_eve
 async fn a_removal_sent_while_a_rescan_read_the_device_again_leaves_the_new_claim() {
     let _alone = alone().await;
     let t = tree();
-    set_seqnum(&t, 10);
-    let s = start(&t, 3000, 1 << 20).await;
-    let mut c = s.client().await;
-    let a = vf(&mut c, 1).await;
-    claim(&mut c, &a, 10, false).await.expect("claim");
-
     // Removed and back while a PF rescan reads at number 10.
-    t.remove_device(&a);
-    t.replug_device(&a);
+    let (s, mut c, a) = a_claimed_vf_removed_and_back(&t).await;
     t.write_attr(PF, "numa_node", b"1\n");
     send_uevent_numbered("change", PF, 10);
     until_lost_and_replaced(&mut c, &a).await;
@@ -1018,15 +1022,7 @@ async fn a_removal_sent_while_a_rescan_read_the_device_again_leaves_the_new_clai
         "{before:?}"
     );
     set_seqnum(&t, 12);
-    send_uevent_numbered("remove", &a, 11);
-    send_uevent_numbered("add", &a, 12);
-    set_seqnum(&t, 13);
-    t.write_attr(PF, "numa_node", b"0\n");
-    send_uevent_numbered("change", PF, 13);
-    let after = until(&mut c, "the PF's second event handled", |l| {
-        l.iter().any(|d| d.address == PF && d.numa_node == Some(0))
-    })
-    .await;
+    let after = late_removal_and_addition(&t, &mut c, &a, 13).await;
     assert_eq!(mine(&after), before, "the late events changed nothing");
     s.stop().await;
 }

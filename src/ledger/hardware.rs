@@ -841,12 +841,10 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_binding_that_covers_a_vf_whose_pf_is_changing_is_refused() {
-        // 0000:5e:00.0 shares its IOMMU group with the PF's first VF (no ACS between
-        // them): binding it would take that VF too, which the change may destroy.
+    /// The test host with 0000:5e:00.0 in the IOMMU group of the PF's first VF,
+    /// 0000:3b:02.0 (no ACS between them).
+    fn five_e_in_the_first_vfs_group() -> Ledger {
         let mut inventory = super::super::tests::host();
-        let vf = addr("0000:3b:02.0");
         for f in &mut inventory {
             if f.address == addr("0000:5e:00.0") {
                 f.iommu_group = Some(20);
@@ -854,6 +852,15 @@ mod tests {
         }
         let mut l = Ledger::new();
         l.apply_inventory(inventory);
+        l
+    }
+
+    #[test]
+    fn a_binding_that_covers_a_vf_whose_pf_is_changing_is_refused() {
+        // Binding 0000:5e:00.0 would take the PF's first VF too, which the change may
+        // destroy.
+        let mut l = five_e_in_the_first_vfs_group();
+        let vf = addr("0000:3b:02.0");
         let pf = addr("0000:3b:00.0");
         l.check_vf_change(pf, l.record_at(pf).expect("pf").generation)
             .expect("nothing claimed");
@@ -880,14 +887,7 @@ mod tests {
     /// destroy the VF under it; once released, the change may go on.
     #[test]
     fn a_vf_count_change_is_refused_while_a_claim_in_a_vfs_group_stands() {
-        let mut inventory = super::super::tests::host();
-        for f in &mut inventory {
-            if f.address == addr("0000:5e:00.0") {
-                f.iommu_group = Some(20);
-            }
-        }
-        let mut l = Ledger::new();
-        l.apply_inventory(inventory);
+        let mut l = five_e_in_the_first_vfs_group();
         let g = claim(&mut l, "0000:5e:00.0", 1);
         let pf = addr("0000:3b:00.0");
         let pf_g = l.record_at(pf).expect("pf").generation;

@@ -54,27 +54,14 @@ pub fn netdev_device(sysfs_root: &Path, name: &str) -> Result<Option<PciAddress>
         return Ok(None);
     }
     let link = sysfs_root.join("class/net").join(name).join("device");
-    let Some(target) = resolved(&link)? else {
-        return Ok(None);
-    };
-    let root = std::fs::canonicalize(sysfs_root).unwrap_or_else(|_| sysfs_root.to_path_buf());
-    for dir in target
-        .ancestors()
-        .take_while(|dir| *dir != root && dir.starts_with(&root))
-    {
-        if let Some(a) = dir.file_name().and_then(|n| n.to_str()?.parse().ok()) {
-            return Ok(Some(a));
-        }
-        if attr::read_link_name(&dir.join("subsystem"))
+    let auxiliary = |dir: &Path| {
+        attr::read_link_name(&dir.join("subsystem"))
             .ok()
             .flatten()
             .as_deref()
-            != Some("auxiliary")
-        {
-            return Ok(None);
-        }
-    }
-    Ok(None)
+            == Some("auxiliary")
+    };
+    pci_function_through(sysfs_root, &link, auxiliary)
 }
 
 /// The PCI function a mediated device (`<hostdev type='mdev'>`, a vGPU or another slice
@@ -192,11 +179,21 @@ fn listed(dir: &Path) -> Result<Vec<(String, PathBuf)>, SysfsError> {
 /// function. `None` when the link is absent or dangling (the device is gone) or no PCI
 /// function is above it.
 fn pci_function_above(sysfs_root: &Path, link: &Path) -> Result<Option<PciAddress>, SysfsError> {
+    pci_function_through(sysfs_root, link, |_| true)
+}
+
+/// [`pci_function_above`], passing only through directories that `pass` lets through
+/// on the way up (`None` at the first it does not).
+fn pci_function_through(
+    sysfs_root: &Path,
+    link: &Path,
+    pass: impl Fn(&Path) -> bool,
+) -> Result<Option<PciAddress>, SysfsError> {
     let Some(target) = resolved(link)? else {
         return Ok(None);
     };
     let root = std::fs::canonicalize(sysfs_root).unwrap_or_else(|_| sysfs_root.to_path_buf());
-    Ok(function_above(&root, &target))
+    Ok(function_through(&root, &target, pass))
 }
 
 /// Where `link` leads, resolved; `None` when it is absent or dangling (the device is
@@ -215,10 +212,27 @@ fn resolved(link: &Path) -> Result<Option<PathBuf>, SysfsError> {
 /// The nearest directory at or above `target` (resolved), below the resolved sysfs
 /// `root`, named as a PCI function.
 fn function_above(root: &Path, target: &Path) -> Option<PciAddress> {
-    target
+    function_through(root, target, |_| true)
+}
+
+/// [`function_above`], passing only through directories that `pass` lets through.
+fn function_through(
+    root: &Path,
+    target: &Path,
+    pass: impl Fn(&Path) -> bool,
+) -> Option<PciAddress> {
+    for dir in target
         .ancestors()
         .take_while(|dir| *dir != root && dir.starts_with(root))
-        .find_map(|dir| dir.file_name()?.to_str()?.parse().ok())
+    {
+        if let Some(a) = dir.file_name().and_then(|n| n.to_str()?.parse().ok()) {
+            return Some(a);
+        }
+        if !pass(dir) {
+            return None;
+        }
+    }
+    None
 }
 
 /// The default sysfs mount point. The only place this literal may appear; everything
@@ -238,6 +252,13 @@ pub(crate) const BUS_DEVICES: &str = "bus/pci/devices";
 /// (a link to the device's place in the tree).
 pub fn device_dir(sysfs_root: &Path, address: PciAddress) -> PathBuf {
     sysfs_root.join(BUS_DEVICES).join(address.to_string())
+}
+
+/// The instance of the device at `address` now: its directory's inode number, as a
+/// scan reads it ([`PciDevice::instance`]); `None` where no device is there.
+pub fn device_instance(sysfs_root: &Path, address: PciAddress) -> Option<u64> {
+    let m = std::fs::metadata(device_dir(sysfs_root, address)).ok()?;
+    m.is_dir().then(|| std::os::unix::fs::MetadataExt::ino(&m))
 }
 
 /// Where the iommufd interface's device nodes live: `<dev_root>/vfio/devices`.
