@@ -441,10 +441,21 @@ fn open_outcome(
         " (request id {id}: either send the same {op} again with --request-id {id}, which applies it at most once, or ask `hostdevctl outcome --owner {owner} --request-id {id}` whether it applied, which closes the id if it did not, so that a resend with it is refused)",
         id = request_id.as_str()
     );
-    match describe(op, socket, status) {
-        Failure::Refused(m) if open => Failure::Refused(m + &hint),
-        Failure::Unavailable(m) if open => Failure::Unavailable(m + &hint),
-        Failure::Connect(m) if open => Failure::Connect(m + &hint),
+    let f = describe(op, socket, status);
+    if open {
+        with_hint(f, &hint)
+    } else {
+        f
+    }
+}
+
+/// `f` with `hint` after its message (a refusal, an unavailable agent or a connection
+/// that failed; any other failure as it is).
+fn with_hint(f: Failure, hint: &str) -> Failure {
+    match f {
+        Failure::Refused(m) => Failure::Refused(m + hint),
+        Failure::Unavailable(m) => Failure::Unavailable(m + hint),
+        Failure::Connect(m) => Failure::Connect(m + hint),
         f => f,
     }
 }
@@ -1359,18 +1370,13 @@ async fn cmd_reconcile(ctx: &mut Ctx, a: ReconcileArgs) -> Outcome {
             // An acting audit whose answer was lost may have freed some orphans: the same
             // request id again lists them (earlier_attempt) and frees nothing twice.
             f if !a.act || !answer_lost(&s) => f,
-            f => {
-                let hint = format!(
+            f => with_hint(
+                f,
+                &format!(
                     " (request id {id}: send the same reconcile --act again with --request-id {id} to learn what it freed)",
                     id = request_id.as_str()
-                );
-                match f {
-                    Failure::Refused(m) => Failure::Refused(m + &hint),
-                    Failure::Unavailable(m) => Failure::Unavailable(m + &hint),
-                    Failure::Connect(m) => Failure::Connect(m + &hint),
-                    f => f,
-                }
-            }
+                ),
+            ),
         })?
         .into_inner();
     if ctx.json {
