@@ -1386,14 +1386,24 @@ impl Worker {
     }
 
     /// Refuses a request whose id GetRequestOutcome closed, unless its outcome is recorded
-    /// (then the ledger replays it: a retry of an applied request keeps its answer).
+    /// (then the ledger replays it: a retry of an applied request keeps its answer), and
+    /// one whose id a VF count change still under way was asked with: that change is
+    /// logged under the id once written, so nothing else may be meanwhile.
     fn open_request(&self, consumer: ConsumerId, request_id: &RequestId) -> Result<(), WriteError> {
-        if self.closed.is_closed(consumer, request_id)
-            && self.ledger.request(consumer, request_id).is_none()
-        {
+        if self.ledger.request(consumer, request_id).is_some() {
+            return Ok(());
+        }
+        if self.closed.is_closed(consumer, request_id) {
             return Err(WriteError::RequestClosed {
                 consumer,
                 request_id: request_id.clone(),
+            });
+        }
+        if let Some(pf) = self.ledger.vf_change_in_flight(consumer, request_id) {
+            return Err(WriteError::RequestInProgress {
+                consumer,
+                request_id: request_id.clone(),
+                pf,
             });
         }
         Ok(())
@@ -1401,8 +1411,8 @@ impl Worker {
 
     /// For a command decided alone (nothing decided and not yet committed): a logged
     /// request that memory no longer holds is put back from the store, so that a retry is
-    /// answered as the first time, and a request id that GetRequestOutcome closed without
-    /// an outcome stays closed.
+    /// answered as the first time, a request id that GetRequestOutcome closed without an
+    /// outcome stays closed, and one a VF count change under way holds is refused.
     fn recall_alone(
         &mut self,
         consumer: ConsumerId,

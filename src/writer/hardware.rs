@@ -403,17 +403,6 @@ impl Worker {
                 }));
             }
         }
-        if let Some((consumer, request_id)) = &req.request {
-            // The same request id on a change still under way (another PF's, or this
-            // one's, which the check below would refuse as changing anyway).
-            if let Some(pf) = self.ledger.vf_change_in_flight(*consumer, request_id) {
-                return Err(WriteError::RequestInProgress {
-                    consumer: *consumer,
-                    request_id: request_id.clone(),
-                    pf,
-                });
-            }
-        }
         let vfs = self.ledger.check_vf_change(req.pf, req.generation)?;
         let token = Arc::new(());
         self.ledger

@@ -737,6 +737,85 @@ fn a_request_outcome_asked_while_its_vf_count_is_written_closes_nothing() {
     assert_eq!(again.generation, set.generation);
 }
 
+/// A claim or release that reuses the request id of a VF count change still being
+/// written is refused as in progress and changes nothing: were it applied and logged
+/// under that id, the change's own record would find the id taken, and a retry of either
+/// would be answered with the other's outcome.
+#[test]
+fn a_claim_reusing_the_id_of_a_vf_count_change_under_way_is_refused() {
+    let pf = "0000:3b:00.0";
+    let other = "0000:5e:00.0";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut w, _tree, _vfs) = pf_worker(dir.path(), pf, Some(other));
+    let generation = |w: &Worker, a: &str| {
+        w.view_now()
+            .device(addr(a))
+            .next()
+            .expect("present")
+            .record
+            .generation
+    };
+    let claimed_at = |rx: Answer| match answer(rx).expect("claimed").outcome {
+        Outcome::Claimed { generation, .. } => generation,
+        other => panic!("{other:?}"),
+    };
+    let (cmd, rx) = claim_at(1, "first", addr(other), generation(&w, other));
+    w.apply_batch(vec![cmd]);
+    let first = claimed_at(rx);
+    let (reply, rx) = oneshot::channel();
+    w.run_alone(Command::BeginVfCount(
+        SetVfCount {
+            pf: addr(pf),
+            generation: generation(&w, pf),
+            count: 2,
+            autoprobe: None,
+            request: Some((consumer(1), rid("vfs"))),
+        },
+        reply,
+    ));
+    let Ok(VfBegun::Change(change)) = answer(rx) else {
+        panic!("a new request: a change begins");
+    };
+    let in_progress = |err: &WriteError| {
+        assert!(
+            matches!(err, WriteError::RequestInProgress { pf: p, .. } if *p == addr(pf)),
+            "{err:?}"
+        );
+    };
+    let (reply, rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Release(
+        release(1, "vfs", addr(other), first),
+        true,
+        reply,
+    )]);
+    in_progress(&answer(rx).expect_err("a release under the change's id"));
+    assert_eq!(claimed(&w), 1, "the refused release freed nothing");
+    let (reply, rx) = oneshot::channel();
+    w.apply_batch(vec![Command::Release(
+        release(1, "rel", addr(other), first),
+        true,
+        reply,
+    )]);
+    answer(rx).expect("a release under its own id");
+    let (cmd, rx) = claim_at(1, "vfs", addr(other), generation(&w, other));
+    w.apply_batch(vec![cmd]);
+    in_progress(&answer(rx).expect_err("a claim under the change's id"));
+    assert_eq!(claimed(&w), 0, "the refused claim took nothing");
+    // Another consumer's request of the same id is its own.
+    let (cmd, rx) = claim_at(2, "vfs", addr(other), generation(&w, other));
+    w.apply_batch(vec![cmd]);
+    claimed_at(rx);
+    let written = change.write();
+    let (reply, rx) = oneshot::channel();
+    w.run_alone(Command::EndVfCount(Box::new(written), reply));
+    let set = answer(rx).expect("the change is recorded under its own id");
+    let entry = w.ledger.request(consumer(1), &rid("vfs")).expect("logged");
+    assert!(
+        matches!(entry.outcome, Outcome::VfCountSet { generation, .. } if generation == set.generation),
+        "{entry:?}"
+    );
+}
+
 /// A VF count change whose record the store refuses (a full disk) leaves the ledger
 /// listing the VFs the kernel destroyed: the PF and those VFs stay held back, after the
 /// disk takes writes again too, until a full scan commits, and refusing them changes
