@@ -968,6 +968,73 @@ fn an_agent_that_never_answers_is_given_up_on_and_said_so() {
     );
 }
 
+/// An agent that takes the connection and the call and never answers (wedged): each call
+/// ends at `--deadline`, exit 4, "timed out"; a claim's line names its request id, whose
+/// outcome is open. Before, hostdevctl waited for ever.
+#[test]
+fn a_call_the_agent_never_answers_ends_at_the_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("wedged.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::UnixListener::from_std(listener).unwrap();
+            let mut held = Vec::new();
+            loop {
+                let Ok((io, _)) = listener.accept().await else {
+                    continue;
+                };
+                // Every connection's HTTP/2 handshake made; every call taken, none answered.
+                held.push(tokio::spawn(async move {
+                    let Ok(mut conn) = h2::server::handshake(io).await else {
+                        return;
+                    };
+                    let mut calls = Vec::new();
+                    while let Some(Ok(call)) = conn.accept().await {
+                        calls.push(call);
+                    }
+                }));
+            }
+        });
+    });
+    let t = Instant::now();
+    let line = refusal(&ctl_at(&socket, &["--deadline", "1", "status"]), 4);
+    assert!(line.contains("timed out"), "{line}");
+    assert!(t.elapsed() >= Duration::from_secs(1), "{:?}", t.elapsed());
+    let line = refusal(
+        &ctl_at(
+            &socket,
+            &[
+                "--deadline",
+                "1",
+                "claim",
+                "0000:3b:02.0",
+                "--owner",
+                INSTANCE,
+                "--generation",
+                "1",
+                "--request-id",
+                "wedged-1",
+            ],
+        ),
+        4,
+    );
+    assert!(line.contains("claim failed: timed out"), "{line}");
+    assert!(
+        line.contains(&format!(
+            "hostdevctl outcome --owner {INSTANCE} --request-id wedged-1"
+        )),
+        "{line}"
+    );
+    let usage = ctl_at(&socket, &["--deadline", "0", "status"]);
+    assert_eq!(usage.code, 2, "{usage:?}");
+}
+
 #[test]
 fn a_vanished_claimed_vf_is_shown_lost_until_released() {
     let a = Agent::start();

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use serde_json::{json, Value};
@@ -33,6 +34,12 @@ struct Cli {
     /// Print JSON instead of text (one object; one object per line for `watch`).
     #[arg(long, global = true)]
     json: bool,
+    /// How long to wait for the agent's answer to each call, in seconds (a watch's
+    /// stream excepted). A call past it fails, exit 4; a change's request id is printed
+    /// to ask its outcome. The default outlasts the agent's own limit on a VF count
+    /// change (`[hardware] vf_count_timeout_ms`, 180 s by default).
+    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    deadline: u64,
     #[command(subcommand)]
     command: Command,
 }
@@ -274,6 +281,8 @@ type Outcome = Result<(), Failure>;
 
 struct Ctx {
     client: client::Client,
+    /// How long each unary call may wait for its answer (`--deadline`).
+    deadline: Duration,
     socket: PathBuf,
     json: bool,
     /// The process listening on the socket, as the kernel named it at connect.
@@ -288,6 +297,14 @@ fn socket_path(cli: &Cli) -> PathBuf {
         Some(v) if !v.is_empty() => PathBuf::from(v),
         _ => PathBuf::from(DEFAULT_SOCKET_PATH),
     }
+}
+
+/// A unary call's request, which the agent must answer within `deadline` (sent as the
+/// call's `grpc-timeout`; the client ends the call there too).
+fn within<T>(deadline: Duration, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(deadline);
+    request
 }
 
 fn fresh_request_id() -> Result<RequestId, Failure> {
@@ -359,7 +376,13 @@ fn describe(op: &str, socket: &std::path::Path, status: &Status) -> Failure {
             status.message()
         ));
     }
-    let verb = if mutating(op) { "refused" } else { "failed" };
+    // A deadline this client's transport ended the call at is no refusal by the agent.
+    let timed_out_here = !ours && status.code() == Code::DeadlineExceeded;
+    let verb = if mutating(op) && !timed_out_here {
+        "refused"
+    } else {
+        "failed"
+    };
     let mut msg = status.message().trim().to_string();
     // The agent's own permission messages already start with "<op> refused: ".
     for prefix in [format!("{op} refused: "), format!("{verb}: ")] {
@@ -701,7 +724,7 @@ fn render_table(rows: &[Vec<String>]) -> Vec<String> {
 async fn cmd_list(ctx: &mut Ctx) -> Outcome {
     let r = ctx
         .client
-        .list_devices(proto::ListDevicesRequest {})
+        .list_devices(within(ctx.deadline, proto::ListDevicesRequest {}))
         .await
         .map_err(|s| describe("list", &ctx.socket, &s))?
         .into_inner();
@@ -849,9 +872,12 @@ fn device_lines(d: &proto::Device) -> Vec<String> {
 async fn cmd_show(ctx: &mut Ctx, address: PciAddress) -> Outcome {
     let r = ctx
         .client
-        .get_device(proto::GetDeviceRequest {
-            address: address.to_string(),
-        })
+        .get_device(within(
+            ctx.deadline,
+            proto::GetDeviceRequest {
+                address: address.to_string(),
+            },
+        ))
         .await
         .map_err(|s| describe("show", &ctx.socket, &s))?
         .into_inner();
@@ -913,12 +939,15 @@ async fn cmd_claim(ctx: &mut Ctx, a: ClaimArgs) -> Outcome {
     };
     let r = ctx
         .client
-        .claim(proto::ClaimRequest {
-            owner: Some(owner.clone()),
-            request_id: request_id.to_string(),
-            target: Some(target),
-            vfio: a.vfio,
-        })
+        .claim(within(
+            ctx.deadline,
+            proto::ClaimRequest {
+                owner: Some(owner.clone()),
+                request_id: request_id.to_string(),
+                target: Some(target),
+                vfio: a.vfio,
+            },
+        ))
         .await
         .map_err(|s| open_outcome("claim", &ctx.socket, &s, &a.owner, &request_id))?
         .into_inner();
@@ -952,9 +981,12 @@ async fn current_generation(
 ) -> Result<u64, Failure> {
     let r = ctx
         .client
-        .get_device(proto::GetDeviceRequest {
-            address: address.to_string(),
-        })
+        .get_device(within(
+            ctx.deadline,
+            proto::GetDeviceRequest {
+                address: address.to_string(),
+            },
+        ))
         .await
         .map_err(|s| describe(what, &ctx.socket, &s))?
         .into_inner();
@@ -978,15 +1010,18 @@ async fn cmd_prepare_vfio(ctx: &mut Ctx, a: PrepareVfioArgs) -> Outcome {
     };
     let r = ctx
         .client
-        .prepare_vfio(proto::PrepareVfioRequest {
-            address: a.address.to_string(),
-            owner: Some(proto::Owner {
-                consumer_id: a.owner.to_string(),
-                label: String::new(),
-            }),
-            generation: a.generation,
-            request_id: request_id.to_string(),
-        })
+        .prepare_vfio(within(
+            ctx.deadline,
+            proto::PrepareVfioRequest {
+                address: a.address.to_string(),
+                owner: Some(proto::Owner {
+                    consumer_id: a.owner.to_string(),
+                    label: String::new(),
+                }),
+                generation: a.generation,
+                request_id: request_id.to_string(),
+            },
+        ))
         .await
         .map_err(|s| open_outcome("prepare-vfio", &ctx.socket, &s, &a.owner, &request_id))?
         .into_inner();
@@ -1028,17 +1063,20 @@ async fn cmd_set_vfs(ctx: &mut Ctx, a: SetVfsArgs) -> Outcome {
     };
     let r = ctx
         .client
-        .set_vf_count(proto::SetVfCountRequest {
-            address: a.pf.to_string(),
-            vf_count: a.count,
-            generation,
-            drivers_autoprobe: a.autoprobe,
-            consumer_id: a.owner.map(|o| o.to_string()).unwrap_or_default(),
-            request_id: request_id
-                .as_ref()
-                .map(|r| r.to_string())
-                .unwrap_or_default(),
-        })
+        .set_vf_count(within(
+            ctx.deadline,
+            proto::SetVfCountRequest {
+                address: a.pf.to_string(),
+                vf_count: a.count,
+                generation,
+                drivers_autoprobe: a.autoprobe,
+                consumer_id: a.owner.map(|o| o.to_string()).unwrap_or_default(),
+                request_id: request_id
+                    .as_ref()
+                    .map(|r| r.to_string())
+                    .unwrap_or_default(),
+            },
+        ))
         .await
         .map_err(|s| match (&a.owner, &request_id) {
             (Some(owner), Some(id)) => open_outcome("set-vfs", &ctx.socket, &s, owner, id),
@@ -1094,15 +1132,18 @@ async fn cmd_release(ctx: &mut Ctx, a: ReleaseArgs) -> Outcome {
     };
     let r = ctx
         .client
-        .release(proto::ReleaseRequest {
-            address: a.address.to_string(),
-            owner: Some(proto::Owner {
-                consumer_id: a.owner.to_string(),
-                label: String::new(),
-            }),
-            request_id: request_id.to_string(),
-            generation: a.generation,
-        })
+        .release(within(
+            ctx.deadline,
+            proto::ReleaseRequest {
+                address: a.address.to_string(),
+                owner: Some(proto::Owner {
+                    consumer_id: a.owner.to_string(),
+                    label: String::new(),
+                }),
+                request_id: request_id.to_string(),
+                generation: a.generation,
+            },
+        ))
         .await
         .map_err(|s| open_outcome("release", &ctx.socket, &s, &a.owner, &request_id))?
         .into_inner();
@@ -1134,13 +1175,16 @@ async fn cmd_transfer(ctx: &mut Ctx, a: TransferArgs) -> Outcome {
     };
     let r = ctx
         .client
-        .transfer(proto::TransferRequest {
-            address: a.address.to_string(),
-            from_consumer_id: a.from.to_string(),
-            to: Some(to.clone()),
-            request_id: request_id.to_string(),
-            generation: a.generation,
-        })
+        .transfer(within(
+            ctx.deadline,
+            proto::TransferRequest {
+                address: a.address.to_string(),
+                from_consumer_id: a.from.to_string(),
+                to: Some(to.clone()),
+                request_id: request_id.to_string(),
+                generation: a.generation,
+            },
+        ))
         .await
         .map_err(|s| open_outcome("transfer", &ctx.socket, &s, &a.from, &request_id))?
         .into_inner();
@@ -1200,7 +1244,7 @@ async fn cmd_watch(ctx: &mut Ctx, a: WatchArgs) -> Outcome {
         (None, true) => 0,
         (None, false) => {
             ctx.client
-                .get_status(proto::GetStatusRequest {})
+                .get_status(within(ctx.deadline, proto::GetStatusRequest {}))
                 .await
                 .map_err(|s| describe("watch", &ctx.socket, &s))?
                 .into_inner()
@@ -1329,7 +1373,7 @@ fn worth_following(s: &Status) -> bool {
 async fn reconnect(ctx: &mut Ctx) {
     let mut said = false;
     loop {
-        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
         match client::connect(&ctx.socket).await {
             Ok(c) => {
                 ctx.client = c;
@@ -1359,12 +1403,12 @@ async fn cmd_reconcile(ctx: &mut Ctx, a: ReconcileArgs) -> Outcome {
     };
     let r = ctx
         .client
-        .reconcile(proto::ReconcileRequest {
+        .reconcile(within(ctx.deadline, proto::ReconcileRequest {
             expected_consumer_ids: a.expected.iter().map(|c| c.to_string()).collect(),
             snapshot_generation: a.snapshot_generation,
             act: a.act,
             request_id: request_id.to_string(),
-        })
+        }))
         .await
         .map_err(|s| match describe(op, &ctx.socket, &s) {
             // An acting audit whose answer was lost may have freed some orphans: the same
@@ -1504,7 +1548,7 @@ async fn cmd_reload(ctx: &mut Ctx, a: ReloadArgs) -> Outcome {
         nix::sys::signal::Signal::SIGHUP,
     )
     .map_err(|e| Failure::Refused(format!("cannot signal the agent (PID {pid}): {e}")))?;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.timeout);
+    let deadline = std::time::Instant::now() + Duration::from_secs(a.timeout);
     let s = loop {
         let s = agent_status(ctx, "reload").await?;
         if s.reloads_finished > begun {
@@ -1516,7 +1560,7 @@ async fn cmd_reload(ctx: &mut Ctx, a: ReloadArgs) -> Outcome {
                 a.timeout
             )));
         }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let Some(last) = s.last_reload else {
         return Err(Failure::Refused(
@@ -1541,7 +1585,7 @@ async fn cmd_reload(ctx: &mut Ctx, a: ReloadArgs) -> Outcome {
 async fn agent_status(ctx: &mut Ctx, op: &str) -> Result<proto::AgentStatus, Failure> {
     Ok(ctx
         .client
-        .get_status(proto::GetStatusRequest {})
+        .get_status(within(ctx.deadline, proto::GetStatusRequest {}))
         .await
         .map_err(|s| describe(op, &ctx.socket, &s))?
         .into_inner())
@@ -1629,10 +1673,13 @@ async fn cmd_status(ctx: &mut Ctx) -> Outcome {
 async fn cmd_outcome(ctx: &mut Ctx, owner: ConsumerId, request_id: RequestId) -> Outcome {
     let r = ctx
         .client
-        .get_request_outcome(proto::GetRequestOutcomeRequest {
-            consumer_id: owner.to_string(),
-            request_id: request_id.to_string(),
-        })
+        .get_request_outcome(within(
+            ctx.deadline,
+            proto::GetRequestOutcomeRequest {
+                consumer_id: owner.to_string(),
+                request_id: request_id.to_string(),
+            },
+        ))
         .await
         .map_err(|s| describe("outcome", &ctx.socket, &s))?
         .into_inner();
@@ -1686,6 +1733,7 @@ async fn run(cli: Cli) -> Outcome {
     })?;
     let mut ctx = Ctx {
         client,
+        deadline: Duration::from_secs(cli.deadline),
         socket,
         json: cli.json,
         agent_pid,
