@@ -1939,6 +1939,77 @@ async fn a_retried_release_of_a_device_bound_since_is_answered_from_disk() {
     s.stop().await;
 }
 
+/// A binding moves every member of the IOMMU group to vfio-pci, so it is decided on the
+/// domains listed afresh, as a free is: a domain that took the group's other VF since the
+/// agent last listed (no event came; the poll is an hour away) is seen, the binding
+/// refused, and that VF keeps its driver. Before, the binding went by the listing the
+/// agent had (none at all after a start while libvirt was down) and took the VF from
+/// under the domain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_binding_lists_the_domains_afresh() {
+    let _alone = alone().await;
+    let mut f = FakeSys::new();
+    f.pf(PF, 0x8086, 0x1572, 8, 2).driver(PF, "i40e");
+    f.vf_driver(PF, "iavf");
+    let t0 = f.build();
+    let (claimed, other) = (virtfn(&t0, 0), virtfn(&t0, 1));
+    drop(t0);
+    // Both VFs in one group (no ACS between them).
+    f.iommu_group(&claimed, 41).iommu_group(&other, 41);
+    f.device("0000:5e:00.0", 0x10de, 0x1db6)
+        .driver("0000:5e:00.0", "vfio-pci")
+        .iommu_group("0000:5e:00.0", 90);
+    let t = f.build();
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let lv = virt::connect::Connect::open(Some("test:///default"))
+        .expect("libvirt's test driver (install libvirt)");
+    // No events and an hour between polls: the agent learns of the domain only by
+    // listing afresh.
+    let s = start_tuned(&t, 3000, 1 << 20, |cfg| {
+        cfg.libvirt.enabled = true;
+        cfg.libvirt.uri = "test:///default".into();
+        cfg.libvirt.events = false;
+        cfg.libvirt.poll_interval_ms = 3_600_000;
+        cfg.libvirt.timeout_ms = 3000;
+    })
+    .await;
+    let mut c = s.client().await;
+    let r = claim(&mut c, &claimed, 7, false).await.expect("claim");
+    // A domain now runs with the other VF of the group.
+    let (d, rest) = other.split_once(':').expect("domain");
+    let (b, rest) = rest.split_once(':').expect("bus");
+    let (sl, fun) = rest.split_once('.').expect("slot");
+    let domain = lv
+        .define_domain_xml(&format!(
+            "<domain type='test'><name>vm-other</name><uuid>{}</uuid><memory>1048576</memory><os><type>hvm</type></os><devices><hostdev mode='subsystem' type='pci' managed='yes'><source><address domain='0x{d}' bus='0x{b}' slot='0x{sl}' function='0x{fun}'/></source></hostdev></devices></domain>",
+            uuid::Uuid::from_u128(0x5e11).as_hyphenated()
+        ))
+        .expect("define");
+    domain.create().expect("start");
+    let e = c
+        .prepare_vfio(proto::PrepareVfioRequest {
+            address: claimed.clone(),
+            owner: Some(owner(7)),
+            generation: r.generation,
+            request_id: "bind-1".into(),
+        })
+        .await
+        .expect_err("the group's other VF is a domain's");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert_eq!(reason(&e).0, "GROUP_MEMBER_IN_USE_BY_DOMAIN", "{e:?}");
+    let now = device(&mut c, &other).await.expect("the other VF");
+    assert_eq!(now.driver, "iavf", "the domain's VF keeps its driver");
+    let mine = device(&mut c, &claimed).await.expect("the claimed VF");
+    assert_eq!(
+        (mine.driver.as_str(), mine.generation),
+        ("iavf", r.generation),
+        "a refused binding changes nothing"
+    );
+    domain.destroy().expect("destroy");
+    domain.undefine().expect("undefine");
+    s.stop().await;
+}
+
 /// A Claim with `vfio` whose claim is committed but whose binding fails says that the
 /// claim stands, with its generation now, whatever stopped the binding: a device with no
 /// IOMMU group (FAILED_PRECONDITION), or a sysfs write the kernel refused after the

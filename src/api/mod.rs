@@ -1462,8 +1462,20 @@ impl HostDevService {
         generation: Generation,
         request_id: Option<RequestId>,
     ) -> Result<(Generation, Vec<proto::BoundMember>, bool), ApiError> {
+        // The binding moves every member of the group to vfio-pci, and the ledger refuses
+        // one a domain uses: on the domains listed afresh, as for a free, never on a view
+        // that libvirt may not have filled yet (after a start while it was unreachable).
+        // The rescans' turn first, so that nothing comes between the listing and the
+        // binding's decision.
+        let turn = self.rescanner.hold().await;
+        drop(
+            self.guard
+                .refresh(&self.writer, &format!("the IOMMU group of {address}"))
+                .await?,
+        );
         let result = self
-            .after_hardware(
+            .after_hardware_in(
+                Some(turn),
                 move |w| async move {
                     w.bind_vfio(crate::writer::BindVfio {
                         address,
@@ -1530,22 +1542,8 @@ impl HostDevService {
     /// caller's task, so a caller that goes away while it waits for it sends nothing;
     /// the action and its rescan run on a task of their own, so a caller that goes away
     /// (it disconnects, or its deadline passes) once the action is sent does not end
-    /// the hold while the writer still acts on the hardware.
-    async fn after_hardware<X, F, Fut>(
-        &self,
-        action: F,
-        then: impl FnOnce(&Result<X, WriteError>) -> BTreeSet<PciAddress> + Send + 'static,
-    ) -> Result<X, WriteError>
-    where
-        X: Send + 'static,
-        F: FnOnce(Writer) -> Fut + Send + 'static,
-        Fut: std::future::Future<Output = Result<X, WriteError>> + Send + 'static,
-    {
-        self.after_hardware_in(None, action, then).await
-    }
-
-    /// [`Self::after_hardware`] in the rescans' turn `held`, where the caller took it
-    /// already (`None`: taken here).
+    /// the hold while the writer still acts on the hardware. `held`: the rescans' turn,
+    /// where the caller took it already (`None`: taken here).
     async fn after_hardware_in<X, F, Fut>(
         &self,
         held: Option<Turn>,
