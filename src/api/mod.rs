@@ -702,7 +702,20 @@ impl HostDev for HostDevService {
         // refusal is the answer: it names what to do (detach from the domain, read the
         // device again), where a check's failure would only say to try again later.
         if checked {
-            if let Err(e) = self.unused(&[rel.address], &rel.address.to_string()).await {
+            // Every member given its driver back leaves vfio-pci, and a PF that does turns
+            // SR-IOV off: each is checked, and a PF's VFs, as for a VF count change.
+            let mut devices = vec![rel.address];
+            let view = self.writer.view();
+            for m in bound_now() {
+                if m != rel.address {
+                    devices.push(m);
+                }
+                if let Some(s) = view.sysfs_device(&m).and_then(|d| d.sriov.as_ref()) {
+                    devices.extend(s.vfs.iter().copied());
+                }
+            }
+            drop(view);
+            if let Err(e) = self.unused(&devices, &rel.address.to_string()).await {
                 let refused = self.writer.view().ledger.check_release(&rel).err();
                 return Err(self.refusal_first(refused, e).into());
             }

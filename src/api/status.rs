@@ -181,6 +181,7 @@ fn ledger_code(e: &LedgerError) -> Code {
         | VfCountInUse { .. }
         | VfInUseByDomain { .. }
         | GroupMemberInUse { .. }
+        | BindingMemberInUse { .. }
         | VfGroupClaimed { .. }
         | NoIommuGroup { .. } => Code::FailedPrecondition,
         NoMatch { .. } => Code::ResourceExhausted,
@@ -219,6 +220,12 @@ fn ledger_metadata(e: &LedgerError) -> HashMap<String, String> {
             domain_meta(&mut m, domain);
         }
         LedgerError::GroupMemberInUse {
+            member,
+            used,
+            domain,
+            ..
+        }
+        | LedgerError::BindingMemberInUse {
             member,
             used,
             domain,

@@ -120,6 +120,21 @@ pub enum LedgerError {
         generation: Generation,
     },
 
+    #[error(
+        "{address} cannot be released now: the release gives {member} its driver back (the claim's VFIO binding moved it to vfio-pci), and {used} is used by domain {} (uuid {}), which holds no claim on it{}; nothing was changed; detach it from the domain first; current generation {generation}",
+        .domain.name, .domain.uuid,
+        if .member != .used { ", and taking a PF from vfio-pci destroys its VFs" } else { "" }
+    )]
+    BindingMemberInUse {
+        address: PciAddress,
+        /// The member of the binding whose driver the release gives back.
+        member: PciAddress,
+        /// What the domain references: the member, or a VF of it.
+        used: PciAddress,
+        domain: DomainRef,
+        generation: Generation,
+    },
+
     #[error("{pf}'s VF count cannot change: its VF {vf} shares an IOMMU group with {claimed}, claimed by {owner}, whose VFIO binding takes the whole group; current generation {generation}")]
     VfGroupClaimed {
         pf: PciAddress,
@@ -203,6 +218,7 @@ impl LedgerError {
             | NotPhysicalFunction { address, .. }
             | VfCountChanging { address, .. }
             | GroupMemberInUse { address, .. }
+            | BindingMemberInUse { address, .. }
             | NoIommuGroup { address, .. } => Some(*address),
             VfClaimed { pf, .. }
             | VfGroupClaimed { pf, .. }
@@ -230,6 +246,7 @@ impl LedgerError {
             | VfClaimed { generation, .. }
             | VfCountChanging { generation, .. }
             | GroupMemberInUse { generation, .. }
+            | BindingMemberInUse { generation, .. }
             | VfGroupClaimed { generation, .. }
             | VfCountInUse { generation, .. }
             | VfInUseByDomain { generation, .. }
@@ -272,6 +289,7 @@ impl LedgerError {
             VfClaimed { .. } => "VF_CLAIMED",
             VfCountChanging { .. } => "VF_COUNT_CHANGING",
             GroupMemberInUse { .. } => "GROUP_MEMBER_IN_USE_BY_DOMAIN",
+            BindingMemberInUse { .. } => "BINDING_MEMBER_IN_USE_BY_DOMAIN",
             VfGroupClaimed { .. } => "VF_GROUP_CLAIMED",
             // Both: a VF of this PF is used by a domain without a claim.
             VfCountInUse { .. } | VfInUseByDomain { .. } => "VF_IN_USE_BY_DOMAIN",

@@ -10,6 +10,15 @@ use super::{
 };
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 
+/// What a release gives back of its claim's binding ([`Ledger::restore_plan`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RestorePlan {
+    /// The members to give their drivers back to.
+    pub restore: Vec<BoundMember>,
+    /// The members left as they are, and why.
+    pub left: Vec<(PciAddress, &'static str)>,
+}
+
 /// What binding a claimed device to vfio-pci covers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BindPlan {
@@ -257,6 +266,74 @@ impl Ledger {
             return None;
         }
         rec.claim.as_ref()?.vfio.clone()
+    }
+
+    /// What a release of the claim at `address` by `consumer` with `generation` gives
+    /// back of its binding: `None` when there is none or the release would be refused
+    /// (the release itself then gives the reason). Refused where giving a member its
+    /// driver back takes a device from under a domain that holds no claim on it: the
+    /// member itself (a stray on it, on vfio-pci), or a VF of it (unbinding vfio-pci from
+    /// a PF turns SR-IOV off). A member that is no longer the bound device's to give
+    /// back is left as it is: gone, another device at its address, claimed by another
+    /// record, or out of the device's IOMMU group now (groups can change at a reboot).
+    pub fn restore_plan(
+        &self,
+        address: PciAddress,
+        consumer: ConsumerId,
+        generation: Generation,
+    ) -> Result<Option<RestorePlan>, LedgerError> {
+        let Some(binding) = self.binding_to_restore(address, consumer, generation) else {
+            return Ok(None);
+        };
+        let Some(rec) = self
+            .resolve_claimed(address, consumer, generation)
+            .ok()
+            .and_then(|id| self.records.get(&id))
+        else {
+            return Ok(None);
+        };
+        let mut plan = RestorePlan::default();
+        for m in binding.members {
+            let Some(now) = self.record_at(m.address).filter(|r| r.present) else {
+                plan.left.push((m.address, "it is gone"));
+                continue;
+            };
+            if now.id != rec.id {
+                let why = m
+                    .identity
+                    .as_ref()
+                    .and_then(|i| i.other_device(now))
+                    .or_else(|| now.claim.is_some().then_some("another claim holds it"))
+                    .or_else(|| {
+                        (now.facts.iommu_group != rec.facts.iommu_group)
+                            .then_some("it is no longer in the device's IOMMU group")
+                    });
+                if let Some(why) = why {
+                    plan.left.push((m.address, why));
+                    continue;
+                }
+                if let Some(domain) = self.refs.get(&m.address).and_then(|d| d.first()) {
+                    return Err(LedgerError::BindingMemberInUse {
+                        address,
+                        member: m.address,
+                        used: m.address,
+                        domain: domain.clone(),
+                        generation: rec.generation,
+                    });
+                }
+            }
+            if let Some((vf, domain)) = self.vf_in_use(m.address) {
+                return Err(LedgerError::BindingMemberInUse {
+                    address,
+                    member: m.address,
+                    used: vf,
+                    domain,
+                    generation: rec.generation,
+                });
+            }
+            plan.restore.push(m);
+        }
+        Ok(Some(plan))
     }
 
     /// Whether `address` holds a recorded VFIO binding (any owner, any generation).
@@ -572,6 +649,7 @@ mod tests {
             address: addr("0000:5e:00.0"),
             original_driver: Some("iavf".into()),
             original_override: None,
+            identity: None,
         }];
         let (g2, cs) = l
             .record_binding(
@@ -613,6 +691,7 @@ mod tests {
             address: a,
             original_driver: Some("iavf".into()),
             original_override: None,
+            identity: None,
         }];
         let before = l.clone();
         let (g2, cs) = l
@@ -944,6 +1023,117 @@ mod tests {
         assert_eq!(
             plan.members,
             vec![addr("0000:5e:00.0"), addr("0000:5e:00.1")]
+        );
+    }
+
+    /// Records a binding of `members` for `who`'s claim at `a`, each with the identity of
+    /// the device at its address now; the claim's generation after.
+    fn bind(l: &mut Ledger, a: &str, who: u128, members: &[&str]) -> Generation {
+        let g = l.record_at(addr(a)).expect("present").generation;
+        let members = members
+            .iter()
+            .map(|m| BoundMember {
+                address: addr(m),
+                original_driver: Some("iavf".into()),
+                original_override: None,
+                identity: l.record_at(addr(m)).map(crate::ledger::MemberIdentity::of),
+            })
+            .collect();
+        l.record_binding(addr(a), owner(who).consumer, g, members, None)
+            .expect("recorded")
+            .0
+    }
+
+    fn restoring(l: &Ledger, a: &str, who: u128) -> Result<Option<RestorePlan>, LedgerError> {
+        let g = l.record_at(addr(a)).expect("present").generation;
+        l.restore_plan(addr(a), owner(who).consumer, g)
+    }
+
+    /// Giving a bound PF its driver back unbinds vfio-pci from it, which turns SR-IOV off:
+    /// while a domain uses one of its VFs without a claim, the release is refused, naming
+    /// the VF and the domain; once it does not, the PF is given back.
+    #[test]
+    fn a_release_that_would_destroy_a_vf_a_domain_uses_is_refused() {
+        let mut l = ledger();
+        let pf = "0000:3b:00.0";
+        claim(&mut l, pf, 1);
+        bind(&mut l, pf, 1, &[pf]);
+        l.apply_domains(vec![super::super::tests::domain(
+            9,
+            "vm9",
+            &["0000:3b:02.1"],
+        )]);
+        let err = restoring(&l, pf, 1).expect_err("its VF is a domain's");
+        assert!(
+            matches!(&err, LedgerError::BindingMemberInUse { member, used, domain, .. }
+                if *member == addr(pf) && *used == addr("0000:3b:02.1") && domain.name == "vm9"),
+            "{err:?}"
+        );
+        assert_eq!(err.reason(), "BINDING_MEMBER_IN_USE_BY_DOMAIN");
+        l.apply_domains(Vec::new());
+        let plan = restoring(&l, pf, 1)
+            .expect("nobody uses a VF")
+            .expect("bound");
+        assert_eq!(
+            plan.restore.iter().map(|m| m.address).collect::<Vec<_>>(),
+            vec![addr(pf)]
+        );
+    }
+
+    /// A release gives a member its driver back only while it is still the binding's: a
+    /// member a domain uses without a claim refuses the release; one that left the
+    /// device's IOMMU group (groups can change at a reboot), one another claim holds, and
+    /// another device at the member's address are left as they are.
+    #[test]
+    fn a_release_gives_back_only_what_is_still_the_bindings() {
+        let (x, m) = ("0000:5e:00.0", "0000:5e:00.1");
+        let mut l = ledger();
+        claim(&mut l, x, 1);
+        bind(&mut l, x, 1, &[x, m]);
+        let addrs = |p: &RestorePlan| {
+            (
+                p.restore.iter().map(|m| m.address).collect::<Vec<_>>(),
+                p.left.iter().map(|(a, why)| (*a, *why)).collect::<Vec<_>>(),
+            )
+        };
+        let plan = restoring(&l, x, 1).expect("plan").expect("bound");
+        assert_eq!(addrs(&plan), (vec![addr(x), addr(m)], vec![]));
+        // A domain took the member (on vfio-pci) without a claim.
+        l.apply_domains(vec![super::super::tests::domain(9, "vm9", &[m])]);
+        let err = restoring(&l, x, 1).expect_err("the member is a domain's");
+        assert!(
+            matches!(&err, LedgerError::BindingMemberInUse { member, used, .. }
+                if *member == addr(m) && *used == addr(m)),
+            "{err:?}"
+        );
+        l.apply_domains(Vec::new());
+        // The member in a group of its own now.
+        let mut host = super::super::tests::host();
+        host[6].iommu_group = Some(31);
+        l.apply_inventory(host.clone());
+        let plan = restoring(&l, x, 1).expect("plan").expect("bound");
+        assert_eq!(
+            addrs(&plan),
+            (
+                vec![addr(x)],
+                vec![(addr(m), "it is no longer in the device's IOMMU group")]
+            )
+        );
+        // Claimed by another consumer.
+        claim(&mut l, m, 2);
+        let plan = restoring(&l, x, 1).expect("plan").expect("bound");
+        assert_eq!(addrs(&plan).1, vec![(addr(m), "another claim holds it")]);
+        // Another device at the member's address, back in the group.
+        l.apply_devices(vec![(addr(m), None)]);
+        host[6].iommu_group = Some(30);
+        l.apply_devices(vec![(addr(m), Some(host[6].clone()))]);
+        assert!(l
+            .record_at(addr(m))
+            .is_some_and(|r| r.present && r.claim.is_none()));
+        let plan = restoring(&l, x, 1).expect("plan").expect("bound");
+        assert_eq!(
+            addrs(&plan).1,
+            vec![(addr(m), "another device record is at its address")]
         );
     }
 

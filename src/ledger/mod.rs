@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 pub use error::LedgerError;
-pub use hardware::{vf_count_replay, BindRetry, VfCountLog, VfCountReplay};
+pub use hardware::{vf_count_replay, BindRetry, RestorePlan, VfCountLog, VfCountReplay};
 pub use model::*;
 pub use selector::Selector;
 

@@ -59,6 +59,48 @@ pub struct BoundMember {
     /// `sriov_drivers_autoprobe` off, an override is how a VF got its driver at all.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub original_override: Option<String>,
+    /// Which device it was when bound (none in bindings recorded before this was kept):
+    /// a release gives the driver back only to that device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<MemberIdentity>,
+}
+
+/// Which device a bound member was: its record, its ids and its instance then.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberIdentity {
+    pub record: RecordId,
+    pub vendor_id: VendorId,
+    pub device_id: DeviceId,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<Instance>,
+}
+
+impl MemberIdentity {
+    /// The identity of the device `rec` holds now.
+    pub fn of(rec: &DeviceRecord) -> MemberIdentity {
+        MemberIdentity {
+            record: rec.id,
+            vendor_id: rec.facts.vendor_id,
+            device_id: rec.facts.device_id,
+            instance: rec.facts.instance,
+        }
+    }
+
+    /// Why `rec`, the present record at the member's address, is another device than
+    /// the one bound, if it is: another record (the ledger saw it replaced), other ids,
+    /// or another instance read in the same boot.
+    pub fn other_device(&self, rec: &DeviceRecord) -> Option<&'static str> {
+        if rec.id != self.record {
+            Some("another device record is at its address")
+        } else if (rec.facts.vendor_id, rec.facts.device_id) != (self.vendor_id, self.device_id) {
+            Some("its vendor and device ids changed")
+        } else if matches!((&self.instance, &rec.facts.instance), (Some(a), Some(b)) if a.replaced_by(b))
+        {
+            Some("it was replaced (another sysfs instance)")
+        } else {
+            None
+        }
+    }
 }
 
 /// A libvirt domain as the ledger sees it.

@@ -409,6 +409,7 @@ impl World {
                     address,
                     original_driver: None,
                     original_override: None,
+                    identity: None,
                 }];
                 let now = self.seq;
                 self.ledger

@@ -12,7 +12,9 @@ use std::sync::Arc;
 use super::{now_unix, Applied, Command, Worker, WriteError, UNRECORDED_VF_REQUESTS};
 use crate::hardware::sriov::Written;
 use crate::hardware::{Hardware, HardwareError};
-use crate::ledger::{BindRetry, BoundMember, ChangeSet, ReleaseRequest, VfCountLog};
+use crate::ledger::{
+    BindRetry, BoundMember, ChangeSet, MemberIdentity, ReleaseRequest, VfCountLog,
+};
 use crate::metrics::Op;
 use crate::pci::{ConsumerId, Generation, PciAddress, RequestId};
 
@@ -324,6 +326,11 @@ impl Worker {
                     address: *m,
                     original_driver: hw.driver(*m, "read current driver")?,
                     original_override: hw.driver_override(*m)?,
+                    identity: self
+                        .ledger
+                        .record_at(*m)
+                        .filter(|r| r.present)
+                        .map(MemberIdentity::of),
                 },
             };
             members.push(member);
@@ -360,18 +367,17 @@ impl Worker {
         self.still_sound()?;
         self.recall_alone(req.consumer, &req.request_id)?;
         let now = now_unix();
-        if let Some(binding) =
-            self.ledger
-                .binding_to_restore(req.address, req.consumer, req.generation)
+        if let Some(plan) = self
+            .ledger
+            .restore_plan(req.address, req.consumer, req.generation)?
         {
             let mut trial = self.ledger.clone();
             trial.release(req, now)?;
             let hw = self.hardware.clone().ok_or(HardwareError::Disabled)?;
-            for m in &binding.members {
-                if !self.ledger.record_at(m.address).is_some_and(|r| r.present) {
-                    tracing::warn!(device = %m.address, "bound member is gone; nothing to restore");
-                    continue;
-                }
+            for (member, why) in &plan.left {
+                tracing::warn!(device = %member, claimed = %req.address, why, "bound member left as it is: its driver is not given back");
+            }
+            for m in &plan.restore {
                 hw.restore_driver(
                     m.address,
                     m.original_driver.as_deref(),
