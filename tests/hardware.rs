@@ -2010,6 +2010,56 @@ async fn a_binding_lists_the_domains_afresh() {
     s.stop().await;
 }
 
+/// A root port without ACS shares the IOMMU group of the device behind it: binding the
+/// device leaves the port on pcieport (vfio-pci binds no bridge, and taking the port from
+/// its driver ends its hotplug and error handling), and the binding covers the device
+/// alone. Before, the port came first in the binding, was unbound from pcieport, and
+/// the kernel's refusal of vfio-pci stopped the binding there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bridge_in_the_group_keeps_its_driver() {
+    let _alone = alone().await;
+    let (port, dev) = ("0000:00:01.0", "0000:01:00.0");
+    let mut f = FakeSys::new();
+    f.bridge(port, 0x8086, 0x1901)
+        .iommu_group(port, 41)
+        .device(dev, 0x144d, 0xa808)
+        .behind(dev, port)
+        .driver(dev, "nvme")
+        .iommu_group(dev, 41);
+    f.device("0000:5e:00.0", 0x10de, 0x1db6)
+        .driver("0000:5e:00.0", "vfio-pci")
+        .iommu_group("0000:5e:00.0", 90);
+    let t = f.build();
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start_tuned(&t, 3000, 1 << 20, |cfg| {
+        cfg.devices = vec![hostdevd::config::DeviceSpec {
+            address: Some(dev.into()),
+            ..Default::default()
+        }];
+    })
+    .await;
+    let mut c = s.client().await;
+    let r = claim(&mut c, dev, 7, true).await.expect("claim --vfio");
+    let d = device(&mut c, dev).await.expect("device");
+    assert_eq!(d.driver, "vfio-pci");
+    assert_eq!(d.generation, r.generation);
+    let members: Vec<&str> = d.vfio_binding.iter().map(|m| m.address.as_str()).collect();
+    assert_eq!(members, vec![dev], "the binding covers the device alone");
+    let p = device(&mut c, port).await.expect("port");
+    assert_eq!(p.driver, "pcieport", "the port keeps its driver");
+    let override_now =
+        std::fs::read_to_string(t.bus_link(port).join("driver_override")).expect("override");
+    assert_eq!(override_now.trim(), "(null)");
+    // The release gives the device its driver back and leaves the port as it is.
+    release(&mut c, dev, 7).await.expect("release");
+    until(&mut c, "the device back on nvme", |l| {
+        l.iter().any(|d| d.address == dev && d.driver == "nvme")
+    })
+    .await;
+    assert_eq!(device(&mut c, port).await.expect("port").driver, "pcieport");
+    s.stop().await;
+}
+
 /// A Claim with `vfio` whose claim is committed but whose binding fails says that the
 /// claim stands, with its generation now, whatever stopped the binding: a device with no
 /// IOMMU group (FAILED_PRECONDITION), or a sysfs write the kernel refused after the

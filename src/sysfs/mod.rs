@@ -367,6 +367,14 @@ impl ClassCode {
     pub fn prog_if(&self) -> u8 {
         self.0 as u8
     }
+
+    /// Whether a function of this class has a bridge's configuration header (a PCI-to-PCI
+    /// bridge, 0x0604, a semi-transparent one, 0x0609, or a CardBus bridge, 0x0607): no
+    /// device for vfio-pci, which binds only normal (type 0) headers, and none a guest
+    /// needs of its IOMMU group.
+    pub fn is_bridge(&self) -> bool {
+        self.base() == 0x06 && matches!(self.subclass(), 0x04 | 0x07 | 0x09)
+    }
 }
 
 impl fmt::Display for ClassCode {
@@ -558,6 +566,17 @@ impl Inventory {
 mod tests {
     use super::*;
     use crate::simhost::{addr, FakeSys};
+
+    #[test]
+    fn bridges_are_told_by_their_class() {
+        for c in [0x060400, 0x060401, 0x060700, 0x060900] {
+            assert!(ClassCode(c).is_bridge(), "{c:06x}");
+        }
+        // A host bridge, an ISA bridge and an Ethernet controller have normal headers.
+        for c in [0x060000, 0x060100, 0x020000, 0x010802] {
+            assert!(!ClassCode(c).is_bridge(), "{c:06x}");
+        }
+    }
 
     #[test]
     fn an_interface_names_the_pci_function_it_is_on() {

@@ -311,9 +311,25 @@ impl Worker {
                 }
             }
         }
-        let plan = self
+        let mut plan = self
             .ledger
             .bind_plan(req.address, req.consumer, generation)?;
+        // A bridge in the group (a root or switch port without ACS) keeps its driver:
+        // vfio-pci refuses it, and taking it from pcieport ends its hotplug and error
+        // handling.
+        let view = self.view_now();
+        plan.members.retain(|m| {
+            let bridge = *m != req.address
+                && view
+                    .sysfs_device(m)
+                    .and_then(|d| d.class)
+                    .is_some_and(|c| c.is_bridge());
+            if bridge {
+                tracing::info!(device = %m, claimed = %req.address, "a bridge in the IOMMU group keeps its driver");
+            }
+            !bridge
+        });
+        drop(view);
         let mut members = Vec::with_capacity(plan.members.len());
         for m in &plan.members {
             let recorded = plan
