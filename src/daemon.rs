@@ -583,17 +583,72 @@ pub async fn serve(
     service: HostDevService,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), DaemonError> {
+    let incoming = crate::api::connections::incoming(listener, service.connections().clone());
+    serve_draining(
+        tonic::transport::Server::builder(),
+        service,
+        incoming,
+        shutdown,
+    )
+    .await
+}
+
+/// How long a stop waits for the streams once no call is being answered: a Watch told
+/// `SHUTTING_DOWN` ends at once where its client reads.
+const STREAM_GRACE: Duration = Duration::from_secs(2);
+
+/// Serves [`routes`] on `incoming` until `shutdown` completes; then every Watch is told
+/// the agent is stopping, and the calls being answered drain, for at most the service's
+/// drain limit ([`ConnectionLimits::drain`]), and the streams for [`STREAM_GRACE`] after
+/// them. A stream its client
+/// keeps open (a Watch whose reader stopped reading, so its last message never goes out;
+/// a health Watch, which ends only with the server) is then left to the runtime's end:
+/// before, a stop waited for it without end, and a stop after a failed commit, which no
+/// signal follows, never ended the process.
+pub(crate) async fn serve_draining<IO, IE>(
+    builder: tonic::transport::Server,
+    service: HostDevService,
+    incoming: impl futures_util::Stream<Item = Result<IO, IE>>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), DaemonError>
+where
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + tonic::transport::server::Connected
+        + Unpin
+        + Send
+        + 'static,
+    IE: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let streams = service.clone();
+    let drain_limit = service.connection_limits().drain;
+    let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
     let shutdown = async move {
         shutdown.await;
         streams.stop_streams();
+        let _ = stopping_tx.send(());
     };
-    let incoming = crate::api::connections::incoming(listener, service.connections().clone());
-    routes(tonic::transport::Server::builder(), service)
-        .await?
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await?;
-    Ok(())
+    let (router, answering) = routes(builder, service).await?;
+    let served = router.serve_with_incoming_shutdown(incoming, shutdown);
+    tokio::pin!(served);
+    tokio::select! {
+        r = &mut served => return Ok(r?),
+        Ok(()) = stopping_rx => {}
+    }
+    let drained = async {
+        answering.idle().await;
+        tokio::time::sleep(STREAM_GRACE).await;
+    };
+    tokio::select! {
+        r = &mut served => Ok(r?),
+        _ = tokio::time::timeout(drain_limit, drained) => {
+            tracing::warn!(
+                calls = answering.open(),
+                "connections still open after the stop (streams their clients keep open, or calls past the drain limit): left to close with the process"
+            );
+            Ok(())
+        }
+    }
 }
 
 /// Every service the agent serves on a listener: the API, grpc.health.v1 and server
@@ -605,7 +660,13 @@ pub async fn serve(
 pub(crate) async fn routes(
     builder: tonic::transport::Server,
     service: HostDevService,
-) -> Result<tonic::transport::server::Router, DaemonError> {
+) -> Result<
+    (
+        tonic::transport::server::Router,
+        Arc<crate::api::gate::Answering>,
+    ),
+    DaemonError,
+> {
     let limits = service.connection_limits();
     let metrics = Arc::clone(service.connections().metrics());
     let calls_per_uid = limits.calls_per_uid;
@@ -631,11 +692,15 @@ pub(crate) async fn routes(
         calls_per_uid,
         metrics,
     );
-    Ok(builder
-        .add_service(api.beside(health_service))
-        .add_service(api.beside(reflection_v1))
-        .add_service(api.beside(reflection_v1alpha))
-        .add_service(api))
+    let answering = api.answering();
+    Ok((
+        builder
+            .add_service(api.beside(health_service))
+            .add_service(api.beside(reflection_v1))
+            .add_service(api.beside(reflection_v1alpha))
+            .add_service(api),
+        answering,
+    ))
 }
 
 /// The whole daemon: start, bind, notify systemd, serve until SIGTERM/SIGINT; SIGHUP
@@ -654,7 +719,7 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
             writer_gids: cfg.api.writer_gids.clone(),
         })
         .with_watch_limits(WatchLimits::from_config(&cfg.api))
-        .with_connection_limits(ConnectionLimits::from_config(&cfg.api));
+        .with_connection_limits(ConnectionLimits::from_config(&cfg));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     if let Some(addr) = cfg.metrics.listen {
         let l = tokio::net::TcpListener::bind(addr)
@@ -688,17 +753,21 @@ pub async fn run(cfg: Config, config_path: Option<PathBuf>) -> Result<Closing, D
     let socket = cfg.api.socket.clone();
     let tcp_task = match &cfg.api.tcp {
         Some(tcp) => {
-            let tls = crate::tcp::tls_config(tcp)?;
+            let tls = crate::tcp::tls_server(tcp)?;
             let tcp_listener = crate::tcp::bind(tcp).await?;
             let per_peer = tcp.max_connections_per_peer;
             tracing::info!(listen = %tcp.listen, "serving over TCP with mutual TLS");
             let mut rx = stop_rx.clone();
             let svc = service.clone();
             Some(tokio::spawn(async move {
-                crate::tcp::serve_tls(tcp_listener, tls, per_peer, svc, async move {
+                let served = crate::tcp::serve_tls(tcp_listener, tls, per_peer, svc, async move {
                     let _ = rx.wait_for(|s| *s).await;
                 })
-                .await
+                .await;
+                if let Err(e) = &served {
+                    tracing::error!(error = %e, "the TCP listener stopped");
+                }
+                served
             }))
         }
         None => None,

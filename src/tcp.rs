@@ -17,7 +17,7 @@ use crate::api::connections::{Held, Quiet, Slot};
 use crate::api::per_uid::PerUid;
 use crate::api::HostDevService;
 use crate::config::TcpConfig;
-use crate::daemon::{routes, DaemonError};
+use crate::daemon::DaemonError;
 use crate::metrics::Metrics;
 
 /// A TCP peer as its connections are counted: its address, an IPv4 peer reached through
@@ -43,6 +43,24 @@ pub fn tls_config(cfg: &TcpConfig) -> Result<ServerTlsConfig, DaemonError> {
         .timeout(std::time::Duration::from_millis(cfg.handshake_timeout_ms)))
 }
 
+/// The TCP listener's server with its TLS set up from `cfg`: the certificate, key and
+/// CA are parsed here, so that files that do not make a TLS server (a CA file with no
+/// certificate, a key that does not parse) fail the start, before the agent says it is
+/// ready, rather than end the listener unseen once it serves.
+pub fn tls_server(cfg: &TcpConfig) -> Result<tonic::transport::Server, DaemonError> {
+    tonic::transport::Server::builder()
+        .tls_config(tls_config(cfg)?)
+        .map_err(|e| DaemonError::Tls {
+            detail: format!(
+                "invalid TLS configuration (cert {}, key {}, client_ca {}): {e}",
+                cfg.cert.display(),
+                cfg.key.display(),
+                cfg.client_ca.display()
+            ),
+            source: None,
+        })
+}
+
 /// Binds the TCP listener.
 pub async fn bind(cfg: &TcpConfig) -> Result<TcpListener, DaemonError> {
     TcpListener::bind(cfg.listen)
@@ -57,33 +75,18 @@ pub async fn bind(cfg: &TcpConfig) -> Result<TcpListener, DaemonError> {
 /// address holding at most `per_peer` connections.
 pub async fn serve_tls(
     listener: TcpListener,
-    tls: ServerTlsConfig,
+    server: tonic::transport::Server,
     per_peer: usize,
     service: HostDevService,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), DaemonError> {
-    let builder = tonic::transport::Server::builder()
-        .tls_config(tls)
-        .map_err(|e| DaemonError::Tls {
-            detail: format!("invalid TLS configuration: {e}"),
-            source: None,
-        })?;
-    let streams = service.clone();
-    let shutdown = async move {
-        shutdown.await;
-        streams.stop_streams();
-    };
     let metrics = service.connections().metrics().clone();
     let incoming = crate::api::connections::pausing(
         incoming(listener, PerUid::new(per_peer), Arc::clone(&metrics)),
         metrics,
         "the TCP listener",
     );
-    routes(builder, service)
-        .await?
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await?;
-    Ok(())
+    crate::daemon::serve_draining(server, service, incoming, shutdown).await
 }
 
 /// The peer a connection from `addr` counts against (see [`Peer`]).

@@ -150,6 +150,68 @@ async fn sighup_reloads_the_selection_and_sigterm_stops_cleanly() {
     );
 }
 
+/// A stop waits for the calls being answered, not for streams a client keeps open: a
+/// health Watch (which ends only with the server) and a HostDev Watch whose reader never
+/// reads again are left open, and SIGTERM still ends the agent within seconds, its store
+/// closed. Before, the stop waited for them without end (systemd's stop timeout, then
+/// SIGKILL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_does_not_wait_for_streams_left_open() {
+    use tokio_stream::StreamExt;
+    let mut f = FakeSys::new();
+    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 2)
+        .netdev("0000:3b:00.0", "ens1f0");
+    let tree = f.build();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg_path = dir.path().join("config.toml");
+    std::fs::write(&cfg_path, config(&tree, dir.path(), &["ens1f0"])).expect("config");
+    let socket = dir.path().join("hostdevd.sock");
+    let daemon = serve(
+        Command::new(env!("CARGO_BIN_EXE_hostdevd")).args(["serve", "--config"]),
+        &cfg_path,
+        &socket,
+    )
+    .await;
+    let transport = hostdevd::client::connect_transport(&socket)
+        .await
+        .expect("connect");
+    let mut health = tonic_health::pb::health_client::HealthClient::new(transport);
+    let mut health_watch = health
+        .watch(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .expect("health watch")
+        .into_inner();
+    let first = health_watch.next().await.expect("a status").expect("ok");
+    assert_eq!(
+        first.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    let mut c = hostdevd::client::connect(&socket).await.expect("connect");
+    let _watch = c
+        .watch(proto::WatchRequest {
+            from_generation: 0,
+            snapshot: true,
+        })
+        .await
+        .expect("watch")
+        .into_inner();
+    let t = std::time::Instant::now();
+    daemon.terminate().await;
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(20),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(!socket.exists(), "socket removed on a clean stop");
+    assert!(
+        !dir.path().join("state/hostdevd.db-wal").exists(),
+        "the store closed"
+    );
+    drop(health_watch);
+}
+
 /// The socket and the state files have their intended modes whatever the umask: the
 /// daemon runs here under umask 000, so every mode below is set by hostdevd itself.
 /// The ledger names every consumer on the host, so it is owner-only.

@@ -507,7 +507,7 @@ async fn ready_is_sent_only_after_the_tcp_listener_is_set_up() {
     d.terminate().await;
 
     // A TCP listener whose certificate is missing: the start fails, and no READY.
-    let (ca_pem, _) = ca("hostdevd test CA");
+    let (ca_pem, issuer) = ca("hostdevd test CA");
     let missing = dir.path().join("no-such-cert.pem");
     let cfg = format!(
         "{base}[api.tcp]\nlisten = \"127.0.0.1:{}\"\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n",
@@ -532,5 +532,43 @@ async fn ready_is_sent_only_after_the_tcp_listener_is_set_up() {
     assert!(
         got.iter().all(|m| !m.contains("READY=1")),
         "READY was sent by a daemon that then failed to start: {got:?}"
+    );
+
+    // Files that read but make no TLS server: a client CA file holding a key and no
+    // certificate. The start fails, naming the TLS set-up, and no READY; before, the
+    // daemon said READY and the listener ended unseen at its first serve.
+    let server = leaf(&["localhost"], "hostdevd", &issuer);
+    let cfg = format!(
+        "{base}[api.tcp]\nlisten = \"127.0.0.1:{}\"\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n",
+        free_port(),
+        write(dir.path(), "server.pem", &server.cert),
+        write(dir.path(), "server.key", &server.key),
+        write(dir.path(), "not-a-ca.pem", &ca_pem.key),
+    );
+    let broken = write(dir.path(), "no-ca.toml", &cfg);
+    let mut child = daemon(&broken)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run hostdevd");
+    let t = std::time::Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if t.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("the daemon went on serving with a TLS set-up that cannot work");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("its output");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the start must fail: {stderr}");
+    assert!(
+        stderr.contains("invalid TLS configuration"),
+        "fails on the TLS set-up: {stderr}"
+    );
+    let got = notifications(&notify, Duration::from_millis(500));
+    assert!(
+        got.iter().all(|m| !m.contains("READY=1")),
+        "READY was sent by a daemon whose TLS set-up fails: {got:?}"
     );
 }

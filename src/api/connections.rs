@@ -41,11 +41,23 @@ pub struct ConnectionLimits {
     pub keepalive_interval: Duration,
     /// How long a ping may go unanswered before the connection is closed.
     pub keepalive_timeout: Duration,
+    /// How long a stop waits for the calls being answered (streams aside): longer than
+    /// the longest a call may take at the configured timeouts, a VF count change's (its
+    /// fresh domain listing, the autoprobe write, and two `sriov_numvfs` writes).
+    pub drain: Duration,
 }
 
 impl ConnectionLimits {
-    pub fn from_config(api: &crate::config::ApiConfig) -> ConnectionLimits {
+    pub fn from_config(cfg: &crate::config::Config) -> ConnectionLimits {
+        let api = &cfg.api;
+        let ms = cfg
+            .libvirt
+            .timeout_ms
+            .saturating_add(cfg.hardware.step_timeout_ms)
+            .saturating_add(cfg.hardware.vf_count_timeout_ms.saturating_mul(2))
+            .saturating_add(15_000);
         ConnectionLimits {
+            drain: Duration::from_millis(ms),
             per_uid: api.max_connections_per_uid,
             // At most 2^20, checked with the config.
             streams: u32::try_from(api.max_streams_per_connection).unwrap_or(u32::MAX),
@@ -58,7 +70,7 @@ impl ConnectionLimits {
 
 impl Default for ConnectionLimits {
     fn default() -> Self {
-        ConnectionLimits::from_config(&crate::config::ApiConfig::default())
+        ConnectionLimits::from_config(&crate::config::Config::default())
     }
 }
 

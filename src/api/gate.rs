@@ -20,6 +20,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -39,6 +40,62 @@ pub const HEAVY: &[(&str, usize)] = &[("Reconcile", 2), ("ListDevices", 8)];
 /// The service whose methods [`HEAVY`] names.
 const SERVICE_PATH: &str = "/hostdev.v1.HostDev/";
 
+/// The streaming calls served beside the API's: they last as long as their client
+/// reads, so a stop does not wait for them (see [`Answering`]).
+const STREAMS: &[&str] = &[
+    "/hostdev.v1.HostDev/Watch",
+    "/grpc.health.v1.Health/Watch",
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+];
+
+/// The calls being answered on a listener, streams not counted: a stop waits for these
+/// (a claim's commit, a binding's sysfs writes), not for a stream that a client keeps
+/// open (a Watch whose reader stopped reading, a health Watch, which ends only with the
+/// server).
+#[derive(Debug, Default)]
+pub struct Answering {
+    open: AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+impl Answering {
+    /// Calls being answered now.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::SeqCst)
+    }
+
+    /// Returns once no call is being answered.
+    pub async fn idle(&self) {
+        loop {
+            let idle = self.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.open() == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+
+    fn begin(self: &Arc<Self>) -> AnsweringOne {
+        self.open.fetch_add(1, Ordering::SeqCst);
+        AnsweringOne(Arc::clone(self))
+    }
+}
+
+/// One call counted in [`Answering`] until it is dropped.
+#[derive(Debug)]
+struct AnsweringOne(Arc<Answering>);
+
+impl Drop for AnsweringOne {
+    fn drop(&mut self) {
+        if self.0.open.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
 /// `inner` (the API's generated server), with each call taking a place first.
 #[derive(Debug, Clone)]
 pub struct Gate<S> {
@@ -54,6 +111,8 @@ struct Turns {
     heavy: Vec<(&'static str, Arc<PerUid<Caller>>)>,
     /// Counts refusals among the rejections (`TOO_MANY_CALLS`, `TOO_MANY_AT_ONCE`).
     metrics: Arc<Metrics>,
+    /// The calls being answered, streams not counted.
+    answering: Arc<Answering>,
 }
 
 impl<S> Gate<S> {
@@ -87,8 +146,14 @@ impl<S> Gate<S> {
                     .map(|(rpc, n)| (*rpc, PerUid::new(*n)))
                     .collect(),
                 metrics,
+                answering: Arc::default(),
             }),
         }
+    }
+
+    /// The calls this gate's listener is answering, streams not counted.
+    pub fn answering(&self) -> Arc<Answering> {
+        Arc::clone(&self.turns.answering)
     }
 }
 
@@ -149,6 +214,7 @@ where
                 }
             },
         };
+        let answering = (!STREAMS.contains(&req.uri().path())).then(|| turns.answering.begin());
         let call = self.inner.call(req);
         Box::pin(async move {
             let answer = call.await?;
@@ -156,6 +222,7 @@ where
                 Body::new(Holding {
                     body,
                     _places: (place, heavy),
+                    _answering: answering,
                 })
             }))
         })
@@ -163,10 +230,12 @@ where
 }
 
 /// An answer's body that keeps its call's places until HTTP/2 has taken all of it, or
-/// dropped it (the client gone, the stream reset): the caller's, and a heavy call's turn.
+/// dropped it (the client gone, the stream reset): the caller's, and a heavy call's turn;
+/// and, but for a stream, its count among the calls being answered.
 struct Holding {
     body: Body,
     _places: (Place<Caller>, Option<Place<Caller>>),
+    _answering: Option<AnsweringOne>,
 }
 
 impl http_body::Body for Holding {
@@ -330,6 +399,49 @@ mod tests {
         assert_eq!(all_at_once(&gate, &[(CLAIM, false)]).await, [None]);
         drop(unread);
         assert!(gate.turns.calls.is_empty());
+    }
+
+    /// A call counts among those being answered from its arrival until its answer is
+    /// taken or dropped; a Watch stream never does, so a stop that waits for the calls
+    /// being answered does not wait for a stream its client keeps open.
+    #[tokio::test]
+    async fn a_stop_waits_for_calls_not_for_streams() {
+        let slow = Slow::default();
+        let gate = Gate::new(slow.clone(), 10, Metrics::new());
+        let answering = gate.answering();
+        let watch = gate
+            .clone()
+            .oneshot(call_to("/hostdev.v1.HostDev/Watch", true))
+            .await
+            .expect("answer");
+        let health = gate
+            .clone()
+            .oneshot(call_to("/grpc.health.v1.Health/Watch", true))
+            .await
+            .expect("answer");
+        assert_eq!(answering.open(), 0, "streams are not counted");
+        tokio::time::timeout(Duration::from_secs(1), answering.idle())
+            .await
+            .expect("idle with only streams open");
+        let call = tokio::spawn(gate.clone().oneshot(call_to(CLAIM, true)));
+        while slow.running.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(answering.open(), 1);
+        let unread = call.await.expect("task").expect("answer");
+        assert_eq!(answering.open(), 1, "until its answer is taken");
+        let idle = tokio::spawn({
+            let answering = Arc::clone(&answering);
+            async move { answering.idle().await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!idle.is_finished());
+        drop(unread);
+        tokio::time::timeout(Duration::from_secs(1), idle)
+            .await
+            .expect("idle once the answer is gone")
+            .expect("task");
+        drop((watch, health));
     }
 
     #[tokio::test]
