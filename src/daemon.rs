@@ -477,6 +477,7 @@ impl Agent {
                 interval: std::time::Duration::from_millis(cfg.libvirt.poll_interval_ms),
                 max_backoff: std::time::Duration::from_secs(30),
                 events: cfg.libvirt.events,
+                timeout: std::time::Duration::from_millis(cfg.libvirt.timeout_ms),
             },
             tokio::runtime::Handle::current(),
         )

@@ -1621,6 +1621,50 @@ async fn until_libvirt_says(c: &mut Client, needle: &str) {
     .await;
 }
 
+/// A libvirtd that takes calls and answers none (wedged; here stopped with SIGSTOP, so
+/// that not even its keepalives go out for the 30 s the client's keepalive allows): the
+/// agent's poll gives up after `[libvirt] timeout_ms` as a free's listing does, so the
+/// health says so within seconds and a release is refused as libvirt unreachable, not
+/// as the free checks being busy. Before, the poll waited inside libvirt holding the
+/// lock every free takes, and the health said libvirt answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_libvirtd_that_stops_answering_is_seen_within_the_timeout() {
+    let lvd = support::libvirtd::Libvirtd::start();
+    let uri = lvd.uri();
+    let h = host(0x47, 220);
+    let holder = Connect::open(Some(&uri)).expect("holder connection");
+    let proc_dir = tempfile::tempdir().expect("proc");
+    let s = start_with(&h, proc_dir.path(), &uri, 100, |cfg| {
+        cfg.libvirt.timeout_ms = 1000;
+        cfg.libvirt.events = false;
+    })
+    .await;
+    let mut c = s.client().await;
+    let vf = h.vfs[1].clone();
+    let claimed = claim(&mut c, &vf, 0x4701).await;
+    until_libvirt(&mut c, true).await;
+    let paused = lvd.pause();
+    let t = Instant::now();
+    until_libvirt(&mut c, false).await;
+    let seen = t.elapsed();
+    assert!(seen < Duration::from_secs(10), "{seen:?}");
+    let err = release(&mut c, &vf, 0x4701, claimed.generation)
+        .await
+        .expect_err("libvirt does not answer");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert_eq!(info(&err).0, "LIBVIRT_UNREACHABLE", "{err:?}");
+    let d = device(&mut c, &vf).await;
+    assert_eq!((d.state, d.generation), (CLAIMED, claimed.generation));
+    // Answering again, it is used again.
+    drop(paused);
+    until_libvirt(&mut c, true).await;
+    release(&mut c, &vf, 0x4701, claimed.generation)
+        .await
+        .expect("libvirt answers");
+    drop(holder);
+    s.stop().await;
+}
+
 /// A real libvirtd (session mode, its test driver) killed and restarted under the agent.
 /// While it is down every free is refused with UNAVAILABLE and changes nothing, and an
 /// attached device stays attached: a lost connection is not an empty domain list. Once

@@ -306,6 +306,9 @@ pub struct PollSettings {
     pub max_backoff: Duration,
     /// Whether to subscribe to libvirt's domain events and list again on each.
     pub events: bool,
+    /// How long a listing may take before the poll counts as failed (`[libvirt]
+    /// timeout_ms`, as for a free's listing).
+    pub timeout: Duration,
 }
 
 /// How long the poller gathers events after the first before it lists the domains.
@@ -453,11 +456,27 @@ impl Poller {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(Wake::Stop);
         }
+        // The thread ends at once unless libvirt holds it (a subscription's connect to a
+        // libvirtd that never answers): then it is left to end with the process, rather
+        // than hold the stop for ever.
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            let deadline = Instant::now() + HALT_LIMIT;
+            while !t.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                tracing::warn!(
+                    "the libvirt poller is still waiting on libvirt; left to end with the process"
+                );
+            }
         }
     }
 }
+
+/// How long stopping the poller waits for its thread.
+const HALT_LIMIT: Duration = Duration::from_secs(2);
 
 impl Drop for Poller {
     fn drop(&mut self) {
@@ -501,6 +520,9 @@ pub fn spawn_poller(
                 Err(p) => p.into_inner().ok,
             };
             let mut was_ok = Some(started_ok);
+            // A listing that libvirt has not answered within the timeout, still out.
+            let mut stuck: Option<tokio::task::JoinHandle<Result<Vec<DomainDevices>, DomainsError>>> =
+                None;
             // After a listing at start that failed, the first retry comes as after any
             // failure (within a second), not a whole interval later.
             let mut wait = if started_ok {
@@ -540,7 +562,39 @@ pub fn spawn_poller(
                 let started = Instant::now();
                 let result = {
                     let _order = order.blocking_lock();
-                    match libvirt.list() {
+                    // Bounded, as a free's listing is: a libvirtd that takes the call and
+                    // never answers must not hold the order lock, which every free waits
+                    // for, nor keep the health saying it answers. One listing at a time:
+                    // while one libvirt has not answered is still out, none more is sent.
+                    let listed = match stuck.take() {
+                        Some(earlier) if !earlier.is_finished() => {
+                            stuck = Some(earlier);
+                            Err(DomainsError::Timeout {
+                                uri: libvirt.uri().to_string(),
+                                ms: settings.timeout.as_millis(),
+                            })
+                        }
+                        _ => {
+                            let lv = libvirt.clone();
+                            let mut task = rt.spawn_blocking(move || lv.list());
+                            // The timer is made inside the runtime: this thread is not one of its.
+                            let timed = rt.block_on(async {
+                                tokio::time::timeout(settings.timeout, &mut task).await
+                            });
+                            match timed {
+                                Ok(Ok(r)) => r,
+                                Ok(Err(e)) => Err(DomainsError::Thread(e.to_string())),
+                                Err(_) => {
+                                    stuck = Some(task);
+                                    Err(DomainsError::Timeout {
+                                        uri: libvirt.uri().to_string(),
+                                        ms: settings.timeout.as_millis(),
+                                    })
+                                }
+                            }
+                        }
+                    };
+                    match listed {
                         Ok(list) => {
                             let detail = format!(
                                 "{}; {}",

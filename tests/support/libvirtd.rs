@@ -122,10 +122,33 @@ impl Libvirtd {
         }
     }
 
+    /// Stops it with SIGSTOP: its socket still accepts, and nothing is answered, not even
+    /// the clients' keepalives (a libvirtd wedged), until the guard is dropped (a test
+    /// that fails meanwhile must not hang closing its own connections).
+    pub fn pause(&self) -> Paused<'_> {
+        self.signal(nix::sys::signal::Signal::SIGSTOP);
+        Paused(self)
+    }
+
+    fn signal(&self, s: nix::sys::signal::Signal) {
+        let c = self.child.as_ref().expect("libvirtd running");
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(c.id()).expect("pid fits"));
+        nix::sys::signal::kill(pid, s).expect("signal libvirtd");
+    }
+
     /// Starts it again on the same socket (the test driver's state starts afresh).
     pub fn restart(&mut self) {
         self.kill();
         self.spawn();
+    }
+}
+
+/// A paused libvirtd ([`Libvirtd::pause`]), let go on when dropped.
+pub struct Paused<'a>(&'a Libvirtd);
+
+impl Drop for Paused<'_> {
+    fn drop(&mut self) {
+        self.0.signal(nix::sys::signal::Signal::SIGCONT);
     }
 }
 
