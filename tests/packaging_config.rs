@@ -185,3 +185,22 @@ fn the_unit_waits_out_a_vf_count_change_at_the_default_timeouts() {
         "TimeoutStopSec={value} kills a VF count change that may take {longest_ms} ms"
     );
 }
+
+/// The bound the packaged file states for `request_log_in_memory` (request_log_entries
+/// less a tenth) is the one the agent checks: at it the config is accepted, one over it
+/// refused, so an operator who follows the comment gets an agent that starts.
+#[test]
+fn the_stated_bound_of_the_memory_log_is_the_checked_one() {
+    let text = packaged();
+    assert!(
+        text.contains("At most request_log_entries less a tenth (90000 at the default)"),
+        "the comment states the bound"
+    );
+    let with = |n: u32| {
+        Config::parse(&format!(
+            "[api]\nrequest_log_entries = 100000\nrequest_log_in_memory = {n}\n"
+        ))
+    };
+    with(90_000).expect("the stated bound is accepted");
+    with(90_001).expect_err("one over it is refused");
+}

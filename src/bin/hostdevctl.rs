@@ -1,8 +1,9 @@
 //! The `hostdevctl` binary: the operator's client of a running hostdevd (list, show,
-//! claim, release, transfer, watch, reconcile, status, outcome) over its Unix socket.
+//! claim, release, transfer, watch, reconcile, status, reload, outcome, prepare-vfio,
+//! set-vfs) over its Unix socket.
 //!
 //! Exit status: 0 done, 1 refused by the agent (or failed there), 2 usage error,
-//! 3 cannot connect to the agent.
+//! 3 cannot connect to the agent, 4 the agent cannot act now (try again later).
 
 use std::collections::BTreeMap;
 use std::io::Write;

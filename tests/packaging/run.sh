@@ -224,6 +224,8 @@ done
   fail "the unit is not enabled (no multi-user.target.wants link)"
 man -w hostdevd >/dev/null 2>&1 || [ -f /usr/share/man/man8/hostdevd.8.gz ] || fail "no man page"
 zgrep -q '^\.SS hostdevctl claim' /usr/share/man/man8/hostdevctl.8.gz || fail "hostdevctl.8 lacks the claim command"
+# The udev rules leave VFIO nodes root-only: the man page must not say otherwise.
+! zgrep -q 'kvm' /usr/share/man/man8/hostdevd.8.gz || fail "hostdevd.8 says the VFIO nodes go to group kvm"
 
 step "systemd-analyze verify and security"
 # verify checks the unit's syntax, that ExecStart exists and that the man pages named in
