@@ -2060,6 +2060,72 @@ async fn a_bridge_in_the_group_keeps_its_driver() {
     s.stop().await;
 }
 
+/// A release that gives a binding's drivers back and fails part way (here the second
+/// member's `driver_override` write fails) binds the members it had given back to
+/// vfio-pci again: the claim stands with its binding recorded, as the answer says, and
+/// the hardware agrees. Before, the first member was left on its own driver under a
+/// claim that said it was bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_fails_part_way_binds_back_what_it_gave_back() {
+    use nix::errno::Errno;
+    let _alone = alone().await;
+    let mut f = FakeSys::new();
+    f.pf(PF, 0x8086, 0x1572, 8, 2).driver(PF, "i40e");
+    f.vf_driver(PF, "iavf");
+    let t0 = f.build();
+    let (first, second) = (virtfn(&t0, 0), virtfn(&t0, 1));
+    drop(t0);
+    f.iommu_group(&first, 41).iommu_group(&second, 41);
+    f.device("0000:5e:00.0", 0x10de, 0x1db6)
+        .driver("0000:5e:00.0", "vfio-pci")
+        .iommu_group("0000:5e:00.0", 90);
+    let t = f.build();
+    let fs = support::faultfs::FaultFs::mount(&[("driver_override", "(null)\n")]);
+    fs.plant(
+        &t.bus_link(&second).join("driver_override"),
+        "driver_override",
+    );
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    claim(&mut c, &first, 7, true).await.expect("claim --vfio");
+    until(&mut c, "both VFs on vfio-pci", |l| {
+        l.iter()
+            .filter(|d| (d.address == first || d.address == second) && d.driver == "vfio-pci")
+            .count()
+            == 2
+    })
+    .await;
+    let bound = device(&mut c, &first).await.expect("device");
+    fs.fail_writes("driver_override", Some(Errno::EIO));
+    let e = release(&mut c, &first, 7)
+        .await
+        .expect_err("the second member's driver cannot be given back");
+    assert_eq!(e.code(), Code::Internal, "{e:?}");
+    fs.fail_writes("driver_override", None);
+    let d = device(&mut c, &first).await.expect("device");
+    assert_eq!(
+        (d.state, d.generation, d.vfio_binding.len()),
+        (proto::DeviceState::Claimed as i32, bound.generation, 2),
+        "the claim stands with its binding"
+    );
+    let driver = std::fs::read_link(t.bus_link(&first).join("driver")).expect("a driver");
+    assert!(
+        driver.ends_with("vfio-pci"),
+        "the first member is bound again: {driver:?}"
+    );
+    // With the cause gone, the release goes through and gives both back.
+    release(&mut c, &first, 7).await.expect("release");
+    until(&mut c, "both VFs back on iavf", |l| {
+        l.iter()
+            .filter(|d| (d.address == first || d.address == second) && d.driver == "iavf")
+            .count()
+            == 2
+    })
+    .await;
+    s.stop().await;
+}
+
 /// A Claim with `vfio` whose claim is committed but whose binding fails says that the
 /// claim stands, with its generation now, whatever stopped the binding: a device with no
 /// IOMMU group (FAILED_PRECONDITION), or a sysfs write the kernel refused after the

@@ -383,6 +383,10 @@ impl Worker {
         self.still_sound()?;
         self.recall_alone(req.consumer, &req.request_id)?;
         let now = now_unix();
+        // The members given their drivers back so far: bound again should the release
+        // fail after all (a later member's step, or the commit), since the claim then
+        // stands with its binding recorded, and its answer says nothing changed.
+        let mut restored = Vec::new();
         if let Some(plan) = self
             .ledger
             .restore_plan(req.address, req.consumer, req.generation)?
@@ -394,17 +398,26 @@ impl Worker {
                 tracing::warn!(device = %member, claimed = %req.address, why, "bound member left as it is: its driver is not given back");
             }
             for m in &plan.restore {
-                hw.restore_driver(
+                if let Err(e) = hw.restore_driver(
                     m.address,
                     m.original_driver.as_deref(),
                     m.original_override.as_deref(),
-                )?;
+                ) {
+                    bind_back(&hw, req.address, &restored);
+                    return Err(e.into());
+                }
+                restored.push(m.address);
                 tracing::info!(device = %m.address, driver = m.original_driver.as_deref().unwrap_or("none"), "original driver restored");
             }
         }
         let (outcome, cs) = self.ledger.release(req, now)?;
         let replayed = cs.is_empty();
-        self.commit_one(cs)?;
+        if let Err(e) = self.commit_one(cs) {
+            if let Some(hw) = &self.hardware {
+                bind_back(hw, req.address, &restored);
+            }
+            return Err(e);
+        }
         Ok(Applied { outcome, replayed })
     }
 
@@ -525,5 +538,22 @@ impl Worker {
             before,
             replayed: false,
         })
+    }
+}
+
+/// Binds `restored`, members of the binding of the claim at `claimed` that a release
+/// that then failed gave their drivers back, to vfio-pci again: the claim stands, with
+/// its binding recorded. A member that cannot be bound again is logged (the claim's
+/// owner binds it with PrepareVfio, or releases again).
+fn bind_back(hw: &Hardware, claimed: PciAddress, restored: &[PciAddress]) {
+    for a in restored {
+        match hw.bind_vfio(*a) {
+            Ok(_) => {
+                tracing::warn!(device = %a, claimed = %claimed, "the release failed: bound to vfio-pci again")
+            }
+            Err(e) => {
+                tracing::error!(device = %a, claimed = %claimed, error = %e, "the release failed and the device could not be bound to vfio-pci again: the claim stands with its binding recorded; PrepareVfio binds it again")
+            }
+        }
     }
 }
