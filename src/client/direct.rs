@@ -169,9 +169,21 @@ impl tower::Service<http::Request<tonic::body::Body>> for Direct {
     fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
         if let (true, Some(again)) = (self.gone, &self.again) {
             let (again, made) = (again.clone(), self.made);
+            // The call's deadline covers making the connection again too: an agent that
+            // takes the new connection and never answers must not hold the caller for
+            // the connect limit, nor one clone after another for it each.
+            let deadline = call_deadline(req.headers());
             return Box::pin(async move {
-                let send = again.connection(made).await?.ready().await?;
-                send_on(send, req).await
+                let attempt = async {
+                    let send = again.connection(made).await?.ready().await?;
+                    send_on(send, req).await
+                };
+                match deadline {
+                    Some(limit) => tokio::time::timeout(limit, attempt)
+                        .await
+                        .map_err(|_| past_deadline(limit))?,
+                    None => attempt.await,
+                }
             });
         }
         let ready = self.send.clone();
@@ -210,10 +222,7 @@ async fn send_on(
     // The caller's deadline (`tonic::Request::set_timeout`, sent as `grpc-timeout`), kept
     // here as tonic's own transport keeps it: an agent that takes the call and never
     // answers (stopped, wedged) must not hold the caller for ever.
-    let deadline = parts
-        .headers
-        .get("grpc-timeout")
-        .and_then(|v| grpc_timeout(v.to_str().ok()?));
+    let deadline = call_deadline(&parts.headers);
     let head = http::Request::from_parts(parts, ());
     let (answer, mut stream) = ready.send_request(head, message.is_empty())?;
     if !message.is_empty() {
@@ -221,18 +230,30 @@ async fn send_on(
     }
     let answer = match deadline {
         // Dropping the stream's two halves on expiry resets it.
-        Some(limit) => tokio::time::timeout(limit, answer).await.map_err(|_| {
-            DirectError::from(tonic::Status::deadline_exceeded(format!(
-                "hostdevd did not answer within the call's deadline ({} ms)",
-                limit.as_millis()
-            )))
-        })??,
+        Some(limit) => tokio::time::timeout(limit, answer)
+            .await
+            .map_err(|_| past_deadline(limit))??,
         None => answer.await?,
     };
     Ok(answer.map(|recv| Received {
         recv,
         data_done: false,
     }))
+}
+
+/// The call's deadline, as its `grpc-timeout` header gives it.
+fn call_deadline(headers: &http::HeaderMap) -> Option<Duration> {
+    headers
+        .get("grpc-timeout")
+        .and_then(|v| grpc_timeout(v.to_str().ok()?))
+}
+
+/// The error of a call that reached its deadline, `limit` after it began.
+fn past_deadline(limit: Duration) -> DirectError {
+    DirectError::from(tonic::Status::deadline_exceeded(format!(
+        "hostdevd did not answer within the call's deadline ({} ms)",
+        limit.as_millis()
+    )))
 }
 
 /// A `grpc-timeout` header's value: at most eight digits and a unit (hours, minutes,
@@ -335,6 +356,43 @@ mod tests {
             .expect_err("no answer");
         assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
         assert!(started.elapsed() < Duration::from_secs(5));
+        server.abort();
+    }
+
+    /// The agent closes the connection, and its next one is taken and never answered (it
+    /// restarted and is stopped): the next call's deadline covers making the connection
+    /// again, and it ends DEADLINE_EXCEEDED at that deadline, not after the connect limit.
+    #[tokio::test]
+    async fn a_deadline_covers_making_the_connection_again() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("restarted.sock");
+        let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+        let server = tokio::spawn(async move {
+            let (io, _) = listener.accept().await.expect("accept");
+            let mut conn = h2::server::handshake(io).await.expect("handshake");
+            // Answers the client's ping, then closes.
+            let _ = tokio::time::timeout(Duration::from_millis(300), conn.accept()).await;
+            drop(conn);
+            let mut held = Vec::new();
+            while let Ok((io, _)) = listener.accept().await {
+                held.push(io);
+            }
+        });
+        let mut c = crate::client::connect(&path).await.expect("connect");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut req = tonic::Request::new(crate::api::proto::GetStatusRequest {});
+        req.set_timeout(Duration::from_millis(200));
+        let started = std::time::Instant::now();
+        let err = tokio::time::timeout(Duration::from_secs(10), c.get_status(req))
+            .await
+            .expect("the call ends")
+            .expect_err("no answer");
+        assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
         server.abort();
     }
 }
