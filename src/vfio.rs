@@ -11,7 +11,7 @@
 //! never opens a node itself, because holding it open for even a moment would make a
 //! starting QEMU fail with EBUSY.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use crate::pci::PciAddress;
@@ -138,6 +138,11 @@ pub fn device_nodes_possible(dev_root: &Path) -> bool {
 /// "VFIO group /dev/vfio/12", "VFIO device node /dev/vfio/devices/vfio3" or
 /// "vhost-vdpa node /dev/vhost-vdpa-0": for messages.
 pub fn describe_node(node: &Path) -> String {
+    if node == Path::new(VFIO_DEVICE_FD) {
+        return format!(
+            "VFIO group (possibly: a process holds a VFIO device descriptor, {VFIO_DEVICE_FD}, and no VFIO node that would say which device)"
+        );
+    }
     let is_device = node
         .parent()
         .and_then(Path::file_name)
@@ -212,23 +217,56 @@ pub fn holders_under(proc_root: &Path, dev_root: &Path) -> Result<HolderMap, Vfi
             && target
                 .parent()
                 .is_some_and(|p| roots.iter().any(|r| r == p));
-        if vdpa || vfio.iter().any(|v| target.starts_with(v)) {
+        if vdpa || vfio.iter().any(|v| target.starts_with(v)) || target == Path::new(VFIO_DEVICE_FD)
+        {
             keys.push(target.to_path_buf());
         }
     })?;
-    Ok(HolderMap(by_node))
+    // A VFIO device descriptor keeps its group open after the group's own descriptor is
+    // closed, and names no node: a process holding one and no VFIO node at all (it
+    // closed the group, or was handed the device's descriptor alone) uses a device
+    // nothing here can name.
+    let nodes: BTreeSet<u32> = by_node
+        .iter()
+        .filter(|(k, _)| k.as_path() != Path::new(VFIO_DEVICE_FD))
+        .flat_map(|(_, hs)| hs.iter().map(|h| h.pid))
+        .collect();
+    let unexplained = by_node
+        .get(Path::new(VFIO_DEVICE_FD))
+        .into_iter()
+        .flatten()
+        .filter(|h| !nodes.contains(&h.pid))
+        .cloned()
+        .collect();
+    Ok(HolderMap {
+        by_node,
+        unexplained,
+    })
 }
+
+/// What `/proc/PID/fd/N` reads for a VFIO device's descriptor (`VFIO_GROUP_GET_DEVICE_FD`).
+pub const VFIO_DEVICE_FD: &str = "anon_inode:[vfio-device]";
 
 /// The holders of the nodes [`holders_under`] looks for, from one pass.
 #[derive(Debug, Clone, Default)]
-pub struct HolderMap(BTreeMap<PathBuf, Vec<Holder>>);
+pub struct HolderMap {
+    by_node: BTreeMap<PathBuf, Vec<Holder>>,
+    unexplained: Vec<Holder>,
+}
 
 impl HolderMap {
     /// The holders of `node` as the kernel names it (resolved: a dev root behind a
     /// symlink reads as its target); empty when none held it during the pass. Reads
     /// nothing from the file system, so it may run on an async thread.
     pub fn of(&self, node: &Path) -> &[Holder] {
-        self.0.get(node).map_or(&[], Vec::as_slice)
+        self.by_node.get(node).map_or(&[], Vec::as_slice)
+    }
+
+    /// The processes holding a VFIO device descriptor ([`VFIO_DEVICE_FD`]) and no VFIO
+    /// node: which device each uses cannot be told, so each may use any device bound to
+    /// vfio-pci.
+    pub fn unexplained(&self) -> &[Holder] {
+        &self.unexplained
     }
 }
 

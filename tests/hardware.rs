@@ -310,6 +310,59 @@ fn plant_holder(
     holder
 }
 
+/// A process that holds a VFIO device's descriptor and closed its group's (or was handed
+/// the device descriptor alone) keeps the group open, and `/proc` names no node for it,
+/// only `anon_inode:[vfio-device]`: a release of a device on vfio-pci is refused while
+/// such a process runs, naming it, and goes through once it is gone. Before, it was
+/// freed under that process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vfio_device_descriptor_alone_blocks_a_release() {
+    let _alone = alone().await;
+    let t = tree();
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start(&t, 3000, 1 << 20).await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 1).await;
+    claim(&mut c, &a, 7, true).await.expect("claim --vfio");
+    let holder = plant_holder(
+        &t,
+        4343,
+        "vm-7",
+        std::path::Path::new("anon_inode:[vfio-device]"),
+    );
+    let e = release(&mut c, &a, 7)
+        .await
+        .expect_err("a device descriptor is held");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    let (why, meta) = reason(&e);
+    assert_eq!(why, "VFIO_GROUP_IN_USE");
+    assert_eq!(meta.get("holder_pid").map(String::as_str), Some("4343"));
+    assert!(
+        e.message().contains("VFIO device descriptor"),
+        "{}",
+        e.message()
+    );
+    assert_eq!(device(&mut c, &a).await.expect("device").driver, "vfio-pci");
+    // A process that holds the same kind of descriptor and a group node too is the
+    // group's holder, and only that group's: another device's release goes through.
+    std::fs::remove_dir_all(&holder).expect("the process ends");
+    let b = vf(&mut c, 2).await;
+    claim(&mut c, &b, 8, true).await.expect("claim --vfio");
+    let other = plant_holder(&t, 4444, "vm-8", &t.dev_root().join("vfio/42"));
+    std::os::unix::fs::symlink("anon_inode:[vfio-device]", other.join("fd/13")).expect("fd");
+    release(&mut c, &a, 7)
+        .await
+        .expect("nothing holds the first VF now");
+    let e = release(&mut c, &b, 8).await.expect_err("its group is held");
+    assert_eq!(
+        reason(&e).1.get("holder_pid").map(String::as_str),
+        Some("4444")
+    );
+    std::fs::remove_dir_all(&other).expect("the process ends");
+    release(&mut c, &b, 8).await.expect("released");
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_claims_release_is_not_checked_against_the_device_now_at_its_address() {
     let _alone = alone().await;

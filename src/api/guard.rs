@@ -236,10 +236,17 @@ impl FreeGuard {
         Ok(per_device
             .into_iter()
             .map(|nodes| {
-                nodes.into_iter().find_map(|(n, resolved)| {
+                let any_node = !nodes.is_empty();
+                let named = nodes.into_iter().find_map(|(n, resolved)| {
                     let by_name = holders.of(&n).first();
                     let h = by_name.or_else(|| holders.of(resolved.as_deref()?).first());
                     h.cloned().map(|h| (n, h))
+                });
+                // A device with a VFIO node may be the one a process holds through a
+                // device descriptor alone, which names none.
+                named.or_else(|| {
+                    let h = holders.unexplained().first().filter(|_| any_node)?;
+                    Some((PathBuf::from(crate::vfio::VFIO_DEVICE_FD), h.clone()))
                 })
             })
             .collect())
