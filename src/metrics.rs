@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::api::per_uid::{PerUid, Place};
 use crate::ledger::DeviceState;
 use crate::writer::Writer;
 
@@ -529,7 +530,136 @@ pub async fn serve(
             }
         }),
     );
+    let listener = Capped {
+        inner: listener,
+        per_peer: PerUid::new(METRICS_PER_PEER),
+        all: PerUid::new(METRICS_CONNECTIONS),
+        refused: 0,
+        warned: None,
+    };
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// Connections one peer address may hold open to the metrics listener (a scraper keeps
+/// one), and all peers together: each is a descriptor of the agent's, which its frees'
+/// checks of `/proc` and its sysfs scans need too.
+const METRICS_PER_PEER: usize = 4;
+const METRICS_CONNECTIONS: usize = 64;
+
+/// How long a metrics connection may go without sending a byte before it is closed (a
+/// scraper sends its next request every scrape interval, seconds apart).
+const METRICS_IDLE: Duration = Duration::from_secs(60);
+
+/// The metrics listener with its connections capped by peer address and in all; one over
+/// a cap is closed at once (logged at most every 10 s).
+struct Capped {
+    inner: tokio::net::TcpListener,
+    per_peer: Arc<PerUid<crate::tcp::Peer>>,
+    all: Arc<PerUid<()>>,
+    refused: u64,
+    warned: Option<std::time::Instant>,
+}
+
+impl axum::serve::Listener for Capped {
+    type Io = Held;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Held, std::net::SocketAddr) {
+        loop {
+            let (io, addr) = axum::serve::Listener::accept(&mut self.inner).await;
+            let places = self
+                .all
+                .take(())
+                .and_then(|all| Some((all, self.per_peer.take(crate::tcp::peer_of(addr))?)));
+            match places {
+                Some(places) => {
+                    return (
+                        Held {
+                            io,
+                            _places: places,
+                            idle: Box::pin(tokio::time::sleep(METRICS_IDLE)),
+                        },
+                        addr,
+                    )
+                }
+                None => {
+                    drop(io);
+                    self.refused += 1;
+                    if self
+                        .warned
+                        .is_none_or(|w| w.elapsed() >= Duration::from_secs(10))
+                    {
+                        tracing::warn!(peer = %addr.ip(), refused = self.refused, per_peer = METRICS_PER_PEER, all = METRICS_CONNECTIONS, "metrics connections over their cap closed");
+                        self.warned = Some(std::time::Instant::now());
+                        self.refused = 0;
+                    }
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
+        self.inner.local_addr()
+    }
+}
+
+/// A metrics connection: its places in the caps, and closed once it has sent nothing for
+/// [`METRICS_IDLE`].
+struct Held {
+    io: tokio::net::TcpStream,
+    _places: (Place<()>, Place<crate::tcp::Peer>),
+    idle: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl tokio::io::AsyncRead for Held {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let before = buf.filled().len();
+        match std::pin::Pin::new(&mut self.io).poll_read(cx, buf) {
+            Poll::Ready(r) => {
+                if buf.filled().len() > before {
+                    let next = tokio::time::Instant::now() + METRICS_IDLE;
+                    self.idle.as_mut().reset(next);
+                }
+                Poll::Ready(r)
+            }
+            Poll::Pending => match std::future::Future::poll(self.idle.as_mut(), cx) {
+                Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the metrics connection sent nothing for too long",
+                ))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for Held {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
 }

@@ -186,3 +186,66 @@ fn metrics_stay_on_loopback_unless_allowed() {
     hostdevd::config::Config::parse("[metrics]\nlisten = \"0.0.0.0:9464\"\nallow_remote = true\n")
         .expect("allowed explicitly");
 }
+
+/// The metrics listener holds at most 4 connections from one peer address: one more is
+/// closed unanswered, and once one of the 4 closes a scrape is answered again. Before,
+/// any local user could hold as many idle connections as the agent had descriptors,
+/// which its frees' checks of `/proc` and its sysfs scans need.
+#[test]
+fn metrics_connections_are_capped_by_peer() {
+    use std::io::Read;
+    let tree = FakeSys::new().build();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("probe port")
+        .port();
+    let cfg = format!(
+        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n[libvirt]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n",
+        tree.sysfs_root(),
+        tree.dev_root(),
+        dir.path().join("state"),
+        dir.path().join("hostdevd.sock"),
+    );
+    let cfg_path = dir.path().join("config.toml");
+    std::fs::write(&cfg_path, cfg).expect("config");
+    let _d = Daemon(
+        Command::new(env!("CARGO_BIN_EXE_hostdevd"))
+            .args(["serve", "--config"])
+            .arg(&cfg_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start hostdevd"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !scrape(port).is_ok_and(|t| t.starts_with("HTTP/1.1 200")) {
+        assert!(Instant::now() < deadline, "no metrics");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut held: Vec<std::net::TcpStream> = (0..4)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect"))
+        .collect();
+    // Accepted, each holding its place (the agent takes them in turn).
+    std::thread::sleep(Duration::from_millis(300));
+    let mut over = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    over.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut got = Vec::new();
+    let _ = over.read_to_end(&mut got);
+    assert!(
+        got.is_empty(),
+        "the fifth was answered: {:?}",
+        String::from_utf8_lossy(&got)
+    );
+    assert!(
+        !scrape(port).is_ok_and(|t| t.starts_with("HTTP/1.1 200")),
+        "a scrape over the cap"
+    );
+    drop(held.pop());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !scrape(port).is_ok_and(|t| t.starts_with("HTTP/1.1 200")) {
+        assert!(Instant::now() < deadline, "a place never came back");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
