@@ -226,9 +226,12 @@ pub fn holders_under(proc_root: &Path, dev_root: &Path) -> Result<HolderMap, Vfi
     // closed, and names no node: a process holding one and no VFIO node at all (it
     // closed the group, or was handed the device's descriptor alone) uses a device
     // nothing here can name.
+    // The container (`vfio/vfio`, which every legacy VFIO user keeps open for its DMA
+    // mappings) names no device either.
+    let containers: Vec<PathBuf> = vfio.iter().map(|v| v.join("vfio")).collect();
     let nodes: BTreeSet<u32> = by_node
         .iter()
-        .filter(|(k, _)| k.as_path() != Path::new(VFIO_DEVICE_FD))
+        .filter(|(k, _)| k.as_path() != Path::new(VFIO_DEVICE_FD) && !containers.contains(k))
         .flat_map(|(_, hs)| hs.iter().map(|h| h.pid))
         .collect();
     let unexplained = by_node

@@ -343,6 +343,15 @@ async fn a_vfio_device_descriptor_alone_blocks_a_release() {
         e.message()
     );
     assert_eq!(device(&mut c, &a).await.expect("device").driver, "vfio-pci");
+    // The container node it keeps for its DMA mappings names no device either.
+    std::os::unix::fs::symlink(t.dev_root().join("vfio/vfio"), holder.join("fd/14")).expect("fd");
+    let e = release(&mut c, &a, 7)
+        .await
+        .expect_err("a device descriptor and the container");
+    assert_eq!(
+        reason(&e).1.get("holder_pid").map(String::as_str),
+        Some("4343")
+    );
     // A process that holds the same kind of descriptor and a group node too is the
     // group's holder, and only that group's: another device's release goes through.
     std::fs::remove_dir_all(&holder).expect("the process ends");
@@ -2063,6 +2072,66 @@ async fn a_binding_lists_the_domains_afresh() {
     s.stop().await;
 }
 
+/// A retry of a logged binding that moves nothing now (every member on vfio-pci) is
+/// answered from the log while libvirt is down, as any retry is: the fresh listing a
+/// binding needs is for one that moves devices.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bindings_retry_is_answered_while_libvirt_is_down() {
+    let _alone = alone().await;
+    let mut lvd = support::libvirtd::Libvirtd::start();
+    let uri = lvd.uri();
+    let holder = virt::connect::Connect::open(Some(&uri)).expect("holder connection");
+    let t = tree();
+    let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
+    let s = start_tuned(&t, 3000, 1 << 20, |cfg| {
+        cfg.libvirt.enabled = true;
+        cfg.libvirt.uri = uri.clone();
+        cfg.libvirt.events = false;
+        cfg.libvirt.poll_interval_ms = 3_600_000;
+        cfg.libvirt.timeout_ms = 1000;
+    })
+    .await;
+    let mut c = s.client().await;
+    let a = vf(&mut c, 1).await;
+    let r = claim(&mut c, &a, 7, false).await.expect("claim");
+    let prepare = proto::PrepareVfioRequest {
+        address: a.clone(),
+        owner: Some(owner(7)),
+        generation: r.generation,
+        request_id: "bind-once".into(),
+    };
+    let first = c
+        .prepare_vfio(prepare.clone())
+        .await
+        .expect("bound")
+        .into_inner();
+    assert!(!first.replayed);
+    drop(holder);
+    lvd.kill();
+    let again = c
+        .prepare_vfio(prepare.clone())
+        .await
+        .expect("the retry is answered from the log")
+        .into_inner();
+    assert!(again.replayed, "{again:?}");
+    assert_eq!(again.generation, first.generation);
+    // A new binding still needs libvirt.
+    let b = vf(&mut c, 2).await;
+    let r = claim(&mut c, &b, 7, false).await.expect("claim");
+    let e = c
+        .prepare_vfio(proto::PrepareVfioRequest {
+            address: b.clone(),
+            owner: Some(owner(7)),
+            generation: r.generation,
+            request_id: "bind-new".into(),
+        })
+        .await
+        .expect_err("libvirt is down");
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert_eq!(reason(&e).0, "LIBVIRT_UNREACHABLE");
+    s.stop().await;
+}
+
 /// A root port without ACS shares the IOMMU group of the device behind it: binding the
 /// device leaves the port on pcieport (vfio-pci binds no bridge, and taking the port from
 /// its driver ends its hotplug and error handling), and the binding covers the device
@@ -2162,11 +2231,16 @@ async fn a_release_that_fails_part_way_binds_back_what_it_gave_back() {
         (proto::DeviceState::Claimed as i32, bound.generation, 2),
         "the claim stands with its binding"
     );
-    let driver = std::fs::read_link(t.bus_link(&first).join("driver")).expect("a driver");
-    assert!(
-        driver.ends_with("vfio-pci"),
-        "the first member is bound again: {driver:?}"
-    );
+    for (member, which) in [
+        (&first, "the first member"),
+        (&second, "the failing member"),
+    ] {
+        let driver = std::fs::read_link(t.bus_link(member).join("driver")).expect("a driver");
+        assert!(
+            driver.ends_with("vfio-pci"),
+            "{which} is bound again: {driver:?}"
+        );
+    }
     // With the cause gone, the release goes through and gives both back.
     release(&mut c, &first, 7).await.expect("release");
     until(&mut c, "both VFs back on iavf", |l| {

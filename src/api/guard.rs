@@ -236,14 +236,15 @@ impl FreeGuard {
         Ok(per_device
             .into_iter()
             .map(|nodes| {
-                let any_node = !nodes.is_empty();
+                let vfio_root = self.dev_root.join("vfio");
+                let any_node = nodes.iter().any(|(n, _)| n.starts_with(&vfio_root));
                 let named = nodes.into_iter().find_map(|(n, resolved)| {
                     let by_name = holders.of(&n).first();
                     let h = by_name.or_else(|| holders.of(resolved.as_deref()?).first());
                     h.cloned().map(|h| (n, h))
                 });
-                // A device with a VFIO node may be the one a process holds through a
-                // device descriptor alone, which names none.
+                // A device with a VFIO node (its group's, or its own) may be the one a
+                // process holds through a device descriptor alone, which names none.
                 named.or_else(|| {
                     let h = holders.unexplained().first().filter(|_| any_node)?;
                     Some((PathBuf::from(crate::vfio::VFIO_DEVICE_FD), h.clone()))

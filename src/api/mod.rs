@@ -297,6 +297,26 @@ impl HostDevService {
         Some((rec.generation, on_vfio))
     }
 
+    /// Whether the binding recorded on `consumer`'s claim in record `record` still stands
+    /// with a member off vfio-pci (its first call stopped part way): a retry binds again.
+    fn binding_unfinished(&self, record: crate::ledger::RecordId, consumer: ConsumerId) -> bool {
+        let view = self.writer.view();
+        let Some(rec) = view.ledger.record(record).filter(|r| r.present) else {
+            return false;
+        };
+        let binding = rec
+            .claim
+            .as_ref()
+            .filter(|c| c.owner.consumer == consumer)
+            .and_then(|c| c.vfio.as_ref());
+        binding.is_some_and(|b| {
+            b.members.iter().any(|m| {
+                view.sysfs_device(&m.address)
+                    .is_none_or(|d| d.driver.as_deref() != Some(crate::hardware::VFIO_PCI_DRIVER))
+            })
+        })
+    }
+
     /// The present device at an address as a message, from the latest view.
     fn present_device(&self, address: PciAddress) -> Option<proto::Device> {
         let view = self.writer.view();
@@ -1479,16 +1499,35 @@ impl HostDevService {
         // one a domain uses: on the domains listed afresh, as for a free, never on a view
         // that libvirt may not have filled yet (after a start while it was unreachable).
         // The rescans' turn first, so that nothing comes between the listing and the
-        // binding's decision.
-        let turn = self.rescanner.hold().await;
-        drop(
-            self.guard
-                .refresh(&self.writer, &format!("the IOMMU group of {address}"))
-                .await?,
-        );
+        // binding's decision. A retry of a logged binding that moves nothing now (its
+        // claim ended, or every member it recorded is on vfio-pci) is answered from the
+        // log, libvirt answering or not, as every retry is.
+        let from_log = match &request_id {
+            Some(id) => match self.writer.lookup(consumer, id.clone()).await? {
+                Some(entry) => match entry.outcome {
+                    crate::ledger::Outcome::Bound { record, .. } => {
+                        !self.binding_unfinished(record, consumer)
+                    }
+                    _ => false,
+                },
+                None => false,
+            },
+            None => false,
+        };
+        let turn = if from_log {
+            None
+        } else {
+            let turn = self.rescanner.hold().await;
+            drop(
+                self.guard
+                    .refresh(&self.writer, &format!("the IOMMU group of {address}"))
+                    .await?,
+            );
+            Some(turn)
+        };
         let result = self
             .after_hardware_in(
-                Some(turn),
+                turn,
                 move |w| async move {
                     w.bind_vfio(crate::writer::BindVfio {
                         address,

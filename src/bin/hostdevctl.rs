@@ -37,9 +37,10 @@ struct Cli {
     json: bool,
     /// How long to wait for the agent's answer to each call, in seconds (a watch's
     /// stream excepted). A call past it fails, exit 4; a change's request id is printed
-    /// to ask its outcome. The default outlasts the agent's own limit on a VF count
-    /// change (`[hardware] vf_count_timeout_ms`, 180 s by default).
-    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    /// to ask its outcome. The default outlasts the longest call at the agent's default
+    /// timeouts: a VF count change, two `sriov_numvfs` writes of up to 180 s each
+    /// (`[hardware] vf_count_timeout_ms`) and the checks before them, about 375 s.
+    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 420, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     deadline: u64,
     #[command(subcommand)]
     command: Command,

@@ -9,8 +9,8 @@ impl Hardware {
     /// Binds `address` to vfio-pci and returns the driver it had before (`None`:
     /// unbound). Already on vfio-pci: nothing is written and the answer is vfio-pci.
     ///
-    /// Steps: check vfio-pci is loaded; write "vfio-pci" to `driver_override` (so no
-    /// other driver can take the device in between); unbind from the current driver;
+    /// Steps: check vfio-pci is loaded; write "vfio-pci" to `driver_override` unless it
+    /// names vfio-pci already (so no other driver can take the device in between); unbind from the current driver;
     /// write the address to `bus/pci/drivers_probe`; wait until the `driver` link names
     /// vfio-pci.
     pub fn bind_vfio(&self, address: PciAddress) -> Result<Option<String>, HardwareError> {
@@ -21,12 +21,16 @@ impl Hardware {
         self.require_driver(address, VFIO_PCI_DRIVER)?;
         let dir = self.device_dir(address);
         let addr = address.to_string();
-        self.write(
-            address,
-            "set driver_override",
-            &dir.join("driver_override"),
-            VFIO_PCI_DRIVER,
-        )?;
+        // Set already (a release that failed part way left it so, its own write to
+        // clear it refused): not written again.
+        if self.driver_override(address)?.as_deref() != Some(VFIO_PCI_DRIVER) {
+            self.write(
+                address,
+                "set driver_override",
+                &dir.join("driver_override"),
+                VFIO_PCI_DRIVER,
+            )?;
+        }
         if original.is_some() {
             self.write(
                 address,

@@ -403,6 +403,8 @@ impl Worker {
                     m.original_driver.as_deref(),
                     m.original_override.as_deref(),
                 ) {
+                    // The failed step may have come after the unbind: this member too.
+                    restored.push(m.address);
                     bind_back(&hw, req.address, &restored);
                     return Err(e.into());
                 }
