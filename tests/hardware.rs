@@ -1663,6 +1663,24 @@ fn sysfs_threads() -> usize {
 }
 
 /// A VF's address from the tree itself (before any agent runs): its PF's `virtfn{i}`.
+/// A PF with two VFs on iavf, in the IOMMU groups given (`None`: in none), and a device
+/// on vfio-pci (so the driver is "loaded"): the tree and the two VFs' addresses.
+fn two_vfs(first: Option<u32>, second: Option<u32>) -> (FakeTree, String, String) {
+    let mut f = FakeSys::new();
+    f.pf(PF, 0x8086, 0x1572, 8, 2).driver(PF, "i40e");
+    f.vf_driver(PF, "iavf");
+    let vfs: Vec<String> = f.vfs(PF).iter().map(|a| a.to_string()).collect();
+    for (vf, group) in vfs.iter().zip([first, second]) {
+        if let Some(g) = group {
+            f.iommu_group(vf, g);
+        }
+    }
+    f.device("0000:5e:00.0", 0x10de, 0x1db6)
+        .driver("0000:5e:00.0", "vfio-pci")
+        .iommu_group("0000:5e:00.0", 90);
+    (f.build(), vfs[0].clone(), vfs[1].clone())
+}
+
 fn virtfn(t: &FakeTree, i: u32) -> String {
     std::fs::canonicalize(t.bus_link(PF).join(format!("virtfn{i}")))
         .expect("virtfn")
@@ -2010,18 +2028,8 @@ async fn a_retried_release_of_a_device_bound_since_is_answered_from_disk() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_binding_lists_the_domains_afresh() {
     let _alone = alone().await;
-    let mut f = FakeSys::new();
-    f.pf(PF, 0x8086, 0x1572, 8, 2).driver(PF, "i40e");
-    f.vf_driver(PF, "iavf");
-    let t0 = f.build();
-    let (claimed, other) = (virtfn(&t0, 0), virtfn(&t0, 1));
-    drop(t0);
     // Both VFs in one group (no ACS between them).
-    f.iommu_group(&claimed, 41).iommu_group(&other, 41);
-    f.device("0000:5e:00.0", 0x10de, 0x1db6)
-        .driver("0000:5e:00.0", "vfio-pci")
-        .iommu_group("0000:5e:00.0", 90);
-    let t = f.build();
+    let (t, claimed, other) = two_vfs(Some(41), Some(41));
     let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
     let lv = virt::connect::Connect::open(Some("test:///default"))
         .expect("libvirt's test driver (install libvirt)");
@@ -2191,17 +2199,7 @@ async fn a_bridge_in_the_group_keeps_its_driver() {
 async fn a_release_that_fails_part_way_binds_back_what_it_gave_back() {
     use nix::errno::Errno;
     let _alone = alone().await;
-    let mut f = FakeSys::new();
-    f.pf(PF, 0x8086, 0x1572, 8, 2).driver(PF, "i40e");
-    f.vf_driver(PF, "iavf");
-    let t0 = f.build();
-    let (first, second) = (virtfn(&t0, 0), virtfn(&t0, 1));
-    drop(t0);
-    f.iommu_group(&first, 41).iommu_group(&second, 41);
-    f.device("0000:5e:00.0", 0x10de, 0x1db6)
-        .driver("0000:5e:00.0", "vfio-pci")
-        .iommu_group("0000:5e:00.0", 90);
-    let t = f.build();
+    let (t, first, second) = two_vfs(Some(41), Some(41));
     let fs = support::faultfs::FaultFs::mount(&[("driver_override", "(null)\n")]);
     fs.plant(
         &t.bus_link(&second).join("driver_override"),
@@ -2262,18 +2260,8 @@ async fn a_release_that_fails_part_way_binds_back_what_it_gave_back() {
 async fn a_claim_whose_binding_fails_says_the_claim_stands() {
     use nix::errno::Errno;
     let _alone = alone().await;
-    let mut f = FakeSys::new();
-    f.pf(PF, 0x8086, 0x1572, 8, 2).driver(PF, "i40e");
-    f.vf_driver(PF, "iavf");
     // The second VF has a group; the first has none.
-    let t0 = f.build();
-    let (ungrouped, grouped) = (virtfn(&t0, 0), virtfn(&t0, 1));
-    drop(t0);
-    f.iommu_group(&grouped, 41);
-    f.device("0000:5e:00.0", 0x10de, 0x1db6)
-        .driver("0000:5e:00.0", "vfio-pci")
-        .iommu_group("0000:5e:00.0", 90);
-    let t = f.build();
+    let (t, ungrouped, grouped) = two_vfs(None, Some(41));
     let fs = support::faultfs::FaultFs::mount(&[("driver_override", "(null)\n")]);
     fs.plant(
         &t.bus_link(&grouped).join("driver_override"),

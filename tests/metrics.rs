@@ -11,32 +11,27 @@ mod support;
 
 use support::{scrape, value, Daemon};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn metrics_count_states_requests_rejections_and_commits() {
-    let mut f = FakeSys::new();
-    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 3)
-        .vf_iommu_groups("0000:3b:00.0", 50);
-    let tree = f.build();
-    let dir = tempfile::tempdir().expect("tempdir");
+/// Spawns the daemon binary on `tree`, its state, socket (`hostdevd.sock`) and proc tree
+/// (`proc`, empty until a test plants a holder in it) in `dir`, with its metrics on a
+/// free loopback port: the daemon and that port.
+fn spawn_with_metrics(tree: &hostdevd::simhost::FakeTree, dir: &std::path::Path) -> (Daemon, u16) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("probe port")
         .port();
-    let socket = dir.path().join("hostdevd.sock");
-    // A proc tree of the test's own, empty until a holder is planted in it.
-    let proc_root = dir.path().join("proc");
+    let proc_root = dir.join("proc");
     std::fs::create_dir(&proc_root).expect("proc");
     let cfg = format!(
         "sysfs_root = {:?}\ndev_root = {:?}\nproc_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n[libvirt]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n",
         tree.sysfs_root(),
         tree.dev_root(),
         proc_root,
-        dir.path().join("state"),
-        socket,
+        dir.join("state"),
+        dir.join("hostdevd.sock"),
     );
-    let cfg_path = dir.path().join("config.toml");
+    let cfg_path = dir.join("config.toml");
     std::fs::write(&cfg_path, cfg).expect("config");
-    let _d = Daemon(
+    let daemon = Daemon(
         Command::new(env!("CARGO_BIN_EXE_hostdevd"))
             .args(["serve", "--config"])
             .arg(&cfg_path)
@@ -45,6 +40,19 @@ async fn metrics_count_states_requests_rejections_and_commits() {
             .spawn()
             .expect("start hostdevd"),
     );
+    (daemon, port)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_states_requests_rejections_and_commits() {
+    let mut f = FakeSys::new();
+    f.pf("0000:3b:00.0", 0x8086, 0x1572, 8, 3)
+        .vf_iommu_groups("0000:3b:00.0", 50);
+    let tree = f.build();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("hostdevd.sock");
+    let proc_root = dir.path().join("proc");
+    let (_d, port) = spawn_with_metrics(&tree, dir.path());
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut c = loop {
         match hostdevd::client::connect(&socket).await {
@@ -196,28 +204,7 @@ fn metrics_connections_are_capped_by_peer() {
     use std::io::Read;
     let tree = FakeSys::new().build();
     let dir = tempfile::tempdir().expect("tempdir");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("probe port")
-        .port();
-    let cfg = format!(
-        "sysfs_root = {:?}\ndev_root = {:?}\nstate_dir = {:?}\n[api]\nsocket = {:?}\n[libvirt]\nenabled = false\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n",
-        tree.sysfs_root(),
-        tree.dev_root(),
-        dir.path().join("state"),
-        dir.path().join("hostdevd.sock"),
-    );
-    let cfg_path = dir.path().join("config.toml");
-    std::fs::write(&cfg_path, cfg).expect("config");
-    let _d = Daemon(
-        Command::new(env!("CARGO_BIN_EXE_hostdevd"))
-            .args(["serve", "--config"])
-            .arg(&cfg_path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start hostdevd"),
-    );
+    let (_d, port) = spawn_with_metrics(&tree, dir.path());
     let deadline = Instant::now() + Duration::from_secs(30);
     while !scrape(port).is_ok_and(|t| t.starts_with("HTTP/1.1 200")) {
         assert!(Instant::now() < deadline, "no metrics");
