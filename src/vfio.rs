@@ -229,9 +229,10 @@ pub fn holders_under(proc_root: &Path, dev_root: &Path) -> Result<HolderMap, Vfi
     // The container (`vfio/vfio`, which every legacy VFIO user keeps open for its DMA
     // mappings) names no device either.
     let containers: Vec<PathBuf> = vfio.iter().map(|v| v.join("vfio")).collect();
+    // Nor does a vhost-vdpa node: only a VFIO group or device node says which device.
     let nodes: BTreeSet<u32> = by_node
         .iter()
-        .filter(|(k, _)| k.as_path() != Path::new(VFIO_DEVICE_FD) && !containers.contains(k))
+        .filter(|(k, _)| vfio.iter().any(|v| k.starts_with(v)) && !containers.contains(k))
         .flat_map(|(_, hs)| hs.iter().map(|h| h.pid))
         .collect();
     let unexplained = by_node

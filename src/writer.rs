@@ -94,6 +94,10 @@ pub enum WriteError {
     /// The scan made at start is not stored yet (see [`Writer::changes_wait_for_scan`]).
     #[error("{0}, so the ledger may not match the devices present: nothing is changed until that scan, tried again, is stored; nothing was changed; try again shortly")]
     ScanNotStored(&'static str),
+    /// A binding's retry would move devices again (a member is off vfio-pci now), and the
+    /// caller did not list the domains afresh first: it is to list them and ask again.
+    #[error("the binding of {address} would move devices again, which needs libvirt's domains listed afresh first; nothing was changed; try again")]
+    ListingNeeded { address: PciAddress },
     /// The request id names a VF count change still under way: neither applied nor
     /// refused yet.
     #[error("request {request_id} of consumer {consumer} is still being applied: the VF count of {pf} is being written (or its record waits for the disk); nothing was changed by this call; ask again once the kernel has answered that write")]

@@ -352,6 +352,16 @@ async fn a_vfio_device_descriptor_alone_blocks_a_release() {
         reason(&e).1.get("holder_pid").map(String::as_str),
         Some("4343")
     );
+    // Nor does a vhost-vdpa node.
+    std::os::unix::fs::symlink(t.dev_root().join("vhost-vdpa-0"), holder.join("fd/15"))
+        .expect("fd");
+    let e = release(&mut c, &a, 7)
+        .await
+        .expect_err("a device descriptor and a vhost-vdpa node");
+    assert_eq!(
+        reason(&e).1.get("holder_pid").map(String::as_str),
+        Some("4343")
+    );
     // A process that holds the same kind of descriptor and a group node too is the
     // group's holder, and only that group's: another device's release goes through.
     std::fs::remove_dir_all(&holder).expect("the process ends");
@@ -2123,6 +2133,20 @@ async fn a_bindings_retry_is_answered_while_libvirt_is_down() {
         .into_inner();
     assert!(again.replayed, "{again:?}");
     assert_eq!(again.generation, first.generation);
+    // The device leaves vfio-pci and the agent has not seen it yet (no uevent, so no
+    // rescan): the retry would move it again, which needs the listing libvirt cannot
+    // give now. Refused, and nothing bound.
+    std::fs::remove_file(t.bus_link(&a).join("driver")).expect("unbound behind the agent");
+    let e = c
+        .prepare_vfio(prepare.clone())
+        .await
+        .expect_err("a retry that would bind again needs libvirt");
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert_eq!(reason(&e).0, "LIBVIRT_UNREACHABLE");
+    assert!(
+        !t.bus_link(&a).join("driver").exists(),
+        "nothing was bound without a listing"
+    );
     // A new binding still needs libvirt.
     let b = vf(&mut c, 2).await;
     let r = claim(&mut c, &b, 7, false).await.expect("claim");

@@ -1501,7 +1501,9 @@ impl HostDevService {
         // The rescans' turn first, so that nothing comes between the listing and the
         // binding's decision. A retry of a logged binding that moves nothing now (its
         // claim ended, or every member it recorded is on vfio-pci) is answered from the
-        // log, libvirt answering or not, as every retry is.
+        // log, libvirt answering or not, as every retry is; should the writer find that it
+        // would move devices after all (a member left vfio-pci since the view was read),
+        // it refuses without a listing, and the call is made again with one.
         let from_log = match &request_id {
             Some(id) => match self.writer.lookup(consumer, id.clone()).await? {
                 Some(entry) => match entry.outcome {
@@ -1514,35 +1516,43 @@ impl HostDevService {
             },
             None => false,
         };
-        let turn = if from_log {
-            None
-        } else {
-            let turn = self.rescanner.hold().await;
-            drop(
-                self.guard
-                    .refresh(&self.writer, &format!("the IOMMU group of {address}"))
-                    .await?,
-            );
-            Some(turn)
-        };
-        let result = self
-            .after_hardware_in(
-                turn,
-                move |w| async move {
-                    w.bind_vfio(crate::writer::BindVfio {
-                        address,
-                        consumer,
-                        generation,
-                        request_id,
-                    })
-                    .await
-                },
-                move |result| match result {
-                    Ok(b) => b.members.iter().map(|m| m.address).collect(),
-                    Err(_) => [address].into(),
-                },
-            )
-            .await;
+        let mut result = Err(WriteError::ListingNeeded { address });
+        for listed in [!from_log, true] {
+            if !matches!(result, Err(WriteError::ListingNeeded { .. })) {
+                break;
+            }
+            let turn = if listed {
+                let turn = self.rescanner.hold().await;
+                drop(
+                    self.guard
+                        .refresh(&self.writer, &format!("the IOMMU group of {address}"))
+                        .await?,
+                );
+                Some(turn)
+            } else {
+                None
+            };
+            let request_id = request_id.clone();
+            result = self
+                .after_hardware_in(
+                    turn,
+                    move |w| async move {
+                        w.bind_vfio(crate::writer::BindVfio {
+                            address,
+                            consumer,
+                            generation,
+                            request_id,
+                            listed,
+                        })
+                        .await
+                    },
+                    move |result| match result {
+                        Ok(b) => b.members.iter().map(|m| m.address).collect(),
+                        Err(_) => [address].into(),
+                    },
+                )
+                .await;
+        }
         let bound = result.map_err(ApiError::from)?;
         let ended = bound.replayed && bound.members.is_empty();
         let now = self

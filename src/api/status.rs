@@ -446,6 +446,16 @@ pub fn to_status(e: &ApiError) -> Status {
             let d = ErrorDetails::with_error_info("SCAN_NOT_STORED", ERROR_DOMAIN, HashMap::new());
             Status::with_error_details(Code::Unavailable, msg, d)
         }
+        // The service asks again with a fresh listing: only a caller of the writer that
+        // does not would see it.
+        ApiError::Write(WriteError::ListingNeeded { address }) => {
+            let d = ErrorDetails::with_error_info(
+                "LISTING_NEEDED",
+                ERROR_DOMAIN,
+                HashMap::from([("address".to_string(), address.to_string())]),
+            );
+            Status::with_error_details(Code::Unavailable, msg, d)
+        }
         ApiError::Malformed(_) => {
             let d =
                 ErrorDetails::with_error_info("MALFORMED_MESSAGE", ERROR_DOMAIN, HashMap::new());

@@ -27,6 +27,9 @@ pub struct BindVfio {
     /// Logged with the binding, so that a retry is answered as the first call (a
     /// Claim's own binding has none: the claim's request id covers it).
     pub request_id: Option<RequestId>,
+    /// Whether the caller listed libvirt's domains afresh for this call: a retry that
+    /// would move devices again is refused without ([`WriteError::ListingNeeded`]).
+    pub listed: bool,
 }
 
 /// What a binding did.
@@ -304,6 +307,11 @@ impl Worker {
                             replayed: true,
                         });
                     }
+                    if !req.listed {
+                        return Err(WriteError::ListingNeeded {
+                            address: req.address,
+                        });
+                    }
                     // The first call stopped part way: bind again, at the claim's
                     // generation now, without logging the request a second time.
                     generation = now;
@@ -415,8 +423,16 @@ impl Worker {
         let (outcome, cs) = self.ledger.release(req, now)?;
         let replayed = cs.is_empty();
         if let Err(e) = self.commit_one(cs) {
-            if let Some(hw) = &self.hardware {
-                bind_back(hw, req.address, &restored);
+            // A commit whose outcome is unknown may have freed the claim, with the only
+            // record of the original drivers: the drivers stay given back (the next
+            // start reads which it was; a claim still standing is bound again by its
+            // PrepareVfio, a release again finds the drivers back).
+            match (&e, &self.hardware) {
+                (WriteError::OutcomeUnknown(_), _) => {
+                    tracing::warn!(claimed = %req.address, "the release's commit has an unknown outcome: its members' drivers stay given back");
+                }
+                (_, Some(hw)) => bind_back(hw, req.address, &restored),
+                (_, None) => {}
             }
             return Err(e);
         }
