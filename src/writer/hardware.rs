@@ -307,17 +307,18 @@ impl Worker {
                             replayed: true,
                         });
                     }
-                    if !req.listed {
-                        return Err(WriteError::ListingNeeded {
-                            address: req.address,
-                        });
-                    }
                     // The first call stopped part way: bind again, at the claim's
                     // generation now, without logging the request a second time.
                     generation = now;
                     logged = None;
                 }
             }
+        }
+        // Whatever comes next moves devices: never without the domains listed afresh.
+        if !req.listed {
+            return Err(WriteError::ListingNeeded {
+                address: req.address,
+            });
         }
         let mut plan = self
             .ledger
