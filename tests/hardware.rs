@@ -1673,6 +1673,16 @@ fn sysfs_threads() -> usize {
 }
 
 /// A VF's address from the tree itself (before any agent runs): its PF's `virtfn{i}`.
+/// libvirt at `uri`, with no events and an hour between polls: the agent learns of a
+/// domain only by listing afresh, waiting `timeout_ms` for an answer.
+fn listing_only(cfg: &mut Config, uri: &str, timeout_ms: u64) {
+    cfg.libvirt.enabled = true;
+    cfg.libvirt.uri = uri.into();
+    cfg.libvirt.events = false;
+    cfg.libvirt.poll_interval_ms = 3_600_000;
+    cfg.libvirt.timeout_ms = timeout_ms;
+}
+
 /// A PF with two VFs on iavf, in the IOMMU groups given (`None`: in none), and a device
 /// on vfio-pci (so the driver is "loaded"): the tree and the two VFs' addresses.
 fn two_vfs(first: Option<u32>, second: Option<u32>) -> (FakeTree, String, String) {
@@ -2046,11 +2056,7 @@ async fn a_binding_lists_the_domains_afresh() {
     // No events and an hour between polls: the agent learns of the domain only by
     // listing afresh.
     let s = start_tuned(&t, 3000, 1 << 20, |cfg| {
-        cfg.libvirt.enabled = true;
-        cfg.libvirt.uri = "test:///default".into();
-        cfg.libvirt.events = false;
-        cfg.libvirt.poll_interval_ms = 3_600_000;
-        cfg.libvirt.timeout_ms = 3000;
+        listing_only(cfg, "test:///default", 3000)
     })
     .await;
     let mut c = s.client().await;
@@ -2101,14 +2107,7 @@ async fn a_bindings_retry_is_answered_while_libvirt_is_down() {
     let holder = virt::connect::Connect::open(Some(&uri)).expect("holder connection");
     let t = tree();
     let _k = FakeKernel::start(t.sysfs_root(), t.dev_root());
-    let s = start_tuned(&t, 3000, 1 << 20, |cfg| {
-        cfg.libvirt.enabled = true;
-        cfg.libvirt.uri = uri.clone();
-        cfg.libvirt.events = false;
-        cfg.libvirt.poll_interval_ms = 3_600_000;
-        cfg.libvirt.timeout_ms = 1000;
-    })
-    .await;
+    let s = start_tuned(&t, 3000, 1 << 20, |cfg| listing_only(cfg, &uri, 1000)).await;
     let mut c = s.client().await;
     let a = vf(&mut c, 1).await;
     let r = claim(&mut c, &a, 7, false).await.expect("claim");

@@ -39,14 +39,36 @@ async fn claim(
     .map(|r| r.into_inner())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_sync_leaves_the_outcome_unknown_and_the_restart_reads_it_back() {
+/// A temp dir and, in it, a FUSE pass-through whose syncs a test can make fail (for the
+/// state directory).
+fn failing_disk() -> (tempfile::TempDir, slowsync::SlowSync) {
     assert!(
         nix::unistd::geteuid().is_root(),
         "tests/store_fsync.rs mounts a FUSE filesystem as root (CI runs as root)"
     );
     let dir = tempfile::tempdir().expect("tempdir");
     let disk = slowsync::SlowSync::mount(dir.path(), Duration::ZERO);
+    (dir, disk)
+}
+
+/// Waits up to 30 s for the agent to stop by itself after a failed commit: its status.
+async fn stopped_by_itself(daemon: &mut Daemon) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(s) = daemon.0.try_wait().expect("wait") {
+            return s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent did not stop after the failed commit"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_sync_leaves_the_outcome_unknown_and_the_restart_reads_it_back() {
+    let (dir, disk) = failing_disk();
     let mut f = FakeSys::new();
     f.pf(PF, 0x8086, 0x1572, 8, 2)
         .driver(PF, "i40e")
@@ -74,17 +96,7 @@ async fn a_failed_sync_leaves_the_outcome_unknown_and_the_restart_reads_it_back(
     assert!(e.message().contains("may or may not"), "{}", e.message());
 
     // The agent stops by itself, with a failure (systemd would start it again).
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = daemon.0.try_wait().expect("wait") {
-            break s;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the agent did not stop after the failed commit"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = stopped_by_itself(&mut daemon).await;
     assert!(!status.success(), "exit status {status}");
 
     // The disk recovers; the next start reads back what it holds, and the request's
@@ -121,12 +133,7 @@ async fn a_failed_sync_leaves_the_outcome_unknown_and_the_restart_reads_it_back(
 /// device is on its own driver whichever way the commit went.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_whose_commit_is_unknown_leaves_the_drivers_given_back() {
-    assert!(
-        nix::unistd::geteuid().is_root(),
-        "tests/store_fsync.rs mounts a FUSE filesystem as root (CI runs as root)"
-    );
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk = slowsync::SlowSync::mount(dir.path(), Duration::ZERO);
+    let (dir, disk) = failing_disk();
     let mut f = FakeSys::new();
     f.pf(PF, 0x8086, 0x1572, 8, 2)
         .driver(PF, "i40e")
@@ -193,14 +200,7 @@ async fn a_release_whose_commit_is_unknown_leaves_the_drivers_given_back() {
         Some("iavf"),
         "the driver stays given back"
     );
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while daemon.0.try_wait().expect("wait").is_none() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the agent did not stop after the failed commit"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    stopped_by_itself(&mut daemon).await;
     disk.fail_syncs(false);
     let (daemon, mut c) = Daemon::serve_in(dir.path()).await;
     let d = device(&mut c, &vf).await;

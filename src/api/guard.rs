@@ -233,10 +233,10 @@ impl FreeGuard {
             return Ok(vec![None; per_device.len()]);
         }
         let holders = self.scan_after(arrived).await?;
+        let vfio_root = self.dev_root.join("vfio");
         Ok(per_device
             .into_iter()
             .map(|nodes| {
-                let vfio_root = self.dev_root.join("vfio");
                 let any_node = nodes.iter().any(|(n, _)| n.starts_with(&vfio_root));
                 let named = nodes.into_iter().find_map(|(n, resolved)| {
                     let by_name = holders.of(&n).first();

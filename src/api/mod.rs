@@ -287,14 +287,16 @@ impl HostDevService {
             .claim
             .as_ref()
             .and_then(|c| c.vfio.as_ref())
-            .is_some_and(|b| {
-                b.members.iter().all(|m| {
-                    view.sysfs_device(&m.address).is_some_and(|d| {
-                        d.driver.as_deref() == Some(crate::hardware::VFIO_PCI_DRIVER)
-                    })
-                })
-            });
+            .is_some_and(|b| Self::on_vfio(&view, b));
         Some((rec.generation, on_vfio))
+    }
+
+    /// Whether the inventory in `view` shows every member of `binding` on vfio-pci.
+    fn on_vfio(view: &View, binding: &crate::ledger::VfioBinding) -> bool {
+        binding.members.iter().all(|m| {
+            view.sysfs_device(&m.address)
+                .is_some_and(|d| d.driver.as_deref() == Some(crate::hardware::VFIO_PCI_DRIVER))
+        })
     }
 
     /// Whether the binding recorded on `consumer`'s claim in record `record` still stands
@@ -309,12 +311,7 @@ impl HostDevService {
             .as_ref()
             .filter(|c| c.owner.consumer == consumer)
             .and_then(|c| c.vfio.as_ref());
-        binding.is_some_and(|b| {
-            b.members.iter().any(|m| {
-                view.sysfs_device(&m.address)
-                    .is_none_or(|d| d.driver.as_deref() != Some(crate::hardware::VFIO_PCI_DRIVER))
-            })
-        })
+        binding.is_some_and(|b| !Self::on_vfio(&view, b))
     }
 
     /// The present device at an address as a message, from the latest view.
@@ -712,10 +709,15 @@ impl HostDev for HostDevService {
         // count change may hold for minutes: taken before the checks, so that nothing
         // (a process opening the group) comes between them and the action. Turn, then
         // the checks' order lock, as everywhere.
-        let turn = if checked && !bound_now().is_empty() {
-            Some(self.rescanner.hold().await)
+        let bound_before = if checked {
+            bound_now()
         } else {
+            BTreeSet::new()
+        };
+        let turn = if bound_before.is_empty() {
             None
+        } else {
+            Some(self.rescanner.hold().await)
         };
         // Where the checks fail and the ledger, as it is now, refuses the release anyway (a
         // domain uses the device, or the fresh listing moved its generation on), that
@@ -726,7 +728,7 @@ impl HostDev for HostDevService {
             // SR-IOV off: each is checked, and a PF's VFs, as for a VF count change.
             let mut devices = vec![rel.address];
             let view = self.writer.view();
-            for m in bound_now() {
+            for &m in &bound_before {
                 if m != rel.address {
                     devices.push(m);
                 }

@@ -10,9 +10,9 @@ impl Hardware {
     /// unbound). Already on vfio-pci: nothing is written and the answer is vfio-pci.
     ///
     /// Steps: check vfio-pci is loaded; write "vfio-pci" to `driver_override` unless it
-    /// names vfio-pci already (so no other driver can take the device in between); unbind from the current driver;
-    /// write the address to `bus/pci/drivers_probe`; wait until the `driver` link names
-    /// vfio-pci.
+    /// names vfio-pci already (so no other driver can take the device in between);
+    /// unbind from the current driver; write the address to `bus/pci/drivers_probe`; wait
+    /// until the `driver` link names vfio-pci.
     pub fn bind_vfio(&self, address: PciAddress) -> Result<Option<String>, HardwareError> {
         let original = self.driver(address, "read current driver")?;
         if original.as_deref() == Some(VFIO_PCI_DRIVER) {

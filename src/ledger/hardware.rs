@@ -260,12 +260,23 @@ impl Ledger {
         consumer: ConsumerId,
         generation: Generation,
     ) -> Option<VfioBinding> {
+        self.restorable(address, consumer, generation)
+            .map(|(_, binding)| binding.clone())
+    }
+
+    /// The claim's record and its binding, for [`Self::binding_to_restore`].
+    fn restorable(
+        &self,
+        address: PciAddress,
+        consumer: ConsumerId,
+        generation: Generation,
+    ) -> Option<(&DeviceRecord, &VfioBinding)> {
         let id = self.resolve_claimed(address, consumer, generation).ok()?;
         let rec = &self.records[&id];
         if !rec.present || rec.attached.is_some() {
             return None;
         }
-        rec.claim.as_ref()?.vfio.clone()
+        Some((rec, rec.claim.as_ref()?.vfio.as_ref()?))
     }
 
     /// What a release of the claim at `address` by `consumer` with `generation` gives
@@ -282,18 +293,11 @@ impl Ledger {
         consumer: ConsumerId,
         generation: Generation,
     ) -> Result<Option<RestorePlan>, LedgerError> {
-        let Some(binding) = self.binding_to_restore(address, consumer, generation) else {
-            return Ok(None);
-        };
-        let Some(rec) = self
-            .resolve_claimed(address, consumer, generation)
-            .ok()
-            .and_then(|id| self.records.get(&id))
-        else {
+        let Some((rec, binding)) = self.restorable(address, consumer, generation) else {
             return Ok(None);
         };
         let mut plan = RestorePlan::default();
-        for m in binding.members {
+        for m in &binding.members {
             let Some(now) = self.record_at(m.address).filter(|r| r.present) else {
                 plan.left.push((m.address, "it is gone"));
                 continue;
@@ -331,7 +335,7 @@ impl Ledger {
                     generation: rec.generation,
                 });
             }
-            plan.restore.push(m);
+            plan.restore.push(m.clone());
         }
         Ok(Some(plan))
     }

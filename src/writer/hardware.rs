@@ -407,17 +407,16 @@ impl Worker {
                 tracing::warn!(device = %member, claimed = %req.address, why, "bound member left as it is: its driver is not given back");
             }
             for m in &plan.restore {
+                // Counted before its steps: one that fails may come after the unbind.
+                restored.push(m.address);
                 if let Err(e) = hw.restore_driver(
                     m.address,
                     m.original_driver.as_deref(),
                     m.original_override.as_deref(),
                 ) {
-                    // The failed step may have come after the unbind: this member too.
-                    restored.push(m.address);
                     bind_back(&hw, req.address, &restored);
                     return Err(e.into());
                 }
-                restored.push(m.address);
                 tracing::info!(device = %m.address, driver = m.original_driver.as_deref().unwrap_or("none"), "original driver restored");
             }
         }
