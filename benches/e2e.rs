@@ -2171,10 +2171,11 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
     // working size, as in the load rows' later passes.
     load_round(&d, &mut c, 0, 64, &mut peak, || ()).await;
     // Each round's mark starts perf at the start line (once) and reads the CPU time.
-    let (claims_data, lone_data, echoes_data) = (
+    let (claims_data, lone_data, echoes_data, lone_echo_data) = (
         work.join("claims.data"),
         work.join("lone.data"),
         work.join("echoes.data"),
+        work.join("lone-echo.data"),
     );
     let recorded = |data: &Path| {
         let (d, started) = (&d, std::cell::Cell::new(false));
@@ -2188,6 +2189,8 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
     // The baseline of the load rows: one client alone, each change a commit of its own.
     let lone = load_round(&d, &mut c, 2, 1, &mut peak, recorded(&lone_data)).await;
     let echoes = echo_round(&d, 64, &mut peak, recorded(&echoes_data)).await;
+    // The lone client's baseline: one client's bare echoes, each waking the agent alone.
+    let lone_echoes = echo_round(&d, 1, &mut peak, recorded(&lone_echo_data)).await;
     drop(c);
     drop(d);
     let read = |round: Round<(CpuMark, Option<Child>)>, data: &Path| {
@@ -2199,8 +2202,17 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
     let (claim_cpu, claim_rate, claim) = read(claims, &claims_data);
     let (lone_cpu, lone_rate, lone) = read(lone, &lone_data);
     let (echo_cpu, echo_rate, echo) = read(echoes, &echoes_data);
+    let (lone_echo_cpu, lone_echo_rate, lone_echo) = read(lone_echoes, &lone_echo_data);
     let per_call = |cpu: &CpuUse, share: f64| {
         format!("{:.1} µs ({:.1}%)", cpu.agent * share * 1e6, share * 100.0)
+    };
+    // An echo's share at 64 clients, then alone.
+    let echoes_and_lone = |mine: f64, alone: f64| {
+        format!(
+            "{}; one client alone: {}",
+            per_call(&echo_cpu, mine),
+            per_call(&lone_echo_cpu, alone)
+        )
     };
     // A claim's share at 64 clients, then alone.
     let claims_and_lone = |mine: f64, alone: f64| {
@@ -2213,10 +2225,13 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
     t.row(
         &format!("profile, not a goal: the agent's CPU per call, 64 clients, and one client alone (`perf record -F 999 --call-graph dwarf` on the agent for {SECONDS} s of a round)"),
         &format!(
-            "bare echoes, 64 clients: {echo_rate:.0}/s, agent {:.0} µs a call, {} samples, {:.0}% of the CPU time stolen by the host",
+            "bare echoes, 64 clients: {echo_rate:.0}/s, agent {:.0} µs a call, {} samples, {:.0}% of the CPU time stolen by the host; one client alone: {lone_echo_rate:.0}/s, agent {:.0} µs a call, {} samples, {:.0}% stolen",
             echo_cpu.agent * 1e6,
             echo.samples,
-            echo_cpu.stolen * 100.0
+            echo_cpu.stolen * 100.0,
+            lone_echo_cpu.agent * 1e6,
+            lone_echo.samples,
+            lone_echo_cpu.stolen * 100.0
         ),
         format!(
             "claims+releases, 64 clients: {claim_rate:.0}/s, agent {:.0} µs a call, {} samples, {:.0}% stolen; one client alone: {lone_rate:.0}/s, agent {:.0} µs a call, {} samples, {:.0}% stolen",
@@ -2230,11 +2245,15 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
         "—",
         None,
     );
-    let stages = claim.buckets.iter().zip(&lone.buckets).zip(&echo.buckets);
-    for (((name, mine), (_, alone)), (_, theirs)) in stages {
+    let stages = claim
+        .buckets
+        .iter()
+        .zip(&lone.buckets)
+        .zip(echo.buckets.iter().zip(&lone_echo.buckets));
+    for (((name, mine), (_, alone)), ((_, theirs), (_, theirs_alone))) in stages {
         t.row(
             &format!("profile: {name}"),
-            &per_call(&echo_cpu, *theirs),
+            &echoes_and_lone(*theirs, *theirs_alone),
             claims_and_lone(*mine, *alone),
             "—",
             None,
@@ -2266,7 +2285,7 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
     };
     t.row(
         "profile: the functions most often on top of the agent's stack (self time)",
-        &top(&echo),
+        &format!("{}; one client alone: {}", top(&echo), top(&lone_echo)),
         format!("{}; one client alone: {}", top(&claim), top(&lone)),
         "—",
         None,

@@ -72,6 +72,8 @@ const CACHE_KIB: i64 = -1024;
 /// from 1.52x and 1.59x of echo plus fsync to 1.81x and 1.92x (runs alternated), since
 /// every commit of those first 32 MiB appended to the file.
 const WAL_CHECKPOINT_PAGES: i64 = 1000;
+/// How many prepared statements the connection keeps (rusqlite's default is 16).
+const STATEMENT_CACHE: usize = 32;
 /// How many `quick_check` complaints are quoted in a corruption error.
 const MAX_CHECK_MESSAGES: usize = 3;
 /// How many request-log entries the store keeps by default: the oldest tenth is pruned
@@ -177,6 +179,9 @@ impl Store {
         // the log it was found with.
         checkpoint_on_close(&conn, &path, false)?;
         prepare_connection(&conn, &path)?;
+        // Room for every statement the store prepares (17 now), so that the ones a
+        // commit runs are never pushed out by a start-up or lookup query and parsed again.
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         let requests = index_requests(&conn, &path)?;
         // A database without a host generation cannot honour I5; say so at start rather
         // than at the first claim.
@@ -434,10 +439,7 @@ impl Store {
         let mut logged: Vec<(u32, Option<u32>, i64)> = Vec::new();
         // IMMEDIATE takes the write lock up front, so a failure to get it surfaces here
         // and not halfway through the batch.
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sql)?;
+        let tx = WriteTx::begin(&self.conn).map_err(sql)?;
         let stored = self.host_generation;
         let mut running = stored;
         for cs in batch.iter().map(C::borrow) {
@@ -457,10 +459,13 @@ impl Store {
         let mut carried = Generation::default();
         let mut removes = false;
         {
-            let mut upsert = tx.prepare_cached(schema::UPSERT_RECORD).map_err(sql)?;
-            let mut fix_address = tx.prepare_cached(schema::FIX_RECORD_ADDRESS).map_err(sql)?;
-            let mut remove = tx.prepare_cached(schema::DELETE_RECORD).map_err(sql)?;
-            let mut log = tx.prepare_cached(schema::INSERT_REQUEST).map_err(sql)?;
+            let conn = tx.conn;
+            let mut upsert = conn.prepare_cached(schema::UPSERT_RECORD).map_err(sql)?;
+            let mut fix_address = conn
+                .prepare_cached(schema::FIX_RECORD_ADDRESS)
+                .map_err(sql)?;
+            let mut remove = conn.prepare_cached(schema::DELETE_RECORD).map_err(sql)?;
+            let mut log = conn.prepare_cached(schema::INSERT_REQUEST).map_err(sql)?;
             for cs in batch.iter().map(C::borrow) {
                 for record in &cs.upserts {
                     let json = serde_json::to_string(record).map_err(|e| StoreError::Encode {
@@ -527,7 +532,7 @@ impl Store {
                 }
             }
             if removes || last.host_generation > carried {
-                let updated = tx
+                let updated = conn
                     .prepare_cached(schema::UPDATE_HOST_GENERATION)
                     .map_err(sql)?
                     .execute([to_sql_int(path, "host generation", last.host_generation.0)?])
@@ -690,6 +695,41 @@ fn create_database(dir: &Path, path: &Path) -> Result<(), StoreError> {
         .and_then(|d| d.sync_all())
         .map_err(|e| StoreError::io(dir, "syncing the state directory", e))?;
     Ok(())
+}
+
+/// A batch's write transaction, begun and committed with statements SQLite parsed once
+/// for the connection (rusqlite's `Transaction` parses `BEGIN` and `COMMIT` afresh each
+/// time, a few microseconds of every lone change). Rolled back when dropped uncommitted:
+/// a statement that failed, or a `COMMIT` that did (which also clears SQLite's error
+/// state, so the next batch starts clean).
+struct WriteTx<'c> {
+    conn: &'c Connection,
+    open: bool,
+}
+
+impl<'c> WriteTx<'c> {
+    fn begin(conn: &'c Connection) -> rusqlite::Result<WriteTx<'c>> {
+        conn.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
+        Ok(WriteTx { conn, open: true })
+    }
+
+    fn commit(mut self) -> rusqlite::Result<()> {
+        self.conn.prepare_cached("COMMIT")?.execute([])?;
+        self.open = false;
+        Ok(())
+    }
+}
+
+impl Drop for WriteTx<'_> {
+    fn drop(&mut self) {
+        // After a failed COMMIT SQLite may have rolled back already (the connection is
+        // then in autocommit mode, and a ROLLBACK would fail): only an open one is ended.
+        if self.open && !self.conn.is_autocommit() {
+            if let Err(e) = self.conn.execute_batch("ROLLBACK") {
+                tracing::warn!(error = %e, "rolling back a batch that was not committed failed");
+            }
+        }
+    }
 }
 
 /// A failed COMMIT: an I/O error leaves its outcome unknown; anything else (a full disk,

@@ -665,6 +665,48 @@ fn host_generation_never_goes_backwards() {
     );
 }
 
+/// A batch that fails halfway through its statements (a record id SQLite cannot hold,
+/// after a record it wrote) leaves nothing of itself, in this connection or on disk, and
+/// the next batch commits on the same connection.
+#[test]
+fn a_batch_that_fails_midway_leaves_nothing_and_the_next_commits() {
+    let tmp = TempDir::new().expect("tempdir");
+    let mut store = Store::open(tmp.path()).expect("open");
+    let mut first = change(0, 1);
+    first.upserts = vec![record(1, 0, 1, None)];
+    store.commit(&[first]).expect("commit");
+
+    let mut half = change(1, 3);
+    half.upserts = vec![record(2, 1, 2, None), record(u64::MAX, 2, 3, None)];
+    let err = store
+        .commit(&[half])
+        .expect_err("an id beyond SQLite's integers");
+    assert!(err.to_string().contains("record id"), "{err}");
+    let ids = |s: &Store| {
+        let snap = s.load().expect("load");
+        (
+            snap.records.keys().copied().collect::<Vec<_>>(),
+            snap.host_generation,
+        )
+    };
+    assert_eq!(
+        ids(&store),
+        (vec![RecordId(1)], Generation(1)),
+        "nothing of the failed batch"
+    );
+
+    let mut next = change(1, 4);
+    next.upserts = vec![record(3, 3, 4, None)];
+    store.commit(&[next]).expect("the next batch commits");
+    assert_eq!(ids(&store), (vec![RecordId(1), RecordId(3)], Generation(4)));
+    drop(store);
+    assert_eq!(
+        ids(&reopen(tmp.path())),
+        (vec![RecordId(1), RecordId(3)], Generation(4)),
+        "and so does the disk"
+    );
+}
+
 /// The host generation as the meta row holds it, read with a connection of its own
 /// once the store is closed.
 fn stored_row(dir: &Path) -> i64 {
