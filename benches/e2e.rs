@@ -2206,22 +2206,16 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
     let per_call = |cpu: &CpuUse, share: f64| {
         format!("{:.1} µs ({:.1}%)", cpu.agent * share * 1e6, share * 100.0)
     };
-    // An echo's share at 64 clients, then alone.
-    let echoes_and_lone = |mine: f64, alone: f64| {
+    // A share of the round at 64 clients, then of the round with one client alone.
+    let and_alone = |cpu: &CpuUse, share: f64, lone_cpu: &CpuUse, lone_share: f64| {
         format!(
             "{}; one client alone: {}",
-            per_call(&echo_cpu, mine),
-            per_call(&lone_echo_cpu, alone)
+            per_call(cpu, share),
+            per_call(lone_cpu, lone_share)
         )
     };
-    // A claim's share at 64 clients, then alone.
-    let claims_and_lone = |mine: f64, alone: f64| {
-        format!(
-            "{}; one client alone: {}",
-            per_call(&claim_cpu, mine),
-            per_call(&lone_cpu, alone)
-        )
-    };
+    let echoes_and_lone = |mine: f64, alone: f64| and_alone(&echo_cpu, mine, &lone_echo_cpu, alone);
+    let claims_and_lone = |mine: f64, alone: f64| and_alone(&claim_cpu, mine, &lone_cpu, alone);
     t.row(
         &format!("profile, not a goal: the agent's CPU per call, 64 clients, and one client alone (`perf record -F 999 --call-graph dwarf` on the agent for {SECONDS} s of a round)"),
         &format!(
