@@ -467,7 +467,10 @@ impl Writer {
                 self.core.queued.fetch_add(1, Ordering::SeqCst);
                 permit.send(cmd);
             }
-            Inline::Done { chores } => {
+            Inline::Done {
+                chores,
+                woke_watchers,
+            } => {
                 if chores {
                     // The request log's prune and the memory trim are the writer
                     // thread's (they take milliseconds, which no request should wait
@@ -483,8 +486,13 @@ impl Writer {
                 // before this caller's answer, as they would have with the writer
                 // thread. Without this, a busy client answered at once kept 100
                 // watchers' p99 at 12-18 ms (4 ms with it, on two CPUs that also ran
-                // the watchers' clients).
-                tokio::task::yield_now().await;
+                // the watchers' clients). With no watcher there is nobody to let go
+                // first, and the yield would cost the answer a poll of the I/O driver
+                // and a wake-up of another async worker: about two context switches a
+                // lone call (benches/HISTORY.md).
+                if woke_watchers {
+                    tokio::task::yield_now().await;
+                }
             }
         }
         rx.await.map_err(|_| WriteError::ShuttingDown)?
@@ -760,10 +768,12 @@ impl Core {
         if worker.acts_on_hardware(&cmd) {
             return Inline::Queue(cmd);
         }
+        worker.woke_watchers = false;
         worker.run_batch(vec![cmd]);
         worker.metrics.inline_batch();
         Inline::Done {
             chores: worker.store.prune_due() || worker.trimmer.due(),
+            woke_watchers: std::mem::take(&mut worker.woke_watchers),
         }
     }
 
@@ -866,8 +876,9 @@ struct Rederived {
 /// What became of a command offered to [`Core::try_inline`].
 enum Inline {
     /// Decided and committed; its reply is sent. `chores`: the writer thread has a
-    /// prune or a memory trim to do.
-    Done { chores: bool },
+    /// prune or a memory trim to do. `woke_watchers`: the commit's events were sent to
+    /// at least one watcher.
+    Done { chores: bool, woke_watchers: bool },
     /// For the writer thread.
     Queue(Command),
 }
@@ -907,6 +918,9 @@ struct Worker {
     /// write failed or ended late, or their record was refused), newest last, at most
     /// [`UNRECORDED_VF_REQUESTS`]: GetRequestOutcome must not answer them "never applied".
     unrecorded_vf_requests: VecDeque<(ConsumerId, RequestId, PciAddress)>,
+    /// Set when a published event was sent to a watcher; cleared by whoever reads it
+    /// (see [`Core::try_inline`]).
+    woke_watchers: bool,
 }
 
 /// Keeps a decided change for the batch's commit (a replay changes nothing) and says
@@ -955,6 +969,7 @@ impl Worker {
             failed_tx: Arc::new(tokio::sync::watch::channel(false).0),
             unrecorded_vf_changes: Vec::new(),
             unrecorded_vf_requests: VecDeque::new(),
+            woke_watchers: false,
         }
     }
 
@@ -1722,7 +1737,7 @@ impl Worker {
             Err(p) => p.into_inner(),
         };
         for e in p.events {
-            log.push(e);
+            self.woke_watchers |= log.push(e);
         }
     }
 }

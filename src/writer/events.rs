@@ -139,7 +139,9 @@ impl EventLog {
         }
     }
 
-    pub(super) fn push(&mut self, ev: Event) {
+    /// Keeps `ev` for resuming and sends it to every watcher; says whether any watcher
+    /// was there to be sent it.
+    pub(super) fn push(&mut self, ev: Event) -> bool {
         let size = event_bytes(&ev);
         while !self.ring.is_empty()
             && (self.ring.len() >= self.limit.events
@@ -153,7 +155,7 @@ impl EventLog {
         self.bytes += size;
         self.ring.push_back((ev.clone(), size));
         // No receivers is fine: nobody watches.
-        let _ = self.tx.send(ev);
+        self.tx.send(ev).is_ok()
     }
 
     /// Events kept for resuming and the memory they hold (approximately).

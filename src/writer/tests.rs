@@ -1357,3 +1357,43 @@ async fn a_panic_mid_decision_stops_the_agent() {
     drop(writer);
     thread.join().expect("the writer thread ended");
 }
+
+/// A caller that committed in place yields to the watchers its commit woke, and only
+/// then: with nobody watching, the yield would only delay its answer.
+#[test]
+fn a_commit_says_whether_it_sent_its_events_to_a_watcher() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = worker(dir.path(), 16);
+    w.woke_watchers = false;
+    let (c, rx) = claim_any(1, "nobody-watches");
+    w.apply_batch(vec![c]);
+    answer(rx).expect("claimed");
+    assert!(!w.woke_watchers, "no watcher was there to be woken");
+    let from = w.view_now().host_generation;
+    let (_, mut watcher) = w
+        .events
+        .lock()
+        .expect("events")
+        .resume(from)
+        .expect("resumable");
+    let (c, rx) = claim_any(2, "one-watches");
+    w.apply_batch(vec![c]);
+    answer(rx).expect("claimed");
+    assert!(
+        std::mem::take(&mut w.woke_watchers),
+        "the watcher was sent the claim"
+    );
+    assert!(watcher.try_recv().is_ok(), "and it has the event");
+    // A refusal publishes nothing, so it wakes nobody.
+    let (c, rx) = claim(
+        3,
+        "refused",
+        ClaimTarget::Address {
+            address: addr("0000:3b:02.7"),
+            expected_generation: Generation(1),
+        },
+    );
+    w.apply_batch(vec![c]);
+    assert!(answer(rx).is_err(), "no such device");
+    assert!(!w.woke_watchers, "nothing was published");
+}
