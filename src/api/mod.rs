@@ -1518,11 +1518,8 @@ impl HostDevService {
             },
             None => false,
         };
-        let mut result = Err(WriteError::ListingNeeded { address });
-        for listed in [!from_log, true] {
-            if !matches!(result, Err(WriteError::ListingNeeded { .. })) {
-                break;
-            }
+        let mut listed = !from_log;
+        let result = loop {
             let turn = if listed {
                 let turn = self.rescanner.hold().await;
                 drop(
@@ -1535,7 +1532,7 @@ impl HostDevService {
                 None
             };
             let request_id = request_id.clone();
-            result = self
+            let result = self
                 .after_hardware_in(
                     turn,
                     move |w| async move {
@@ -1554,7 +1551,11 @@ impl HostDevService {
                     },
                 )
                 .await;
-        }
+            match result {
+                Err(WriteError::ListingNeeded { .. }) if !listed => listed = true,
+                result => break result,
+            }
+        };
         let bound = result.map_err(ApiError::from)?;
         let ended = bound.replayed && bound.members.is_empty();
         let now = self
