@@ -12,7 +12,7 @@ use tokio::net::UnixListener;
 
 use crate::api::connections::ConnectionLimits;
 use crate::api::guard::FreeGuard;
-use crate::api::proto::host_dev_server::HostDevServer;
+use crate::api::server::host_dev_server::HostDevServer;
 use crate::api::{proto, Access, AgentInfo, HealthInfo, HostDevService, Reloads, WatchLimits};
 use crate::config::{Config, ConfigError, Selection};
 use crate::hardware::Hardware;

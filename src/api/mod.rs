@@ -9,6 +9,7 @@ pub mod guard;
 pub mod per_uid;
 pub mod status;
 pub mod watch_queue;
+pub mod wire;
 
 use std::collections::BTreeSet;
 use std::pin::Pin;
@@ -42,7 +43,14 @@ pub mod proto {
         include_bytes!(concat!(env!("OUT_DIR"), "/hostdev_descriptor.bin"));
 }
 
-use proto::host_dev_server::HostDev;
+/// The generated gRPC server of `hostdev.v1`: on the messages of [`proto`], except that
+/// a Watch stream carries [`wire::WireEvent`]s (see `build.rs`).
+#[allow(clippy::all, missing_debug_implementations, missing_docs)]
+pub mod server {
+    include!(concat!(env!("OUT_DIR"), "/server/hostdev.v1.rs"));
+}
+
+use server::host_dev_server::HostDev;
 
 /// Who may change state: Unix-socket peers whose uid or primary gid is listed
 /// (SO_PEERCRED), and TCP clients that passed mutual TLS.
@@ -125,6 +133,8 @@ pub struct HostDevService {
     watch: WatchLimits,
     /// The Unix socket's open connections by peer uid, and the limits on connections.
     connections: Arc<connections::Connections>,
+    /// The recent changes as the watchers are sent them, each encoded once for all.
+    wire: Arc<wire::RecentWire>,
 }
 
 /// The limits on Watch streams: how many may be open, and how much each may have
@@ -224,6 +234,7 @@ impl HostDevService {
             stopping: Arc::new(tokio::sync::watch::channel(false).0),
             watch: WatchLimits::default(),
             connections,
+            wire: Arc::default(),
         }
     }
 
@@ -506,7 +517,7 @@ impl HostDevService {
     }
 }
 
-type WatchStream = Pin<Box<dyn Stream<Item = Result<proto::WatchEvent, Status>> + Send>>;
+type WatchStream = Pin<Box<dyn Stream<Item = Result<wire::WireEvent, Status>> + Send>>;
 
 /// The rescans' turn, held across a hardware action ([`Rescanner::hold`]).
 type Turn = tokio::sync::OwnedMutexGuard<()>;
@@ -1027,7 +1038,7 @@ impl HostDev for HostDevService {
         let slot = self.watch.take(Caller::of(req.extensions()))?;
         let convert: watch_queue::Convert = {
             let this = self.clone();
-            Box::new(move |e: &Event| this.event_to_proto(e))
+            Box::new(move |e: &Event| this.wire.get_or_build(e, |e| this.event_to_proto(e)))
         };
         let (tx, out) = watch_queue::queue(self.watch.queue, convert, Some(slot));
         if snapshot.is_some() {

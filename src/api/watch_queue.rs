@@ -19,6 +19,7 @@ use tokio::sync::Notify;
 use tonic::Status;
 
 use super::proto::WatchEvent;
+use super::wire::WireEvent;
 use crate::writer::Event;
 
 /// Something waiting for the client.
@@ -41,8 +42,8 @@ impl Pending {
     }
 }
 
-/// Turns a change into the protobuf the client receives.
-pub type Convert = Box<dyn Fn(&Event) -> WatchEvent + Send + Sync>;
+/// Turns a change into the encoded protobuf the client receives.
+pub type Convert = Box<dyn Fn(&Event) -> WireEvent + Send + Sync>;
 
 /// How much one watcher may have waiting before it is cut off.
 ///
@@ -280,7 +281,7 @@ impl Drop for WatchSender {
 
 impl WatchReceiver {
     /// The next item, or `None` once the feed ended and everything queued was read.
-    pub async fn recv(&self) -> Option<Result<WatchEvent, Status>> {
+    pub async fn recv(&self) -> Option<Result<WireEvent, Status>> {
         loop {
             let next = {
                 let mut g = self.shared.lock();
@@ -302,7 +303,7 @@ impl WatchReceiver {
             if let Some(item) = next {
                 self.shared.writable.notify_one();
                 return Some(item.map(|p| match p {
-                    Pending::Ready(e) => *e,
+                    Pending::Ready(e) => WireEvent::from(&*e),
                     Pending::Shared(e) => (self.convert)(&e),
                 }));
             }
@@ -313,7 +314,7 @@ impl WatchReceiver {
     /// The stream a tonic response carries.
     pub fn into_stream(
         self,
-    ) -> impl tokio_stream::Stream<Item = Result<WatchEvent, Status>> + Send + 'static {
+    ) -> impl tokio_stream::Stream<Item = Result<WireEvent, Status>> + Send + 'static {
         futures_util::stream::unfold(self, |r| async move {
             let item = r.recv().await?;
             Some((item, r))
@@ -360,11 +361,13 @@ mod tests {
 
     /// A converter that marks what it built, so a test sees it ran at delivery.
     fn convert() -> Convert {
-        Box::new(|e: &Event| WatchEvent {
-            kind: 2,
-            generation: e.generation().0,
-            address: "converted".into(),
-            device: None,
+        Box::new(|e: &Event| {
+            WireEvent::from(&WatchEvent {
+                kind: 2,
+                generation: e.generation().0,
+                address: "converted".into(),
+                device: None,
+            })
         })
     }
 
@@ -382,7 +385,7 @@ mod tests {
         drop(tx);
         let got: Vec<u64> = rx
             .into_stream()
-            .map(|i| i.expect("event").generation)
+            .map(|i| i.expect("event").decode_event().expect("decode").generation)
             .collect()
             .await;
         assert_eq!(got, vec![1, 2, 3]);
@@ -407,7 +410,16 @@ mod tests {
         tx.try_send(ev(1, 5000))
             .expect("an empty queue takes any event");
         assert_eq!(tx.try_send(ev(2, 1)), Err(Refused::Full));
-        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 1);
+        assert_eq!(
+            rx.recv()
+                .await
+                .expect("item")
+                .expect("event")
+                .decode_event()
+                .expect("decode")
+                .generation,
+            1
+        );
         tx.try_send(ev(2, 1)).expect("room again");
     }
 
@@ -423,7 +435,13 @@ mod tests {
             "the event limit"
         );
         assert!(tx.queued().1 <= 4 * std::mem::size_of::<Pending>());
-        let e = rx.recv().await.expect("item").expect("event");
+        let e = rx
+            .recv()
+            .await
+            .expect("item")
+            .expect("event")
+            .decode_event()
+            .expect("decode");
         assert_eq!((e.generation, e.address.as_str()), (1, "converted"));
     }
 
@@ -447,15 +465,42 @@ mod tests {
         );
         assert_eq!(tx.queued().0, 6);
         // A change taken makes room for one more; the snapshot's taken, none.
-        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 1);
+        assert_eq!(
+            rx.recv()
+                .await
+                .expect("item")
+                .expect("event")
+                .decode_event()
+                .expect("decode")
+                .generation,
+            1
+        );
         assert_eq!(tx.try_send(removed(7)), Err(Refused::Full));
-        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 2);
-        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 3);
+        assert_eq!(
+            rx.recv()
+                .await
+                .expect("item")
+                .expect("event")
+                .decode_event()
+                .expect("decode")
+                .generation,
+            2
+        );
+        assert_eq!(
+            rx.recv()
+                .await
+                .expect("item")
+                .expect("event")
+                .decode_event()
+                .expect("decode")
+                .generation,
+            3
+        );
         tx.try_send(removed(7)).expect("room again");
         let got: Vec<u64> = {
             drop(tx);
             rx.into_stream()
-                .map(|i| i.expect("event").generation)
+                .map(|i| i.expect("event").decode_event().expect("decode").generation)
                 .collect()
                 .await
         };
@@ -489,14 +534,32 @@ mod tests {
         tx.snapshot_asked();
         tx.try_send(ev(1, 1)).expect("room");
         tx.try_send(end()).expect("room");
-        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 1);
+        assert_eq!(
+            rx.recv()
+                .await
+                .expect("item")
+                .expect("event")
+                .decode_event()
+                .expect("decode")
+                .generation,
+            1
+        );
         assert!(in_snapshot_at_cut_off(&tx));
         // Its end taken, then changes queued.
         let (tx, rx) = queue(LIMITS, convert(), None);
         tx.snapshot_asked();
         tx.try_send(end()).expect("room");
         tx.try_send(ev(8, 1)).expect("room");
-        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 7);
+        assert_eq!(
+            rx.recv()
+                .await
+                .expect("item")
+                .expect("event")
+                .decode_event()
+                .expect("decode")
+                .generation,
+            7
+        );
         assert!(!in_snapshot_at_cut_off(&tx));
         // No snapshot asked for.
         let (tx, _rx) = queue(LIMITS, convert(), None);
@@ -514,7 +577,7 @@ mod tests {
         assert_eq!(tx.queued().0, 1, "only the status is kept");
         assert_eq!(tx.queued().1, "behind".len());
         assert_eq!(tx.try_send(ev(9, 1)), Err(Refused::Gone));
-        let items: Vec<Result<WatchEvent, Status>> = rx.into_stream().collect().await;
+        let items: Vec<Result<WireEvent, Status>> = rx.into_stream().collect().await;
         assert_eq!(items.len(), 1);
         let status = items[0].as_ref().expect_err("the status");
         assert_eq!(status.code(), tonic::Code::ResourceExhausted);
@@ -533,7 +596,16 @@ mod tests {
         };
         tokio::task::yield_now().await;
         assert!(!feed.is_finished(), "send waits while the queue is full");
-        assert_eq!(rx.recv().await.expect("item").expect("event").generation, 1);
+        assert_eq!(
+            rx.recv()
+                .await
+                .expect("item")
+                .expect("event")
+                .decode_event()
+                .expect("decode")
+                .generation,
+            1
+        );
         feed.await.expect("join").expect("room was made");
         assert_eq!(tx.queued().0, 4);
         let blocked = {
