@@ -570,6 +570,53 @@ async fn watch_delivers_resumes_and_refuses_unknown_generations() {
     s.stop().await;
 }
 
+/// Every watcher, each on its own connection, receives the same events for a change, and
+/// each event's device is the device as GetDevice reads it afterwards: the VF claimed, and
+/// its PF (now unavailable) with its list of VFs. The agent builds and encodes a change
+/// once for all its watchers (`src/api/wire.rs`); what arrives must decode whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_watcher_gets_the_same_events_and_they_match_the_devices() {
+    let s = start(8).await;
+    let mut c = s.client().await;
+    let from = listing(&mut c).await.host_generation;
+    let mut streams = Vec::new();
+    for _ in 0..5 {
+        let mut wc = s.client().await;
+        streams.push(
+            wc.watch(proto::WatchRequest {
+                from_generation: from,
+                snapshot: false,
+            })
+            .await
+            .expect("watch")
+            .into_inner(),
+        );
+    }
+    let vf = "0000:3b:10.5";
+    let g = device(&mut c, vf).await.generation;
+    let claimed = claim(&mut c, vf, 1, "same-1", g).await.expect("claim");
+    let mut got = Vec::new();
+    for stream in &mut streams {
+        let mut seen = Vec::new();
+        while seen.len() < 2 {
+            seen.push(stream.next().await.expect("event").expect("ok"));
+        }
+        seen.sort_by_key(|e| e.generation);
+        got.push(seen);
+    }
+    for other in &got[1..] {
+        assert_eq!(other, &got[0]);
+    }
+    let vf_event = got[0].iter().find(|e| e.address == vf).expect("vf event");
+    assert_eq!(vf_event.generation, claimed.generation);
+    assert_eq!(vf_event.device.as_ref(), Some(&device(&mut c, vf).await));
+    let pf_event = got[0].iter().find(|e| e.address == PF).expect("pf event");
+    let pf = device(&mut c, PF).await;
+    assert_eq!(pf.sriov.as_ref().map(|s| s.vfs.len()), Some(8));
+    assert_eq!(pf_event.device.as_ref(), Some(&pf));
+    s.stop().await;
+}
+
 /// A server shutting down ends every open Watch stream with UNAVAILABLE and ErrorInfo
 /// SHUTTING_DOWN, so a client can tell the agent stopping from a connection that broke
 /// (which carries no ErrorInfo of ours). Before, the status had no ErrorInfo.
