@@ -371,6 +371,12 @@ mod tests {
         })
     }
 
+    /// The generation of the next event the reader takes.
+    async fn next_generation(rx: &WatchReceiver) -> u64 {
+        let item = rx.recv().await.expect("item").expect("event");
+        item.decode_event().expect("decode").generation
+    }
+
     const LIMITS: QueueLimits = QueueLimits {
         events: 4,
         bytes: 1000,
@@ -410,16 +416,7 @@ mod tests {
         tx.try_send(ev(1, 5000))
             .expect("an empty queue takes any event");
         assert_eq!(tx.try_send(ev(2, 1)), Err(Refused::Full));
-        assert_eq!(
-            rx.recv()
-                .await
-                .expect("item")
-                .expect("event")
-                .decode_event()
-                .expect("decode")
-                .generation,
-            1
-        );
+        assert_eq!(next_generation(&rx).await, 1);
         tx.try_send(ev(2, 1)).expect("room again");
     }
 
@@ -465,37 +462,10 @@ mod tests {
         );
         assert_eq!(tx.queued().0, 6);
         // A change taken makes room for one more; the snapshot's taken, none.
-        assert_eq!(
-            rx.recv()
-                .await
-                .expect("item")
-                .expect("event")
-                .decode_event()
-                .expect("decode")
-                .generation,
-            1
-        );
+        assert_eq!(next_generation(&rx).await, 1);
         assert_eq!(tx.try_send(removed(7)), Err(Refused::Full));
-        assert_eq!(
-            rx.recv()
-                .await
-                .expect("item")
-                .expect("event")
-                .decode_event()
-                .expect("decode")
-                .generation,
-            2
-        );
-        assert_eq!(
-            rx.recv()
-                .await
-                .expect("item")
-                .expect("event")
-                .decode_event()
-                .expect("decode")
-                .generation,
-            3
-        );
+        assert_eq!(next_generation(&rx).await, 2);
+        assert_eq!(next_generation(&rx).await, 3);
         tx.try_send(removed(7)).expect("room again");
         let got: Vec<u64> = {
             drop(tx);
@@ -534,32 +504,14 @@ mod tests {
         tx.snapshot_asked();
         tx.try_send(ev(1, 1)).expect("room");
         tx.try_send(end()).expect("room");
-        assert_eq!(
-            rx.recv()
-                .await
-                .expect("item")
-                .expect("event")
-                .decode_event()
-                .expect("decode")
-                .generation,
-            1
-        );
+        assert_eq!(next_generation(&rx).await, 1);
         assert!(in_snapshot_at_cut_off(&tx));
         // Its end taken, then changes queued.
         let (tx, rx) = queue(LIMITS, convert(), None);
         tx.snapshot_asked();
         tx.try_send(end()).expect("room");
         tx.try_send(ev(8, 1)).expect("room");
-        assert_eq!(
-            rx.recv()
-                .await
-                .expect("item")
-                .expect("event")
-                .decode_event()
-                .expect("decode")
-                .generation,
-            7
-        );
+        assert_eq!(next_generation(&rx).await, 7);
         assert!(!in_snapshot_at_cut_off(&tx));
         // No snapshot asked for.
         let (tx, _rx) = queue(LIMITS, convert(), None);
@@ -596,16 +548,7 @@ mod tests {
         };
         tokio::task::yield_now().await;
         assert!(!feed.is_finished(), "send waits while the queue is full");
-        assert_eq!(
-            rx.recv()
-                .await
-                .expect("item")
-                .expect("event")
-                .decode_event()
-                .expect("decode")
-                .generation,
-            1
-        );
+        assert_eq!(next_generation(&rx).await, 1);
         feed.await.expect("join").expect("room was made");
         assert_eq!(tx.queued().0, 4);
         let blocked = {
