@@ -66,8 +66,8 @@ impl Message for WireEvent {
 }
 
 /// How many recent changes keep their encoded form, at most, and how many bytes of it.
-/// Live watchers take a change within a few of its commit; one further behind builds its
-/// own.
+/// Live watchers take a change within a few of its commit; one further behind (replaying a
+/// backlog) builds its own, and keeps it only if it is newer than a change kept.
 const KEPT: usize = 64;
 const KEPT_BYTES: usize = 128 << 10;
 
@@ -115,6 +115,12 @@ impl RecentWire {
         let (kept, bytes) = &mut *g;
         if let Some(k) = kept_for(kept, view, *generation) {
             return k.wire.clone();
+        }
+        // A watcher replaying an old backlog takes changes older than every one kept:
+        // keeping those would push out the changes the live watchers are taking.
+        let full = kept.len() >= KEPT || *bytes + wire.encoded_len() > KEPT_BYTES;
+        if full && kept.iter().all(|k| k.generation > *generation) {
+            return wire;
         }
         *bytes += wire.encoded_len();
         kept.push_back(Kept {
@@ -261,6 +267,15 @@ mod tests {
         assert_eq!(builds.load(Ordering::SeqCst), before);
         cache.get_or_build(&events[0], &small);
         assert_eq!(builds.load(Ordering::SeqCst), before + 1);
+        // A change older than every one kept (a backlog replayed) is built and not kept:
+        // the newest stay.
+        let old = changed(3);
+        cache.get_or_build(&old, &small);
+        cache.get_or_build(&old, &small);
+        assert_eq!(builds.load(Ordering::SeqCst), before + 3);
+        assert_eq!(cache.kept().0, KEPT);
+        cache.get_or_build(&events[events.len() - 1], &small);
+        assert_eq!(builds.load(Ordering::SeqCst), before + 3);
         // Large events are bounded by bytes; one larger than the bound is still kept.
         let big = builder(&builds, KEPT_BYTES / 4);
         for g in 1000..1010 {
