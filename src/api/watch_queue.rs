@@ -7,7 +7,8 @@
 //! while the client's flow-control window is full. Here the sender can clear the queue.
 //!
 //! Live changes wait as the writer's shared [`Event`]s and are turned into protobuf only
-//! when the client takes them, so a queue full of changes costs a pointer per change;
+//! when the client takes them (built and encoded once for every watcher, see
+//! [`super::wire`]), so a queue full of changes costs a pointer per change;
 //! the snapshot, built for this client alone, waits already converted and is bounded in
 //! bytes.
 
