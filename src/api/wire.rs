@@ -92,10 +92,15 @@ fn kept_for<'a>(
         .find(|k| k.generation == generation && Arc::ptr_eq(&k.view, view))
 }
 
+/// The bytes the kept changes' encoded forms take (64 at most: counted when needed).
+fn bytes_of(kept: &VecDeque<Kept>) -> usize {
+    kept.iter().map(|k| k.wire.encoded_len()).sum()
+}
+
 /// The encoded form of the most recent changes, shared by every Watch stream.
 #[derive(Debug, Default)]
 pub struct RecentWire {
-    kept: Mutex<(VecDeque<Kept>, usize)>,
+    kept: Mutex<VecDeque<Kept>>,
 }
 
 impl RecentWire {
@@ -105,40 +110,36 @@ impl RecentWire {
         let Event::Changed { generation, view } = e else {
             return WireEvent::from(&build(e));
         };
-        if let Some(k) = kept_for(&self.lock().0, view, *generation) {
+        if let Some(k) = kept_for(&self.lock(), view, *generation) {
             return k.wire.clone();
         }
         // Built outside the lock: two watchers may both build it; the first kept wins,
         // so that every stream sends the same bytes.
         let wire = WireEvent::from(&build(e));
-        let mut g = self.lock();
-        let (kept, bytes) = &mut *g;
-        if let Some(k) = kept_for(kept, view, *generation) {
+        let mut kept = self.lock();
+        if let Some(k) = kept_for(&kept, view, *generation) {
             return k.wire.clone();
         }
         // A watcher replaying an old backlog takes changes older than every one kept:
         // keeping those would push out the changes the live watchers are taking.
-        let full = kept.len() >= KEPT || *bytes + wire.encoded_len() > KEPT_BYTES;
+        let full = kept.len() >= KEPT || bytes_of(&kept) + wire.encoded_len() > KEPT_BYTES;
         if full && kept.iter().all(|k| k.generation > *generation) {
             return wire;
         }
-        *bytes += wire.encoded_len();
         kept.push_back(Kept {
             view: view.clone(),
             generation: *generation,
             wire: wire.clone(),
         });
-        while kept.len() > KEPT || (*bytes > KEPT_BYTES && kept.len() > 1) {
-            if let Some(old) = kept.pop_front() {
-                *bytes -= old.wire.encoded_len();
-            }
+        while kept.len() > KEPT || (kept.len() > 1 && bytes_of(&kept) > KEPT_BYTES) {
+            kept.pop_front();
         }
         wire
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, (VecDeque<Kept>, usize)> {
-        // Each change of the lists is one push or pop with its byte count: a poisoned
-        // lock is still consistent.
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Kept>> {
+        // Each change of the list is one push or pop: a poisoned lock is still
+        // consistent.
         match self.kept.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
@@ -148,8 +149,8 @@ impl RecentWire {
     /// How many changes and bytes are kept.
     #[cfg(test)]
     fn kept(&self) -> (usize, usize) {
-        let g = self.lock();
-        (g.0.len(), g.1)
+        let kept = self.lock();
+        (kept.len(), bytes_of(&kept))
     }
 }
 
