@@ -536,7 +536,115 @@ fn machine() -> String {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
-    format!("{cores} cores, {cpu}, {mem}; {lspci_v}")
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into());
+    format!(
+        "{cores} cores, {cpu}, {mem}; kernel {kernel}, CPU mitigations in effect: {}; {lspci_v}",
+        mitigations()
+    )
+}
+
+/// The kernel's mitigations of CPU vulnerabilities in effect, as
+/// `/sys/devices/system/cpu/vulnerabilities` lists them ("name (how)"): several put work
+/// on every entry to the kernel and return from it, so they move the cost of a system
+/// call, and with it every row's CPU per call, from one kernel to the next.
+fn mitigations() -> String {
+    let dir = Path::new("/sys/devices/system/cpu/vulnerabilities");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return "unknown".into();
+    };
+    let mut found: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| {
+            let text = std::fs::read_to_string(e.path()).ok()?;
+            let how = text.trim().strip_prefix("Mitigation: ")?;
+            let how = how.split(';').next().unwrap_or(how).trim();
+            Some(format!("{} ({how})", e.file_name().to_string_lossy()))
+        })
+        .collect();
+    found.sort();
+    if found.is_empty() {
+        "none".into()
+    } else {
+        found.join(", ")
+    }
+}
+
+/// How fast this machine is in this run, beside its description: the goals' ratios are
+/// to baselines measured in the same run, but the same build's CPU per call moves with
+/// the host from hour to hour and day to day, and these three figures let two runs be
+/// compared. A system call that does no work (`getppid`), a wake-up round trip (one byte
+/// sent back and forth between two threads over a Unix socket pair, each side blocked in
+/// `read` until it comes: two system calls and a wake-up each way, as every request
+/// and answer costs the agent), and a fixed loop of arithmetic on one CPU. Medians with
+/// (min–max) over `runs` repetitions.
+fn machine_speed_row(t: &mut Table, runs: usize) {
+    use std::io::{Read, Write};
+    const CALLS: u32 = 100_000;
+    const TRIPS: u32 = 5_000;
+    const LOOP: u64 = 20_000_000;
+    let mut calls = Vec::with_capacity(runs);
+    let mut trips = Vec::with_capacity(runs);
+    let mut loops = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let t0 = Instant::now();
+        for _ in 0..CALLS {
+            std::hint::black_box(nix::unistd::getppid());
+        }
+        calls.push(t0.elapsed().as_secs_f64() / f64::from(CALLS));
+
+        let (mut near, mut far) = std::os::unix::net::UnixStream::pair().expect("socket pair");
+        let echo = std::thread::spawn(move || {
+            let mut b = [0u8; 1];
+            while far.read_exact(&mut b).is_ok() {
+                if far.write_all(&b).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut b = [0u8; 1];
+        let t0 = Instant::now();
+        for _ in 0..TRIPS {
+            near.write_all(&[1]).expect("write to the echo thread");
+            near.read_exact(&mut b).expect("read from the echo thread");
+        }
+        trips.push(t0.elapsed().as_secs_f64() / f64::from(TRIPS));
+        drop(near);
+        echo.join().expect("the echo thread");
+
+        let t0 = Instant::now();
+        let mut x = std::hint::black_box(0x9e37_79b9_7f4a_7c15u64);
+        for _ in 0..LOOP {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+        }
+        std::hint::black_box(x);
+        loops.push(t0.elapsed().as_secs_f64());
+    }
+    let (c, c0, c1) = median_spread(calls);
+    let (w, w0, w1) = median_spread(trips);
+    let (l, l0, l1) = median_spread(loops);
+    t.row(
+        "context, not a goal: this machine's speed in this run, to compare runs across hours and days",
+        "—",
+        format!(
+            "a system call (`getppid`) {:.0} ns ({:.0}–{:.0}); a wake-up round trip between two threads over a Unix socket pair {:.1} µs ({:.1}–{:.1}); {}M steps of a fixed arithmetic loop {:.1} ms ({:.1}–{:.1})",
+            c * 1e9,
+            c0 * 1e9,
+            c1 * 1e9,
+            w * 1e6,
+            w0 * 1e6,
+            w1 * 1e6,
+            LOOP / 1_000_000,
+            l * 1e3,
+            l0 * 1e3,
+            l1 * 1e3
+        ),
+        "—",
+        None,
+    );
 }
 
 #[tokio::main(flavor = "multi_thread")]
@@ -558,6 +666,7 @@ async fn main() {
     let mut t = Table {
         rows: String::new(),
     };
+    println!("Machine: {}.\n", machine());
     println!("| what | baseline (same run) | hostdevd | goal | verdict |");
     println!("| --- | --- | --- | --- | --- |");
     let names = hostdevd::sysfs::PciNames::system_default();
@@ -569,6 +678,8 @@ async fn main() {
         .ok()
         .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
     let want = |group: &str| only.as_ref().is_none_or(|o| o.iter().any(|g| g == group));
+    // Every run, filtered or not, says how fast the machine was (see the function).
+    machine_speed_row(&mut t, runs);
     let big_tree = host(4096);
 
     // 1. Full scan vs lspci on the same tree.
