@@ -578,8 +578,9 @@ fn mitigations() -> String {
 /// sent back and forth between two threads over a Unix socket pair, each side blocked in
 /// `read` until it comes: two system calls and a wake-up each way, as every request
 /// and answer costs the agent), and a fixed loop of arithmetic on one CPU. Medians with
-/// (min–max) over `runs` repetitions.
-fn machine_speed_row(t: &mut Table, runs: usize) {
+/// (min–max) over `runs` repetitions. Measured at the start of a run and again at its
+/// end (`when`), since an hour can turn slow between the two.
+fn machine_speed_row(t: &mut Table, runs: usize, when: &str) {
     use std::io::{Read, Write};
     const CALLS: u32 = 100_000;
     const TRIPS: u32 = 5_000;
@@ -627,7 +628,7 @@ fn machine_speed_row(t: &mut Table, runs: usize) {
     let (w, w0, w1) = median_spread(trips);
     let (l, l0, l1) = median_spread(loops);
     t.row(
-        "context, not a goal: this machine's speed in this run, to compare runs across hours and days",
+        &format!("context, not a goal: this machine's speed {when}, to compare runs across hours and days"),
         "—",
         format!(
             "a system call (`getppid`) {:.0} ns ({:.0}–{:.0}); a wake-up round trip between two threads over a Unix socket pair {:.1} µs ({:.1}–{:.1}); {}M steps of a fixed arithmetic loop {:.1} ms ({:.1}–{:.1})",
@@ -679,7 +680,7 @@ async fn main() {
         .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
     let want = |group: &str| only.as_ref().is_none_or(|o| o.iter().any(|g| g == group));
     // Every run, filtered or not, says how fast the machine was (see the function).
-    machine_speed_row(&mut t, runs);
+    machine_speed_row(&mut t, runs, "at the start of this run");
     let big_tree = host(4096);
 
     // 1. Full scan vs lspci on the same tree.
@@ -777,6 +778,7 @@ async fn main() {
     {
         profile_rows(&mut t, &big_tree, disk.path()).await;
     }
+    machine_speed_row(&mut t, runs, "at the end of this run");
 
     if only.is_some() || std::env::var_os("HOSTDEVD_BENCH_BIN").is_some() {
         println!("HOSTDEVD_BENCH_ROWS or HOSTDEVD_BENCH_BIN is set: BENCHMARKS.md left as it was");
