@@ -667,7 +667,9 @@ async fn main() {
     let mut t = Table {
         rows: String::new(),
     };
-    println!("Machine: {}.\n", machine());
+    // Described once: printed now, and written to BENCHMARKS.md at the end.
+    let machine = machine();
+    println!("Machine: {machine}.\n");
     println!("| what | baseline (same run) | hostdevd | goal | verdict |");
     println!("| --- | --- | --- | --- | --- |");
     let names = hostdevd::sysfs::PciNames::system_default();
@@ -784,7 +786,7 @@ async fn main() {
         println!("HOSTDEVD_BENCH_ROWS or HOSTDEVD_BENCH_BIN is set: BENCHMARKS.md left as it was");
         return;
     }
-    write_report(&t, runs);
+    write_report(&t, runs, &machine);
 }
 
 fn rescan_row(
@@ -2249,13 +2251,12 @@ struct Fanned {
     complete: usize,
 }
 
-fn write_report(t: &Table, runs: usize) {
+fn write_report(t: &Table, runs: usize, machine: &str) {
     let mut md = String::new();
     let _ = writeln!(md, "# Benchmarks\n");
     let _ = writeln!(
         md,
-        "Produced by `make bench` (`cargo bench --bench e2e`, release build, {runs} runs per row where repeated). Machine: {}.\n",
-        machine()
+        "Produced by `make bench` (`cargo bench --bench e2e`, release build, {runs} runs per row where repeated). Machine: {machine}.\n"
     );
     let _ = writeln!(md, "Every figure is a ratio to a baseline measured in the same run; medians with (min–max). These machines are noisy: compare ratios, not absolute times.\n");
     let _ = writeln!(
