@@ -2419,6 +2419,33 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
         "—",
         None,
     );
+    // Which system calls the samples fall in, and how many wait for or wake on the
+    // allocator's one arena lock (a futex under malloc or free): what `perf report`
+    // shows only by reading callers.
+    let calls = |p: &profile::Profile| {
+        let top: Vec<String> = p
+            .syscalls
+            .iter()
+            .take(6)
+            .map(|(name, share)| format!("`{name}` {:.1}%", share * 100.0))
+            .collect();
+        format!(
+            "{}; on the malloc arena's lock {:.1}%",
+            if top.is_empty() {
+                "none".to_string()
+            } else {
+                top.join(", ")
+            },
+            p.malloc_lock * 100.0
+        )
+    };
+    t.row(
+        "profile: the system calls the agent's samples were in (share of all samples), and the share waiting for or waking on the malloc arena's lock",
+        &format!("{}; one client alone: {}", calls(&echo), calls(&lone_echo)),
+        format!("{}; one client alone: {}", calls(&claim), calls(&lone)),
+        "—",
+        None,
+    );
     std::fs::remove_dir_all(&state).expect("remove the profile's state");
     match kept {
         Some(kept) => println!("perf recordings kept in {}", kept.display()),

@@ -56,6 +56,17 @@ pub const WITHIN: &[(&str, &str)] = &[
     ("of the commit, the sync of the log", "sqlite3OsSync"),
 ];
 
+/// The frames through which every system call enters the kernel: the frame just
+/// leaf-ward of the first of them names the call (`__x64_sys_futex`, `do_writev`).
+const SYSCALL_ENTRY: &[&str] = &["x64_sys_call", "do_syscall_64"];
+
+/// glibc's internal lock, taken or woken (`__lll_lock_wait_private`,
+/// `__lll_lock_wake_private`): under the allocator's frames, the malloc arena's lock.
+const LIBC_LOCK: &str = "__lll_lock_";
+
+/// Frames of glibc's allocator and of Rust's calls into it.
+const ALLOCATOR: &[&str] = &["malloc", "free", "realloc", "memalign", "alloc::alloc::"];
+
 /// Starts `perf record` on process `pid` for `seconds`, writing to `out`. Panics if perf
 /// cannot be run at all: a profile asked for must not quietly come back empty.
 ///
@@ -91,13 +102,16 @@ pub fn finish(mut perf: Child) {
 }
 
 /// What one recording holds: how many samples, the share of them in each bucket (in the
-/// order of [`BUCKETS`], then [`OTHER`]) and in each part of [`WITHIN`], and the
-/// functions most often on top of the stack (self time), largest first.
+/// order of [`BUCKETS`], then [`OTHER`]) and in each part of [`WITHIN`], the functions
+/// most often on top of the stack (self time) and the system calls the samples were in,
+/// largest first, and the share spent taking or waking on the malloc arena's lock.
 pub struct Profile {
     pub samples: usize,
     pub buckets: Vec<(&'static str, f64)>,
     pub within: Vec<(&'static str, f64)>,
     pub leaves: Vec<(String, f64)>,
+    pub syscalls: Vec<(String, f64)>,
+    pub malloc_lock: f64,
 }
 
 /// Reads a recording through `perf script` and sorts its samples. Inlined frames count
@@ -145,6 +159,8 @@ struct Tally {
     buckets: HashMap<&'static str, usize>,
     within: HashMap<&'static str, usize>,
     leaves: HashMap<String, usize>,
+    syscalls: HashMap<String, usize>,
+    malloc_lock: usize,
 }
 
 impl Tally {
@@ -160,6 +176,17 @@ impl Tally {
             }
         }
         *self.leaves.entry(leaf.clone()).or_default() += 1;
+        if let Some(call) = syscall(stack) {
+            *self.syscalls.entry(call).or_default() += 1;
+        }
+        let in_lock = stack.iter().any(|frame| frame.contains(LIBC_LOCK));
+        if in_lock
+            && stack
+                .iter()
+                .any(|frame| ALLOCATOR.iter().any(|a| frame.contains(a)))
+        {
+            self.malloc_lock += 1;
+        }
     }
 
     fn profile(self) -> Profile {
@@ -174,19 +201,37 @@ impl Tally {
             .iter()
             .map(|(name, _)| (*name, share(self.within.get(name).copied().unwrap_or(0))))
             .collect();
-        let mut leaves: Vec<(String, f64)> = self
-            .leaves
-            .into_iter()
-            .map(|(name, n)| (name, share(n)))
-            .collect();
-        leaves.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        let largest_first = |counts: HashMap<String, usize>| {
+            let mut shares: Vec<(String, f64)> = counts
+                .into_iter()
+                .map(|(name, n)| (name, share(n)))
+                .collect();
+            shares.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+            shares
+        };
         Profile {
             samples: self.samples,
             buckets,
             within,
-            leaves,
+            malloc_lock: share(self.malloc_lock),
+            leaves: largest_first(self.leaves),
+            syscalls: largest_first(self.syscalls),
         }
     }
+}
+
+/// The system call a sample was taken in, by its kernel function less the usual prefixes
+/// (`futex`, `statx`, `writev`), or `None` outside the kernel's entry path.
+fn syscall(stack: &[String]) -> Option<String> {
+    let entry = stack
+        .iter()
+        .position(|frame| SYSCALL_ENTRY.iter().any(|e| frame.starts_with(e)))?;
+    let call = stack[..entry].last()?;
+    let name = ["__x64_sys_", "__do_sys_", "__se_sys_", "ksys_", "do_"]
+        .iter()
+        .find_map(|prefix| call.strip_prefix(prefix))
+        .unwrap_or(call);
+    Some(name.to_string())
 }
 
 /// The first bucket whose pattern appears in the stack; the first bucket for every sample
