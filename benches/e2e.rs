@@ -2397,6 +2397,19 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
             None,
         );
     }
+    // A row read from each of the four recordings: echoes, then claims, each at 64
+    // clients and alone.
+    let recordings = [&echo, &lone_echo, &claim, &lone];
+    let mut per_recording = |title: &str, read: &dyn Fn(&profile::Profile) -> String| {
+        let [echo, lone_echo, claim, lone] = recordings.map(read);
+        t.row(
+            title,
+            &format!("{echo}; one client alone: {lone_echo}"),
+            format!("{claim}; one client alone: {lone}"),
+            "—",
+            None,
+        );
+    };
     let top = |p: &profile::Profile| {
         p.leaves
             .iter()
@@ -2412,12 +2425,9 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    t.row(
+    per_recording(
         "profile: the functions most often on top of the agent's stack (self time)",
-        &format!("{}; one client alone: {}", top(&echo), top(&lone_echo)),
-        format!("{}; one client alone: {}", top(&claim), top(&lone)),
-        "—",
-        None,
+        &top,
     );
     // Which system calls the samples fall in, and how many wait for or wake on the
     // allocator's one arena lock (a futex under malloc or free): what `perf report`
@@ -2439,12 +2449,9 @@ async fn profile_rows(t: &mut Table, big_tree: &FakeTree, dir: &Path) {
             p.malloc_lock * 100.0
         )
     };
-    t.row(
+    per_recording(
         "profile: the system calls the agent's samples were in (share of all samples), and the share waiting for or waking on the malloc arena's lock",
-        &format!("{}; one client alone: {}", calls(&echo), calls(&lone_echo)),
-        format!("{}; one client alone: {}", calls(&claim), calls(&lone)),
-        "—",
-        None,
+        &calls,
     );
     std::fs::remove_dir_all(&state).expect("remove the profile's state");
     match kept {
